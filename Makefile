@@ -1,0 +1,41 @@
+# `make demo` and `make test` each set everything up on a fresh clone, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.omni-installed
+KERNEL_VENV := .venv-kernel
+PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: demo test test-kernel-only setup clean
+
+setup: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+
+# A plain `torch` requirement would pull a multi-GB CUDA build: install the pinned CPU wheel first.
+$(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -c constraints.txt -e '.[test]' $(addprefix -e ,$(PLUGINS))
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/omni run --pipeline echo --prompt "héllo 世界: omni streams this back" --stream
+
+test: $(STAMP) test-kernel-only
+	$(PY) -m pytest
+
+# The kernel's tests again, in a venv that has no torch at all.
+test-kernel-only:
+	test -x $(KERNEL_VENV)/bin/python || $(PYTHON) -m venv $(KERNEL_VENV)
+	$(KERNEL_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(KERNEL_VENV)/bin/python -c "import torch" 2>/dev/null && { echo "torch leaked into $(KERNEL_VENV)"; exit 1; } || true
+	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) $(KERNEL_VENV) *.egg-info plugins/*/*.egg-info

@@ -1,0 +1,167 @@
+"""Pipeline plans and the StageGraph rules (DESIGN.md, "Graph rules")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from .errors import GraphError
+
+
+@attrs.frozen
+class NodeSpec:
+    """One graph node: an id, a registered node type, and that node's policy."""
+
+    id: str
+    type: str
+    policy: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    final: bool = False
+    plugin_hint: str | None = None  # the distribution that provides `type`, for the "install X" message
+
+
+@attrs.frozen
+class EdgeSpec:
+    source: str
+    target: str
+    connector: str
+
+
+@attrs.frozen
+class PipelinePlan:
+    """A static pipeline: nodes, edges and which node's output is the request's output."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...] = attrs.field(converter=tuple)
+    edges: tuple[EdgeSpec, ...] = attrs.field(default=(), converter=tuple)
+    description: str = ""
+
+    def node(self, node_id: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.id == node_id)
+
+
+RULES = ("duplicate_node", "unknown_edge_node", "self_loop", "cycle", "multiple_inputs", "no_entry",
+         "unreachable", "final_output", "unknown_node_type", "unknown_connector", "connector_kind_mismatch")
+
+
+def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors: Mapping[str, Any]) -> list[str]:
+    """Check every rule; raise one GraphError naming the first broken rule and its nodes.
+
+    node_kinds maps a registered node type to its kind; connectors maps a connector name to an object with
+    `source_kind` and `target_kind`. Returns the node ids in topological order.
+    """
+    ids = [n.id for n in plan.nodes]
+    seen: set[str] = set()
+    dups = sorted({i for i in ids if i in seen or seen.add(i)})
+    if dups:
+        raise GraphError("duplicate_node", dups, f"node ids must be unique: {', '.join(dups)}")
+    for e in plan.edges:
+        missing = [n for n in (e.source, e.target) if n not in seen]
+        if missing:
+            raise GraphError("unknown_edge_node", missing,
+                             f"edge {e.source} -> {e.target} names unknown node(s) {', '.join(missing)}")
+    for e in plan.edges:
+        if e.source == e.target:
+            raise GraphError("self_loop", [e.source], f"node {e.source} has an edge to itself")
+    order = _topological_order(ids, plan.edges)
+    if order is None:
+        stuck = sorted(_cycle_nodes(ids, plan.edges))
+        raise GraphError("cycle", stuck, f"the graph has a cycle through {', '.join(stuck)}")
+    inputs: dict[str, int] = {}
+    for e in plan.edges:
+        inputs[e.target] = inputs.get(e.target, 0) + 1
+    many = sorted(n for n, k in inputs.items() if k > 1)
+    if many:
+        raise GraphError("multiple_inputs", many, f"a node takes at most one input edge: {', '.join(many)}")
+    entries = [i for i in ids if i not in inputs]
+    if not entries:
+        raise GraphError("no_entry", [], "the graph has no entry node")
+    # With at most one input per node and no cycles, every node is reachable from an entry; the check stays
+    # so the rule holds if either of those ever loosens.
+    reached = _reachable(entries, plan.edges)
+    lost = sorted(set(ids) - reached)
+    if lost:
+        raise GraphError("unreachable", lost, f"not reachable from an entry node: {', '.join(lost)}")
+    finals = [n.id for n in plan.nodes if n.final]
+    if len(finals) != 1:
+        raise GraphError("final_output", finals,
+                         f"exactly one node must be the final output, found {len(finals)}"
+                         + (f" ({', '.join(finals)})" if finals else ""))
+    for n in plan.nodes:
+        if n.type not in node_kinds:
+            hint = f"; install the plugin that provides it ({n.plugin_hint})" if n.plugin_hint else ""
+            raise GraphError("unknown_node_type", [n.id], f"node {n.id} has unregistered type {n.type!r}{hint}")
+    kinds = {n.id: node_kinds[n.type] for n in plan.nodes}
+    for e in plan.edges:
+        conn = connectors.get(e.connector)
+        if conn is None:
+            raise GraphError("unknown_connector", [e.source, e.target],
+                             f"edge {e.source} -> {e.target} uses unregistered connector {e.connector!r}")
+        if (conn.source_kind, conn.target_kind) != (kinds[e.source], kinds[e.target]):
+            raise GraphError("connector_kind_mismatch", [e.source, e.target],
+                             f"connector {e.connector!r} joins {conn.source_kind} -> {conn.target_kind}, but edge "
+                             f"{e.source} -> {e.target} joins {kinds[e.source]} -> {kinds[e.target]}")
+    return order
+
+
+def _topological_order(ids, edges) -> list[str] | None:
+    indegree = {i: 0 for i in ids}
+    for e in edges:
+        indegree[e.target] += 1
+    ready = [i for i in ids if indegree[i] == 0]
+    order = []
+    while ready:
+        node = ready.pop(0)
+        order.append(node)
+        for e in edges:
+            if e.source == node:
+                indegree[e.target] -= 1
+                if indegree[e.target] == 0:
+                    ready.append(e.target)
+    return order if len(order) == len(ids) else None
+
+
+def _cycle_nodes(ids, edges) -> set[str]:
+    order = _topological_order(ids, edges) or []
+    remaining = set(ids) - set(order)
+    # Kahn's algorithm stops at the cycle: the nodes it never emitted are on or after a cycle.
+    return remaining
+
+
+def _reachable(entries, edges) -> set[str]:
+    reached, frontier = set(entries), list(entries)
+    while frontier:
+        node = frontier.pop()
+        for e in edges:
+            if e.source == node and e.target not in reached:
+                reached.add(e.target)
+                frontier.append(e.target)
+    return reached
+
+
+@attrs.define
+class StageGraph:
+    """A validated plan with its stages and connectors materialized."""
+
+    plan: PipelinePlan
+    stages: dict[str, Any]
+    connectors: dict[tuple[str, str], Any]
+    order: list[str]
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def final(self) -> str:
+        return next(n.id for n in self.plan.nodes if n.final)
+
+    def parent(self, node_id: str) -> str | None:
+        return next((e.source for e in self.plan.edges if e.target == node_id), None)
+
+    def children(self, node_id: str) -> list[str]:
+        return [e.target for e in self.plan.edges if e.source == node_id]
+
+    def entries(self) -> list[str]:
+        return [n for n in self.order if self.parent(n) is None]

@@ -1,0 +1,26 @@
+"""The plugin API: hooks a plugin implements. Each receives a `register` callback."""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("omni_kernel")
+hookimpl = pluggy.HookimplMarker("omni_kernel")
+
+
+@hookspec
+def omni_register_node_types(register):
+    """Register stage (node) types: register(NodeType(...))."""
+
+
+@hookspec
+def omni_register_connectors(register):
+    """Register connectors: register(obj) with name, source_kind, target_kind and convert(output, request)."""
+
+
+@hookspec
+def omni_register_pipelines(register):
+    """Register pipelines: register(PipelinePlan(...))."""
+
+
+@hookspec
+def omni_register_commands(register):
+    """Register extra CLI commands: register(click.Command)."""

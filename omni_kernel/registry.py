@@ -1,0 +1,80 @@
+"""What plugins register: node types, connectors, pipelines and CLI commands, each with its claimant."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from .errors import DuplicateRegistration
+from .graph import PipelinePlan
+
+# CLI options that every pipeline takes; node types declare the rest (NodeType.options).
+COMMON_OPTIONS = frozenset({"prompt", "seed", "trace_json", "json"})
+
+
+@attrs.frozen
+class NodeType:
+    """A stage type. `factory(node, config)` builds the Stage for one graph node.
+
+    `config` holds the run's model-level settings (e.g. ar_model, model, vae_dtype). `options` names the CLI
+    options this node type uses; `omni run` refuses any other option for pipelines made of it.
+    """
+
+    name: str
+    kind: str
+    factory: Callable[..., Any]
+    options: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    description: str = ""
+
+
+@attrs.frozen
+class Registered:
+    item: Any
+    plugin: str
+
+
+@attrs.define
+class Registry:
+    node_types: dict[str, Registered] = attrs.Factory(dict)
+    connectors: dict[str, Registered] = attrs.Factory(dict)
+    pipelines: dict[str, Registered] = attrs.Factory(dict)
+    commands: dict[str, Registered] = attrs.Factory(dict)
+
+    def _add(self, table: dict[str, Registered], what: str, name: str, item: Any, plugin: str) -> None:
+        if name in table:
+            raise DuplicateRegistration(
+                f"{what} {name!r} is registered by both {table[name].plugin!r} and {plugin!r}")
+        table[name] = Registered(item, plugin)
+
+    def add_node_type(self, node_type: NodeType, plugin: str) -> None:
+        self._add(self.node_types, "node type", node_type.name, node_type, plugin)
+
+    def add_connector(self, connector: Any, plugin: str) -> None:
+        self._add(self.connectors, "connector", connector.name, connector, plugin)
+
+    def add_pipeline(self, plan: PipelinePlan, plugin: str) -> None:
+        self._add(self.pipelines, "pipeline", plan.name, plan, plugin)
+
+    def add_command(self, command: Any, plugin: str) -> None:
+        self._add(self.commands, "command", command.name, command, plugin)
+
+    def node_kinds(self) -> Mapping[str, str]:
+        return {name: r.item.kind for name, r in self.node_types.items()}
+
+    def connector_items(self) -> Mapping[str, Any]:
+        return {name: r.item for name, r in self.connectors.items()}
+
+    def by_plugin(self, plugin: str) -> dict[str, list[str]]:
+        tables = {"node types": self.node_types, "connectors": self.connectors, "pipelines": self.pipelines,
+                  "commands": self.commands}
+        return {what: sorted(n for n, r in table.items() if r.plugin == plugin) for what, table in tables.items()}
+
+    def options_of(self, plan: PipelinePlan) -> frozenset[str]:
+        """Every CLI option the pipeline uses (unknown node types contribute none)."""
+        used = set(COMMON_OPTIONS)
+        for node in plan.nodes:
+            if node.type in self.node_types:
+                used |= self.node_types[node.type].item.options
+        return frozenset(used)

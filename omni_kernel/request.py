@@ -1,0 +1,98 @@
+"""Requests, stage inputs and outputs: the values that cross layers."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from .errors import InvalidParameter
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _frozen_dict(value) -> Mapping[str, Any]:
+    return dict(value or {})
+
+
+def _require_prompt(instance, attribute, value) -> None:
+    if not isinstance(value, str):
+        raise InvalidParameter("prompt", "must be text")
+
+
+@attrs.frozen
+class Request:
+    """What a user asks a pipeline for. `params` maps a stage kind ("ar", "diffusion") to its params."""
+
+    pipeline: str
+    prompt: str = attrs.field(validator=_require_prompt)
+    image: str | None = None
+    params: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    request_id: str = attrs.field(factory=_new_id)
+    arrival_time: float = attrs.field(factory=time.time)
+
+
+@attrs.frozen
+class StageInput:
+    """What one stage receives for one request: built from the Request, or by a connector."""
+
+    request_id: str
+    prompt: str
+    image: str | None = None
+    params: Any = None
+    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+
+    @classmethod
+    def from_request(cls, request: Request, kind: str) -> StageInput:
+        return cls(request_id=request.request_id, prompt=request.prompt, image=request.image,
+                   params=request.params.get(kind), options=request.options)
+
+
+@attrs.frozen
+class StageOutput:
+    """A stage's finished result for one request. `trace` keys are already `stage.field`."""
+
+    request_id: str
+    node_id: str
+    text: str | None = None
+    path: str | None = None
+    data: Any = attrs.field(default=None, eq=False, repr=False)
+    stop_reason: str | None = None
+    contract: str | None = None
+    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+
+
+@attrs.frozen
+class RequestResult:
+    """A finished request: the final node's output, every node's output, and the merged trace."""
+
+    request_id: str
+    pipeline: str
+    output: StageOutput
+    outputs: Mapping[str, StageOutput]
+    trace: Mapping[str, Any]
+
+    @property
+    def text(self) -> str | None:
+        return self.output.text
+
+    @property
+    def path(self) -> str | None:
+        return self.output.path
+
+    def to_json(self) -> dict[str, Any]:
+        from .trace import jsonable
+
+        output = {"path": self.output.path} if self.output.path is not None else {"text": self.output.text}
+        body: dict[str, Any] = {"request_id": self.request_id, "pipeline": self.pipeline, "output": output}
+        if self.output.stop_reason is not None:
+            body["stop_reason"] = self.output.stop_reason
+        body["trace"] = jsonable(dict(self.trace))
+        return body

@@ -1,0 +1,67 @@
+"""The generic ModelRunner: SchedulerOutput -> executor call -> events, with failures kept per request."""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from .errors import UserError
+from .events import StageFailed, StageFinished
+from .request import StageInput
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger("omni")
+
+
+class Executor(Protocol):
+    """A model family's executor. It owns per-request model state (KV cache, latents) keyed by request id."""
+
+    def add_request(self, item: StageInput) -> None:
+        """Accept a request (tokenize, validate); raise UserError for bad input."""
+
+    def execute(self, batch: SchedulerOutput) -> list:
+        """Run one step for every request in the batch; return events, ending a request with StageFinished."""
+
+    def free(self, request_id: str) -> None:
+        """Drop everything held for the request; called on finish, failure and abort."""
+
+
+def is_done(event) -> bool:
+    return isinstance(event, (StageFinished, StageFailed))
+
+
+class ModelRunner:
+    def __init__(self, executor: Executor, node_id: str):
+        self.executor = executor
+        self.node_id = node_id
+
+    def add_request(self, item: StageInput) -> list:
+        try:
+            self.executor.add_request(item)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            self.free(item.request_id)
+            return [self._failure(item.request_id, exc)]
+        return []
+
+    def run(self, batch: SchedulerOutput) -> list:
+        try:
+            events = list(self.executor.execute(batch))
+        except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep the engine
+            events = [self._failure(rid, exc) for rid in batch.request_ids]
+        for event in events:
+            if is_done(event):
+                self.free(event.request_id)
+        return events
+
+    def free(self, request_id: str) -> None:
+        try:
+            self.executor.free(request_id)
+        except Exception:  # noqa: BLE001
+            log.exception("omni: freeing request %s failed", request_id)
+
+    def _failure(self, request_id: str, exc: Exception) -> StageFailed:
+        user = isinstance(exc, UserError)
+        if not user:
+            log.debug("request %s failed in %s", request_id, self.node_id, exc_info=exc)
+        message = str(exc) if user else f"{type(exc).__name__}: {exc}"
+        return StageFailed(request_id, self.node_id, message, user_error=user)

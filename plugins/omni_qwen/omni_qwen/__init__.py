@@ -1,0 +1,3 @@
+"""omni_qwen plugin."""
+
+__version__ = "0.1.0"
