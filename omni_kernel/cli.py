@@ -13,7 +13,7 @@ import click
 
 from . import __version__
 from .errors import OmniError, UserError
-from .events import RequestFailed, RequestFinished, StageProgress, TokenDelta
+from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
 from .params import ARParams, DiffusionParams
 from .planner import PipelineRegistry, Planner
 from .plugins import load_host
@@ -36,6 +36,10 @@ class RequestFailedError(click.ClickException):
 class OmniGroup(click.Group):
     """The group, plus the commands that plugins register."""
 
+    def main(self, *args, **kwargs):
+        _setup_logging()  # before any plugin loads, so a broken plugin's warning reads "omni: ..." once
+        return super().main(*args, **kwargs)
+
     def _host(self, ctx: click.Context):
         ctx.ensure_object(dict)
         if "host" not in ctx.obj:
@@ -52,10 +56,22 @@ class OmniGroup(click.Group):
         return command
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (click's test runner swaps it per invocation)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _setup_logging() -> None:
     logger = logging.getLogger("omni")
     if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("omni: %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -98,6 +114,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
     host = ctx.obj.get("host") or load_host()
     try:
         plan = Planner(host.registry).plan(pipeline)
+        PipelineRegistry(host.registry).validate(plan)  # a missing plugin's message beats "does not use --image"
         used = host.registry.options_of(plan)
         unused = sorted(k for k, v in options.items() if v is not None and k not in used)
         if unused:
@@ -107,7 +124,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
                           options={k: options[k] for k in REQUEST_OPTIONS if options[k] is not None})
         config = {k: options[k] for k in CONFIG_OPTIONS if options[k] is not None}
         scheduler = StageScheduler(PipelineRegistry(host.registry).build(plan, config))
-        result = _drive(scheduler, request, stream=bool(options["stream"]) and not as_json)
+        result, streamed = _drive(scheduler, request, stream=bool(options["stream"]) and not as_json)
     except UserError as exc:
         raise UserFacingError(_one_line(exc)) from None
     except OmniError as exc:
@@ -121,7 +138,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
         return
     if result.path is not None:
         click.echo(f"wrote {result.path}")
-    elif not options["stream"]:
+    elif not streamed:
         click.echo(result.text)
     click.echo(format_trace(result.trace), err=True)
 
@@ -135,21 +152,27 @@ def _params(options) -> dict:
 
 
 def _drive(scheduler: StageScheduler, request: Request, stream: bool):
+    """Run the request; return its result and whether the final node's text was streamed to stdout."""
     progress = sys.stderr.isatty()
-    streamed = False
+    final = scheduler.graph.final
+    streamed: set[str] = set()
     for event in scheduler.generate_stream(request):
         if isinstance(event, TokenDelta) and stream:
-            click.echo(event.text, nl=False)
-            sys.stdout.flush()
-            streamed = True
+            # stdout carries the final node's text only; upstream stages stream to stderr as they go
+            upstream = event.node_id != final
+            click.echo(event.text, nl=False, err=upstream)
+            (sys.stderr if upstream else sys.stdout).flush()
+            streamed.add(event.node_id)
+        elif isinstance(event, StageFinished) and event.node_id in streamed and event.node_id != final:
+            click.echo(err=True)
         elif isinstance(event, StageProgress) and progress:
             _progress(event)
         elif isinstance(event, RequestFinished):
-            if streamed:
+            if final in streamed:
                 click.echo()
-            return event.result
+            return event.result, final in streamed
         elif isinstance(event, RequestFailed):
-            if streamed:
+            if final in streamed:
                 click.echo()
             raise raise_for(event)
     raise OmniError("the request ended without a result")

@@ -22,9 +22,16 @@ class Engine:
     def step(self) -> list:
         events, self.pending = self.pending, []
         batch = self.scheduler.schedule()
+        results = None
         if batch:
-            events += self.runner.run(batch)
-        self.scheduler.update(e.request_id for e in events if is_done(e))
+            output = self.runner.execute(batch)
+            events += output.events
+            results = output.results
+        done = [e.request_id for e in events if is_done(e)]
+        if results:  # only schedulers that consume model results (ARScheduler) are given them
+            self.scheduler.update(done, results)
+        else:
+            self.scheduler.update(done)
         return events
 
     def abort(self, request_id: str) -> None:

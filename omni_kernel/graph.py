@@ -106,6 +106,12 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
 
 
 def _topological_order(ids, edges) -> list[str] | None:
+    order = _kahn(ids, edges)
+    return order if len(order) == len(ids) else None
+
+
+def _kahn(ids, edges) -> list[str]:
+    """Kahn's algorithm; on a cycle it stops early and returns the nodes it could order."""
     indegree = {i: 0 for i in ids}
     for e in edges:
         indegree[e.target] += 1
@@ -119,14 +125,14 @@ def _topological_order(ids, edges) -> list[str] | None:
                 indegree[e.target] -= 1
                 if indegree[e.target] == 0:
                     ready.append(e.target)
-    return order if len(order) == len(ids) else None
+    return order
 
 
 def _cycle_nodes(ids, edges) -> set[str]:
-    order = _topological_order(ids, edges) or []
-    remaining = set(ids) - set(order)
-    # Kahn's algorithm stops at the cycle: the nodes it never emitted are on or after a cycle.
-    return remaining
+    # Kahn leaves the cycles and every node after them; Kahn on the reversed edges peels off the latter.
+    stuck = set(ids) - set(_kahn(ids, edges))
+    reversed_inner = [EdgeSpec(e.target, e.source, e.connector) for e in edges if {e.source, e.target} <= stuck]
+    return stuck - set(_kahn(sorted(stuck), reversed_inner))
 
 
 def _reachable(entries, edges) -> set[str]:

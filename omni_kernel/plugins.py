@@ -75,7 +75,7 @@ class PluginHost:
                 self.register(obj() if isinstance(obj, type) else obj, ep.name, version)
             except Exception as exc:  # noqa: BLE001 - one broken plugin must not break the others
                 error = f"{type(exc).__name__}: {exc}" if not isinstance(exc, PluginError) else str(exc)
-                log.warning("omni: plugin %s %s failed to load and was skipped: %s", ep.name, version, error)
+                log.warning("plugin %s %s failed to load and was skipped: %s", ep.name, version, error)
                 self.plugins.append(PluginInfo(ep.name, version, "failed", error))
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import attrs
 
 from .errors import UserError
 from .events import StageFailed, StageFinished
@@ -13,14 +16,24 @@ from .scheduler import SchedulerOutput
 log = logging.getLogger("omni")
 
 
+@attrs.frozen
+class RunnerOutput:
+    """One step's events plus per-request model results (e.g. sampled token ids) for the scheduler's update.
+    An executor may return one instead of a bare list of events."""
+
+    events: list = attrs.field(factory=list, converter=list)
+    results: Mapping[str, Any] = attrs.field(factory=dict)
+
+
 class Executor(Protocol):
     """A model family's executor. It owns per-request model state (KV cache, latents) keyed by request id."""
 
     def add_request(self, item: StageInput) -> None:
         """Accept a request (tokenize, validate); raise UserError for bad input."""
 
-    def execute(self, batch: SchedulerOutput) -> list:
-        """Run one step for every request in the batch; return events, ending a request with StageFinished."""
+    def execute(self, batch: SchedulerOutput) -> list | RunnerOutput:
+        """Run one step for every request in the batch; return events (ending a request with StageFinished),
+        or a RunnerOutput when the scheduler needs results back."""
 
     def free(self, request_id: str) -> None:
         """Drop everything held for the request; called on finish, failure and abort."""
@@ -44,20 +57,25 @@ class ModelRunner:
         return []
 
     def run(self, batch: SchedulerOutput) -> list:
+        return self.execute(batch).events
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         try:
-            events = list(self.executor.execute(batch))
+            output = self.executor.execute(batch)
+            if not isinstance(output, RunnerOutput):
+                output = RunnerOutput(output)
         except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep the engine
-            events = [self._failure(rid, exc) for rid in batch.request_ids]
-        for event in events:
+            output = RunnerOutput([self._failure(rid, exc) for rid in batch.request_ids])
+        for event in output.events:
             if is_done(event):
                 self.free(event.request_id)
-        return events
+        return output
 
     def free(self, request_id: str) -> None:
         try:
             self.executor.free(request_id)
         except Exception:  # noqa: BLE001
-            log.exception("omni: freeing request %s failed", request_id)
+            log.exception("freeing request %s failed", request_id)
 
     def _failure(self, request_id: str, exc: Exception) -> StageFailed:
         user = isinstance(exc, UserError)

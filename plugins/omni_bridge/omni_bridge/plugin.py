@@ -1,7 +1,15 @@
-"""Entry point of the omni_bridge plugin. Imports no torch: models load when a stage is built."""
+"""Entry point of the omni_bridge plugin. Imports no torch: it registers a connector and a pipeline only."""
 
 from omni_kernel import hookimpl
 
+from .pipeline import AR_TO_DIFFUSION, QWEN_TO_WAN_I2V
+
 
 class BridgePlugin:
-    pass
+    @hookimpl
+    def omni_register_connectors(self, register):
+        register(AR_TO_DIFFUSION)
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(QWEN_TO_WAN_I2V)

@@ -1,7 +1,27 @@
 """Entry point of the omni_qwen plugin. Imports no torch: models load when a stage is built."""
 
-from omni_kernel import hookimpl
+from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
+
+from .stage import QwenStages
+
+AR_TEXT = PipelinePlan(
+    "ar_text", [NodeSpec("generate", "ar.text_generation", final=True, plugin_hint="omni-qwen")],
+    description="Qwen2.5 (any local causal LM) text generation, streamed token by token")
 
 
 class QwenPlugin:
-    pass
+    def __init__(self):
+        self.stages = QwenStages()
+
+    @hookimpl
+    def omni_register_node_types(self, register):
+        register(NodeType("ar.text_generation", "ar", self.stages.text_generation, options={"stream", "ar_model"},
+                          description="the prompt as one user message through the chat template; "
+                                      "stops at EOS or the context window"))
+        register(NodeType("ar.prompt_bridge", "ar", self.stages.prompt_bridge, options={"stream", "ar_model"},
+                          description="asks the model for JSON supplemental guidance for a Wan video prompt "
+                                      "(contract supplemental_guidance, internal token budget)"))
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(AR_TEXT)

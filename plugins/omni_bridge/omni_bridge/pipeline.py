@@ -1,0 +1,15 @@
+"""The qwen_to_wan_i2v pipeline. It names the other plugins' node types by string: omni_bridge imports neither."""
+
+from omni_kernel import EdgeSpec, NodeSpec, PipelinePlan
+
+from .connector import ARToDiffusionConnector
+
+AR_TO_DIFFUSION = ARToDiffusionConnector()
+
+QWEN_TO_WAN_I2V = PipelinePlan(
+    "qwen_to_wan_i2v",
+    nodes=[NodeSpec("bridge", "ar.prompt_bridge", plugin_hint="omni-qwen"),
+           NodeSpec("video", "diffusion.wan22_i2v", final=True, plugin_hint="omni-wan")],
+    edges=[EdgeSpec("bridge", "video", AR_TO_DIFFUSION.name)],
+    description="Qwen writes supplemental guidance for the prompt; Wan2.2 renders the image into a video",
+)

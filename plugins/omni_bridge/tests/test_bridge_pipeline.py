@@ -1,0 +1,66 @@
+"""qwen_to_wan_i2v through the kernel's StageScheduler, with fake stages registered under the real node names."""
+
+import pytest
+from bridge_fakes import REPLIES, FakeModels, make_host
+
+from omni_bridge.plugin import BridgePlugin
+from omni_kernel import DiffusionParams, GraphError, Omni, RequestFinished
+from omni_kernel.plugins import PluginHost
+
+
+def test_bridge_registers_the_connector_and_the_pipeline_only():
+    host = PluginHost()
+    host.register(BridgePlugin(), "omni_bridge")
+    assert host.registry.by_plugin("omni_bridge") == {
+        "node types": [], "connectors": ["ar_to_diffusion"], "pipelines": ["qwen_to_wan_i2v"], "commands": []}
+    plan = host.registry.pipelines["qwen_to_wan_i2v"].item
+    assert [(n.id, n.type, n.final, n.plugin_hint) for n in plan.nodes] == [
+        ("bridge", "ar.prompt_bridge", False, "omni-qwen"), ("video", "diffusion.wan22_i2v", True, "omni-wan")]
+
+
+def test_guidance_is_routed_into_the_diffusion_stage_and_the_trace():
+    models = FakeModels()
+    omni = Omni("qwen_to_wan_i2v", host=make_host(models))
+    params = DiffusionParams(preset="smoke", seed=7)
+    result = omni.generate("a fox in snow", image="fox.png", diffusion=params, output="fox.mp4")
+    assert result.path == "fox.mp4"
+    assert result.outputs["bridge"].text.endswith('"slow dolly-in, soft light"}')
+    (item,) = models.wan.received.values()
+    assert item.prompt == "a fox in snow\n\nSupplemental guidance: slow dolly-in, soft light"
+    assert (item.image, item.params, item.options) == ("fox.png", params, {"output": "fox.mp4"})
+    trace = result.trace
+    assert trace["ar.stop_reason"] == "eos" and trace["diffusion.num_inference_steps"] == 2
+    assert {k: trace[k] for k in item.trace} == dict(item.trace)
+    assert trace["diffusion.bridge"] == "ar_to_diffusion"
+    assert trace["diffusion.source_node"] == "bridge"
+    assert trace["diffusion.source_request_id"] == result.request_id
+    assert trace["diffusion.bridge_strategy"] == "append"
+    assert trace["diffusion.bridge_parse_success"] is True and trace["diffusion.bridge_fallback"] is False
+    assert trace["diffusion.bridge_fallback_reason"] is None
+    assert trace["diffusion.ar_guidance_prompt"] == "slow dolly-in, soft light"
+    assert trace["diffusion.prompt"] == item.prompt
+
+
+def test_concurrent_requests_each_get_their_own_bridge_outcome():
+    models = FakeModels()
+    omni = Omni("qwen_to_wan_i2v", host=make_host(models))
+    requests = {prompt: omni.request(prompt, image="in.png") for prompt in REPLIES}
+    for request in requests.values():
+        omni.submit(request)
+    finished = {}
+    while omni.has_unfinished():
+        finished |= {e.request_id: e.result for e in omni.step() if isinstance(e, RequestFinished)}
+    outcome = {prompt: (finished[r.request_id].trace["diffusion.bridge_fallback_reason"],
+                        models.wan.received[r.request_id].prompt) for prompt, r in requests.items()}
+    assert outcome == {"a fox in snow": (None, "a fox in snow\n\nSupplemental guidance: slow dolly-in, soft light"),
+                       "a cat on a roof": ("truncated", "a cat on a roof"),
+                       "a boat at sea": ("invalid_json", "a boat at sea")}
+
+
+@pytest.mark.parametrize(("only", "plugin"), [((), "omni-qwen"), (("ar.prompt_bridge",), "omni-wan"),
+                                              (("diffusion.wan22_i2v",), "omni-qwen")])
+def test_a_missing_node_type_names_the_plugin_to_install(only, plugin):
+    with pytest.raises(GraphError) as info:
+        Omni("qwen_to_wan_i2v", host=make_host(FakeModels(only)))
+    assert info.value.rule == "unknown_node_type"
+    assert "install" in str(info.value) and plugin in str(info.value)

@@ -1,0 +1,172 @@
+"""TransformersARPipeline: a local causal-LM directory loaded with transformers, and its model calls.
+
+Loading follows a real checkpoint's path exactly (AutoTokenizer / AutoModelForCausalLM, safetensors only,
+trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls are the
+DynamicCache backend: `prefill`, `decode_step` and `finalize`, with one transformers DynamicCache carried per
+request between them. The executor talks to them only through that small surface (executor.ARBackend), so a
+runtime-managed KV cache can replace them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.utils import logging as hf_logging
+
+from omni_kernel.errors import InvalidParameter, ModelError
+
+DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise InvalidParameter("ar_dtype", f"{name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def quiet_progress():
+    """transformers draws a progress bar per load and save; the CLI's own output is the text and the trace."""
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def check_model_dir(path: Path, trust_remote_code: bool = False):
+    """The directory's config, or a one-line ModelError saying why it is not a loadable causal LM."""
+    if not path.exists():
+        raise ModelError(f"AR model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ModelError(f"AR model path {str(path)!r} is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"AR model directory {str(path)!r} has no config.json (expected a transformers causal LM)")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        raise ModelError(f"AR model directory {str(path)!r} has an unreadable config.json: "
+                         f"{' '.join(str(exc).split())[:300]}") from None
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+        raise ModelError(f"AR model directory {str(path)!r} holds a {config.model_type!r} model, "
+                         "which is not a causal language model")
+    if not any(path.glob("*.safetensors")):
+        raise ModelError(f"AR model directory {str(path)!r} has no *.safetensors weights "
+                         "(omni never loads pickled weights)")
+    return config
+
+
+class TransformersARPipeline:
+    kv_trace = {"kv_cache": True, "kv_cache_type": "DynamicCache", "kv_cache_backend": "dynamic_cache",
+                "kv_cache_source": "transformers", "runtime_kv_manager": False}
+
+    def __init__(self, model, tokenizer, path: Path, device: str, load_ms: float = 0.0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.device = device
+        self.load_ms = load_ms
+        self.caches: dict[str, DynamicCache] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str | None = None, device: str | None = None,
+             trust_remote_code: bool = False) -> TransformersARPipeline:
+        path = Path(path).expanduser().resolve()
+        torch_dtype = resolve_dtype(dtype)
+        check_model_dir(path, trust_remote_code)
+        device = device or default_device()
+        start = time.perf_counter()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except Exception as exc:  # noqa: BLE001 - any tokenizer failure is a bad directory
+            raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
+        if torch_dtype is not None:
+            kwargs["dtype"] = torch_dtype
+        try:
+            with quiet_progress():
+                model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - missing or mismatched weights are a bad directory
+            raise ModelError(f"AR model directory {str(path)!r} could not be loaded as a causal LM: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        model = model.to(device).eval()
+        return cls(model, tokenizer, path, device, (time.perf_counter() - start) * 1000)
+
+    # What the executor needs to know about the model.
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
+
+    @property
+    def context_window(self) -> int:
+        config = self.model.config.get_text_config(decoder=True)
+        return int(getattr(config, "max_position_embeddings", None) or self.tokenizer.model_max_length)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode_prompt(self, text: str, chat: bool = True) -> tuple[list[int], str]:
+        """Token ids of `text` as one user message through the chat template, or raw text when there is none."""
+        if chat and self.has_chat_template:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return list(ids), "chat_template"
+        return list(self.tokenizer.encode(text)), "raw"
+
+    # The DynamicCache backend: one cache per request, one request per model call.
+
+    @torch.inference_mode()
+    def prefill(self, request_id: str, token_ids: list[int]) -> torch.Tensor:
+        """Run the prompt, keep its cache, return the next-token logits (float32, 1-D)."""
+        cache = DynamicCache(config=self.model.config)
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        self.caches[request_id] = out.cache if out.cache is not None else cache
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def decode_step(self, request_ids: list[str], token_ids: list[int]) -> torch.Tensor:
+        """Feed each request its last sampled token; return next-token logits, one row per request."""
+        rows = []
+        for rid, token in zip(request_ids, token_ids, strict=True):
+            cache = self.caches[rid]
+            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True)
+            self.caches[rid] = out.cache if out.cache is not None else cache
+            rows.append(out.logits[0, -1].float())
+        return torch.stack(rows)
+
+    def finalize(self, request_id: str) -> None:
+        """Drop the request's cache."""
+        self.caches.pop(request_id, None)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,0 +1,61 @@
+"""Load and validate the conditioning image: one clear InputError for anything that cannot be used."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+from omni_kernel.errors import InputError
+
+# A decompression-bomb guard: the pixel count is read from the header and checked before decoding. 40 MP
+# admits an 8K frame (33 MP) and refuses the tiny files that claim gigapixels.
+MAX_PIXELS = 40_000_000
+
+
+def open_image(path: str | Path | None):
+    """Return the image as an RGB PIL image (EXIF orientation applied), or raise InputError."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    if path is None or str(path) == "":
+        raise InputError("this pipeline needs an input image: pass --image PATH (PNG, JPEG, WebP, ...)")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise InputError(f"image {str(file)!r} does not exist")
+    if not file.is_file():
+        raise InputError(f"image {str(file)!r} is not a file")
+    try:
+        if file.stat().st_size == 0:
+            raise InputError(f"image {str(file)!r} is empty (0 bytes)")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(file) as img:
+                width, height = img.size
+                if width == 0 or height == 0:
+                    raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
+                if width * height > MAX_PIXELS:
+                    raise _too_large(file, width, height)
+                img.load()
+                rgb = ImageOps.exif_transpose(img).convert("RGB")
+    except InputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise InputError(f"image {str(file)!r} is larger than the {MAX_PIXELS // 1_000_000} MP limit") from None
+    except UnidentifiedImageError:
+        raise InputError(f"{str(file)!r} is not an image omni can read (PNG, JPEG, WebP, BMP, ...)") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise InputError(f"image {str(file)!r} cannot be read: {' '.join(str(exc).split())}") from None
+    return rgb
+
+
+def image_digest(image) -> str:
+    """A content hash of the decoded pixels: the same picture in two files shares prepare-cache entries."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+def _too_large(file: Path, width: int, height: int) -> InputError:
+    return InputError(f"image {str(file)!r} is {width}x{height} ({width * height / 1e6:.0f} MP), over the "
+                      f"{MAX_PIXELS // 1_000_000} MP limit; resize it first")

@@ -1,0 +1,73 @@
+"""What a Wan2.2-TI2V-5B-Diffusers directory must hold, read from its JSON files without torch.
+
+A missing or wrong directory is a ModelError (exit 2) at stage build, before any weight is read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+from omni_kernel.errors import ModelError
+
+COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
+# Wan2.2 TI2V-5B renders at 24 fps (the model card exports its examples with fps=24).
+FPS = 24
+
+
+@attrs.frozen
+class ModelLayout:
+    """The facts about a checkpoint that requests are checked against."""
+
+    path: Path
+    spatial_multiple: int  # VAE spatial factor x transformer patch size: 16 x 2 = 32 for TI2V-5B
+    temporal_factor: int  # frames must be temporal_factor * k + 1
+    fps: int = FPS
+
+
+def read_layout(path: str | Path) -> ModelLayout:
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ModelError(f"model directory {str(root)!r} does not exist")
+    if not root.is_dir():
+        raise ModelError(f"model path {str(root)!r} is not a directory")
+    index = _json(root / "model_index.json", root)
+    missing = [c for c in COMPONENTS if not _listed(index, c) or not (root / c).is_dir()]
+    if missing:
+        raise ModelError(f"{root} is not a Wan2.2-TI2V-5B-Diffusers directory: missing {', '.join(missing)}")
+    if not index.get("expand_timesteps") or _listed(index, "transformer_2"):
+        raise ModelError(f"{root} is not a Wan2.2 TI2V-5B checkpoint (this stage needs expand_timesteps=true "
+                         "and a single transformer)")
+    vae = _json(root / "vae" / "config.json", root)
+    transformer = _json(root / "transformer" / "config.json", root)
+    if not _has_weights(root / "transformer") or not _has_weights(root / "vae") or not _has_weights(
+            root / "text_encoder"):
+        raise ModelError(f"{root} has no safetensors weights for every model (omni loads safetensors only)")
+    try:
+        spatial = int(vae.get("scale_factor_spatial", 8)) * int(transformer.get("patch_size", [1, 2, 2])[1])
+        temporal = int(vae.get("scale_factor_temporal", 4))
+    except (TypeError, ValueError, IndexError) as exc:
+        raise ModelError(f"{root} has an unreadable vae or transformer config: {exc}") from None
+    return ModelLayout(root.resolve(), spatial, temporal)
+
+
+def _json(file: Path, root: Path) -> dict:
+    try:
+        body = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError(f"{root} is not a Wan2.2-TI2V-5B-Diffusers directory: no {file.relative_to(root)}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{file} is unreadable: {exc}") from None
+    if not isinstance(body, dict):
+        raise ModelError(f"{file} is not a JSON object")
+    return body
+
+
+def _listed(index: dict, name: str) -> bool:
+    entry = index.get(name)
+    return isinstance(entry, list) and len(entry) == 2 and entry[0] is not None
+
+
+def _has_weights(folder: Path) -> bool:
+    return any(folder.glob("*.safetensors"))

@@ -1,0 +1,157 @@
+"""Wan22I2VPipeline: the diffusers WanImageToVideoPipeline call, split into steps an engine can drive.
+
+prepare (text encode, image conditioning, latents, timesteps) -> one denoise step per call -> VAE decode ->
+postprocess. Each piece does exactly what `WanImageToVideoPipeline.__call__` (diffusers 0.42) does for a
+Wan2.2 TI2V checkpoint (expand_timesteps, no transformer_2, no image encoder), so the output equals a direct
+call with the same seed and settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from .device import Placement
+from .vae import torch_dtype
+
+log = logging.getLogger("omni")
+MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline
+
+
+@attrs.frozen
+class TextEmbeds:
+    prompt: torch.Tensor
+    negative: torch.Tensor | None
+
+
+@attrs.define
+class DenoiseState:
+    """One request's denoising state; the scheduler is a private copy because UniPC keeps history."""
+
+    latents: torch.Tensor
+    condition: torch.Tensor
+    mask: torch.Tensor
+    timesteps: torch.Tensor
+    scheduler: Any
+    text: TextEmbeds
+    guidance_scale: float
+    step: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.timesteps)
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total
+
+
+class Wan22I2VPipeline:
+    def __init__(self, pipe, placement: Placement):
+        self.pipe = pipe
+        self.placement = placement
+
+    @classmethod
+    def load(cls, path: str | Path, placement: Placement) -> Wan22I2VPipeline:
+        from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+
+        dtype = torch_dtype(placement.dtype)
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch_dtype(placement.vae_dtype),
+                                               use_safetensors=True)
+        pipe = WanImageToVideoPipeline.from_pretrained(path, vae=vae, dtype=dtype, use_safetensors=True)
+        if not pipe.config.expand_timesteps or pipe.transformer_2 is not None:
+            raise ValueError("not a Wan2.2 TI2V checkpoint (expand_timesteps with one transformer)")
+        pipe.set_progress_bar_config(disable=True)
+        if placement.offloaded:
+            pipe.enable_model_cpu_offload()
+        elif placement.device != "cpu":
+            pipe.to(placement.device)
+        return cls(pipe, placement)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe._execution_device
+
+    @property
+    def transformer_dtype(self) -> torch.dtype:
+        return self.pipe.transformer.dtype
+
+    @torch.no_grad()
+    def encode_text(self, prompt: str, negative_prompt: str, guidance_scale: float) -> TextEmbeds:
+        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
+            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guidance_scale > 1,
+            num_videos_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+        dtype = self.transformer_dtype
+        return TextEmbeds(prompt_embeds.to(dtype), None if negative_embeds is None else negative_embeds.to(dtype))
+
+    @torch.no_grad()
+    def encode_image(self, image, height: int, width: int) -> torch.Tensor:
+        """The first-frame condition: the VAE latent (mode) of the resized image, normalized."""
+        from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        pipe, device = self.pipe, self.device
+        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, dtype=torch.float32)
+        video = pixels.unsqueeze(2).to(device=get_module_execution_device(pipe.vae), dtype=pipe.vae.dtype)
+        latent = retrieve_latents(pipe.vae.encode(video), sample_mode="argmax").repeat(1, 1, 1, 1, 1)
+        latent = latent.to(device=device, dtype=torch.float32)
+        mean, inv_std = self._latent_stats(device, torch.float32)
+        return (latent - mean) * inv_std
+
+    def prepare(self, text: TextEmbeds, condition: torch.Tensor, height: int, width: int, num_frames: int,
+                steps: int, guidance_scale: float, generator: torch.Generator) -> DenoiseState:
+        from diffusers.utils.torch_utils import randn_tensor
+
+        pipe, device = self.pipe, self.device
+        scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config)
+        scheduler.set_timesteps(steps, device=device)
+        frames = (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+        shape = (1, pipe.vae.config.z_dim, frames, height // pipe.vae_scale_factor_spatial,
+                 width // pipe.vae_scale_factor_spatial)
+        latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
+        mask = torch.ones(1, 1, *shape[2:], dtype=torch.float32, device=device)
+        mask[:, :, 0] = 0
+        return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
+
+    @torch.no_grad()
+    def denoise_step(self, state: DenoiseState) -> None:
+        t = state.timesteps[state.step]
+        model, mask = self.pipe.transformer, state.mask
+        latent_input = ((1 - mask) * state.condition + mask * state.latents).to(self.transformer_dtype)
+        timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(state.latents.shape[0], -1)
+        with model.cache_context("cond"):
+            noise = model(hidden_states=latent_input, timestep=timestep, encoder_hidden_states=state.text.prompt,
+                          encoder_hidden_states_image=None, attention_kwargs=None, return_dict=False)[0]
+        if state.guidance_scale > 1:
+            with model.cache_context("uncond"):
+                uncond = model(hidden_states=latent_input, timestep=timestep,
+                               encoder_hidden_states=state.text.negative, encoder_hidden_states_image=None,
+                               attention_kwargs=None, return_dict=False)[0]
+                noise = uncond + state.guidance_scale * (noise - uncond)
+        state.latents = state.scheduler.step(noise, t, state.latents, return_dict=False)[0]
+        state.step += 1
+
+    @torch.no_grad()
+    def decode(self, state: DenoiseState) -> np.ndarray:
+        """VAE decode and postprocess: frames as float32 (num_frames, height, width, 3) in [0, 1]."""
+        from diffusers.utils.torch_utils import get_module_execution_device
+
+        pipe, mask = self.pipe, state.mask
+        latents = (1 - mask) * state.condition + mask * state.latents
+        latents = latents.to(device=get_module_execution_device(pipe.vae), dtype=pipe.vae.dtype)
+        mean, inv_std = self._latent_stats(latents.device, latents.dtype)
+        video = pipe.vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="np")
+        pipe.maybe_free_model_hooks()
+        return frames[0]
+
+    def _latent_stats(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.pipe.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(device, dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(device, dtype)
+        return mean, inv_std

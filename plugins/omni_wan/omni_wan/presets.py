@@ -1,0 +1,102 @@
+"""Presets and the resolution of a request's DiffusionParams into concrete, validated settings."""
+
+from __future__ import annotations
+
+import attrs
+from omni_kernel.errors import InvalidParameter
+from omni_kernel.params import DiffusionParams
+
+from .layout import ModelLayout
+
+# Wan2.2's own default negative prompt (its sample_neg_prompt), as the model card's examples pass it.
+DEFAULT_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
+                           "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，"
+                           "形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+MAX_SIDE = 4096
+MAX_FRAMES = 1025
+MAX_STEPS = 1000
+
+
+@attrs.frozen
+class Preset:
+    """Sizes are landscape (height < width); a portrait image swaps them."""
+
+    name: str
+    height: int
+    width: int
+    num_frames: int
+    steps: int
+    guidance_scale: float
+    description: str
+
+
+PRESETS = {p.name: p for p in (
+    # The model card's recommended TI2V-5B settings: 720p (1280x704), 121 frames (5 s at 24 fps), 50 steps, cfg 5.
+    Preset("quality", 704, 1280, 121, 50, 5.0, "model card: 1280x704, 121 frames, 50 steps, guidance 5.0"),
+    Preset("balanced", 480, 832, 81, 30, 5.0, "480p, 81 frames, 30 steps"),
+    Preset("fast", 352, 640, 49, 20, 5.0, "352x640, 49 frames, 20 steps"),
+    Preset("smoke", 128, 128, 9, 4, 5.0, "128x128, 9 frames, 4 steps: seconds on a CPU with the demo model"),
+)}
+
+
+@attrs.frozen
+class Settings:
+    preset: str
+    height: int
+    width: int
+    num_frames: int
+    steps: int
+    guidance_scale: float
+    negative_prompt: str
+    seed: int | None
+
+    def trace(self) -> dict:
+        return {"diffusion.preset": self.preset, "diffusion.height": self.height, "diffusion.width": self.width,
+                "diffusion.num_frames": self.num_frames, "diffusion.steps": self.steps,
+                "diffusion.guidance": self.guidance_scale}
+
+
+def resolve(params: DiffusionParams | None, layout: ModelLayout, image_size: tuple[int, int],
+            default_preset: str) -> Settings:
+    """Fill what the request left open from its preset, orient the preset to the image, and validate."""
+    params = params or DiffusionParams()
+    name = params.preset or default_preset
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise InvalidParameter("preset", f"{name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    height, width = preset.height, preset.width
+    if image_size[1] > image_size[0]:  # (width, height): a portrait image gets a portrait video
+        height, width = width, height
+    settings = Settings(
+        preset=name,
+        height=params.height if params.height is not None else height,
+        width=params.width if params.width is not None else width,
+        num_frames=params.num_frames if params.num_frames is not None else preset.num_frames,
+        steps=params.num_inference_steps if params.num_inference_steps is not None else preset.steps,
+        guidance_scale=float(params.guidance_scale if params.guidance_scale is not None else preset.guidance_scale),
+        negative_prompt=params.negative_prompt if params.negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT,
+        seed=params.seed)
+    validate(settings, layout)
+    return settings
+
+
+def validate(settings: Settings, layout: ModelLayout) -> None:
+    m, t = layout.spatial_multiple, layout.temporal_factor
+    for field in ("height", "width"):
+        value = getattr(settings, field)
+        if value % m or not m <= value <= MAX_SIDE:
+            raise InvalidParameter(field, f"{value} must be a multiple of {m} between {m} and {MAX_SIDE}; "
+                                          f"nearest valid: {_nearest(value, m, 0, m, MAX_SIDE)}")
+    frames = settings.num_frames
+    if (frames - 1) % t or not 1 <= frames <= MAX_FRAMES:
+        raise InvalidParameter("num_frames", f"{frames} must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...) and at most "
+                                             f"{MAX_FRAMES}; nearest valid: {_nearest(frames, t, 1, 1, MAX_FRAMES)}")
+    if settings.steps > MAX_STEPS:
+        raise InvalidParameter("steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
+
+
+def _nearest(value: int, step: int, offset: int, low: int, high: int) -> str:
+    """The valid values (offset + k*step within [low, high]) nearest to value, e.g. "96 or 128"."""
+    below = max(low, min(high, offset + (value - offset) // step * step))
+    above = min(high, max(low, below + step if below < value else below))
+    return str(below) if below == above else f"{below} or {above}"

@@ -1,0 +1,105 @@
+"""Per-phase wall times of one request: trace fields, a short table, and a Chrome trace-event JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import attrs
+
+PHASES = ("load", "text_encode", "image_prepare", "latents", "denoise", "vae_decode", "export")
+
+
+@attrs.frozen
+class Span:
+    name: str
+    start: float  # seconds since the request started
+    duration: float
+    args: dict = attrs.field(factory=dict)
+
+
+@attrs.define
+class Profiler:
+    sync: object = None  # called before a span closes so GPU work is counted where it ran
+    origin: float = attrs.Factory(time.perf_counter)
+    spans: list[Span] = attrs.Factory(list)
+
+    @contextmanager
+    def span(self, name: str, **args):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.sync is not None:
+                self.sync()
+            end = time.perf_counter()
+            self.spans.append(Span(name, start - self.origin, end - start, args))
+
+    def add(self, name: str, duration_s: float, **args) -> None:
+        """Record a span measured elsewhere (the model load), ending now."""
+        now = time.perf_counter() - self.origin
+        self.spans.append(Span(name, max(0.0, now - duration_s), duration_s, args))
+
+    def phase_ms(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for span in self.spans:
+            phase = span.name.split(":")[0]
+            totals[phase] = totals.get(phase, 0.0) + span.duration * 1000
+        return {p: round(totals[p], 3) for p in PHASES if p in totals}
+
+    def step_ms(self) -> list[float]:
+        return [round(s.duration * 1000, 3) for s in self.spans if s.name.startswith("denoise:")]
+
+    def trace(self, detailed: bool) -> dict:
+        fields = {f"diffusion.{phase}_ms": ms for phase, ms in self.phase_ms().items()}
+        if detailed:
+            fields["diffusion.denoise_steps_ms"] = self.step_ms()
+        return fields
+
+    def table(self) -> str:
+        phases = self.phase_ms()
+        total = sum(phases.values()) or 1.0
+        steps = self.step_ms()
+        lines = [f"{'phase':<14}{'ms':>12}{'share':>8}"]
+        for phase, ms in phases.items():
+            extra = f"  ({len(steps)} steps, {ms / len(steps):.1f} ms/step)" if phase == "denoise" and steps else ""
+            lines.append(f"{phase:<14}{ms:>12.1f}{ms / total:>8.1%}{extra}")
+        lines.append(f"{'total':<14}{total:>12.1f}")
+        return "\n".join(lines)
+
+    def chrome_trace(self, request_id: str) -> dict:
+        events = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "omni diffusion"}},
+                  {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": request_id}}]
+        for span in self.spans:
+            events.append({"name": span.name, "cat": span.name.split(":")[0], "ph": "X", "pid": 1, "tid": 1,
+                           "ts": round(span.start * 1e6, 3), "dur": round(span.duration * 1e6, 3),
+                           "args": span.args})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome_trace(self, path: Path, request_id: str) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.chrome_trace(request_id), f)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def profile_path(output: Path) -> Path:
+    """out.mp4 -> out.trace.json, next to the video."""
+    return output.with_name(output.stem + ".trace.json")

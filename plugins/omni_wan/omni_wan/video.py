@@ -1,0 +1,65 @@
+"""H.264 MP4 export through imageio-ffmpeg, written atomically.
+
+The video goes to a temporary file in the output's own directory and is renamed over the target only when
+ffmpeg has finished, so an error, an abort or Ctrl-C never leaves a partial MP4 behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def to_uint8(frames: np.ndarray) -> np.ndarray:
+    return (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8)
+
+
+def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8) -> Path:
+    """frames: (num_frames, height, width, 3), float in [0, 1] or uint8."""
+    import imageio_ffmpeg
+
+    path = Path(path)
+    pixels = frames if frames.dtype == np.uint8 else to_uint8(frames)
+    num_frames, height, width, channels = pixels.shape
+    if channels != 3:
+        raise ValueError(f"expected RGB frames, got {channels} channels")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.mp4")
+    os.close(fd)
+    try:
+        writer = imageio_ffmpeg.write_frames(
+            tmp, (width, height), fps=fps, codec="libx264", pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
+            quality=quality, macro_block_size=2, ffmpeg_log_level="error",
+            output_params=["-movflags", "+faststart"])
+        writer.send(None)
+        try:
+            for frame in pixels:
+                writer.send(np.ascontiguousarray(frame))
+        finally:
+            writer.close()
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a video should get the usual file mode
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def read_mp4(path: str | Path) -> tuple[dict, np.ndarray]:
+    """(metadata, frames as uint8 (n, h, w, 3)); used by tests and benchmarks to check what was written."""
+    import imageio_ffmpeg
+
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = reader.__next__()
+    width, height = meta["size"]
+    frames = [np.frombuffer(buf, dtype=np.uint8).reshape(height, width, 3) for buf in reader]
+    return meta, np.stack(frames) if frames else np.zeros((0, height, width, 3), np.uint8)

@@ -1,0 +1,296 @@
+"""Graph validation against an independent oracle, and the StageScheduler on every valid graph."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kernel_fakes import TagConnector, registry_with, stage_text
+from omni_kernel.errors import GraphError
+from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.graph import RULES, EdgeSpec, NodeSpec, PipelinePlan, validate_plan
+from omni_kernel.planner import PipelineRegistry
+from omni_kernel.request import Request
+from omni_kernel.stage_scheduler import StageScheduler
+
+IDS = "abcdefg"
+NODE_KINDS = {"t.ar": "ar", "t.diff": "diffusion", "t.text": "text"}
+TYPE_OF_KIND = {kind: name for name, kind in NODE_KINDS.items()}
+CONNECTORS = {c.name: c for c in (TagConnector("ar_to_diff", "ar", "diffusion"), TagConnector("ar_to_ar", "ar", "ar"),
+                                  TagConnector("diff_to_text", "diffusion", "text"),
+                                  TagConnector("text_to_ar", "text", "ar"))}
+FAST = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- plans -------------------------------------------------------------------------------------------------
+
+@st.composite
+def random_plans(draw):
+    """Anything: duplicate ids, dangling edges, cycles, unregistered types and connectors, any final flags."""
+    n = draw(st.integers(0, 6))
+    ids = draw(st.lists(st.sampled_from(IDS[:6]), min_size=n, max_size=n, unique=draw(st.booleans())))
+    types = st.sampled_from([*NODE_KINDS, *NODE_KINDS, "t.missing"])
+    nodes = [NodeSpec(i, draw(types), final=draw(st.booleans())) for i in ids]
+    ends = st.sampled_from([*ids, *ids, *ids, "zz"]) if ids else st.just("zz")
+    connectors = st.sampled_from([*CONNECTORS, "c.missing"])
+    edges = draw(st.lists(st.builds(EdgeSpec, ends, ends, connectors), max_size=7))
+    return PipelinePlan("p", nodes, edges)
+
+
+@st.composite
+def valid_plans(draw):
+    """A forest whose edges use connectors that fit, with exactly one final node."""
+    n = draw(st.integers(1, 6))
+    ids = draw(st.permutations(IDS))[:n]
+    kinds, edges = [draw(st.sampled_from(sorted(TYPE_OF_KIND)))], []
+    for i in range(1, n):
+        parent = draw(st.one_of(st.none(), st.integers(0, i - 1)))
+        if parent is None:
+            kinds.append(draw(st.sampled_from(sorted(TYPE_OF_KIND))))
+            continue
+        connector = draw(st.sampled_from(sorted(c.name for c in CONNECTORS.values()
+                                                if c.source_kind == kinds[parent])))
+        kinds.append(CONNECTORS[connector].target_kind)
+        edges.append(EdgeSpec(ids[parent], ids[i], connector))
+    final = draw(st.integers(0, n - 1))
+    nodes = [NodeSpec(ids[i], TYPE_OF_KIND[kinds[i]], final=i == final) for i in range(n)]
+    return PipelinePlan("p", draw(st.permutations(nodes)), draw(st.permutations(edges)))
+
+
+@st.composite
+def mutated_plans(draw):
+    """A valid plan with one random change, so that near-valid graphs are common."""
+    plan = draw(valid_plans())
+    nodes, edges = list(plan.nodes), list(plan.edges)
+    ids = [n.id for n in nodes]
+    change = draw(st.sampled_from(["edge", "cycle", "fan_in", "final", "type", "connector", "duplicate",
+                                   "drop_node"]))
+    if change == "edge":
+        ends = st.sampled_from(ids + ids + ["zz"])
+        edges.append(EdgeSpec(draw(ends), draw(ends), draw(st.sampled_from([*CONNECTORS, "c.missing"]))))
+    elif change == "cycle" and edges:
+        parent_of = {e.target: e.source for e in edges}
+        child = top = draw(st.sampled_from(sorted(parent_of)))
+        while top in parent_of:
+            top = parent_of[top]
+        edges.append(EdgeSpec(child, top, draw(st.sampled_from(list(CONNECTORS)))))
+    elif change == "fan_in" and edges:
+        target = draw(st.sampled_from([e.target for e in edges]))
+        edges.append(EdgeSpec(draw(st.sampled_from(ids)), target, draw(st.sampled_from(list(CONNECTORS)))))
+    elif change == "final":
+        i = draw(st.integers(0, len(nodes) - 1))
+        nodes[i] = NodeSpec(nodes[i].id, nodes[i].type, final=not nodes[i].final)
+    elif change == "type":
+        i = draw(st.integers(0, len(nodes) - 1))
+        nodes[i] = NodeSpec(nodes[i].id, draw(st.sampled_from([*NODE_KINDS, "t.missing"])), final=nodes[i].final)
+    elif change == "connector" and edges:
+        i = draw(st.integers(0, len(edges) - 1))
+        edges[i] = EdgeSpec(edges[i].source, edges[i].target, draw(st.sampled_from([*CONNECTORS, "c.missing"])))
+    elif change == "duplicate":
+        nodes.append(NodeSpec(draw(st.sampled_from(ids)), draw(st.sampled_from(list(NODE_KINDS)))))
+    elif change == "drop_node" and len(nodes) > 1:
+        nodes.pop(draw(st.integers(0, len(nodes) - 1)))
+    return PipelinePlan("p", nodes, edges)
+
+
+# ---- the oracle: each rule checked on its own, by different algorithms than graph.py -----------------------
+
+def reach(start, successors) -> set:
+    """Nodes reachable from `start` in one or more steps (recursive DFS)."""
+    seen: set = set()
+
+    def visit(node):
+        for nxt in successors.get(node, ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                visit(nxt)
+
+    for node in start:
+        visit(node)
+    return seen
+
+
+def has_cycle(ids, successors) -> bool:
+    """DFS colouring: a grey node met again is a back edge."""
+    colour = dict.fromkeys(ids, "white")
+
+    def visit(node) -> bool:
+        colour[node] = "grey"
+        for nxt in successors.get(node, ()):
+            if colour[nxt] == "grey" or (colour[nxt] == "white" and visit(nxt)):
+                return True
+        colour[node] = "black"
+        return False
+
+    return any(colour[i] == "white" and visit(i) for i in ids)
+
+
+def oracle(plan: PipelinePlan) -> dict[str, set]:
+    """Every broken rule with the nodes it implicates."""
+    ids = [n.id for n in plan.nodes]
+    unique = set(ids)
+    broken: dict[str, set] = {}
+    dups = {i for i in unique if ids.count(i) > 1}
+    if dups:
+        broken["duplicate_node"] = dups
+    dangling = {x for e in plan.edges for x in (e.source, e.target) if x not in unique}
+    if dangling:
+        broken["unknown_edge_node"] = dangling
+    inner = [e for e in plan.edges if e.source in unique and e.target in unique]
+    loops = {e.source for e in inner if e.source == e.target}
+    if loops:
+        broken["self_loop"] = loops
+    successors: dict[str, list] = {}
+    for e in inner:
+        successors.setdefault(e.source, []).append(e.target)
+    if has_cycle(sorted(unique), successors):
+        on_cycle = {i for i in unique if i in reach([i], successors)}
+        broken["cycle"] = on_cycle | reach(on_cycle, successors)  # the cycle and everything after it
+        broken["cycle_core"] = on_cycle
+    fan_in = {t for t in unique if sum(e.target == t for e in inner) > 1}
+    if fan_in:
+        broken["multiple_inputs"] = fan_in
+    entries = unique - {e.target for e in inner}
+    if not entries:
+        broken["no_entry"] = set()
+    lost = unique - entries - reach(entries, successors)
+    if lost:
+        broken["unreachable"] = lost
+    finals = {n.id for n in plan.nodes if n.final}
+    if sum(n.final for n in plan.nodes) != 1:
+        broken["final_output"] = finals
+    untyped = {n.id for n in plan.nodes if n.type not in NODE_KINDS}
+    if untyped:
+        broken["unknown_node_type"] = untyped
+    unknown_conn = {(e.source, e.target) for e in inner if e.connector not in CONNECTORS}
+    if unknown_conn:
+        broken["unknown_connector"] = {x for pair in unknown_conn for x in pair}
+    kind = {n.id: NODE_KINDS.get(n.type) for n in plan.nodes}
+    misfit = {(e.source, e.target) for e in inner if e.connector in CONNECTORS and None not in
+              (kind[e.source], kind[e.target]) and (CONNECTORS[e.connector].source_kind,
+                                                    CONNECTORS[e.connector].target_kind)
+              != (kind[e.source], kind[e.target])}
+    if misfit:
+        broken["connector_kind_mismatch"] = {x for pair in misfit for x in pair}
+    return broken
+
+
+def check_rejection(error: GraphError, broken: dict[str, set], plan: PipelinePlan) -> None:
+    assert error.rule in broken and error.rule in RULES, (error.rule, sorted(broken))
+    assert error.rule in str(error)
+    named = set(error.nodes)
+    implicated = broken[error.rule]
+    if error.rule == "cycle":
+        assert broken["cycle_core"] <= named <= implicated
+    elif error.rule in ("duplicate_node", "multiple_inputs", "final_output"):
+        assert named == implicated
+    else:
+        assert named <= implicated and (named or not implicated)
+    for node in named:
+        assert node in str(error)
+
+
+@FAST
+@given(st.one_of(random_plans(), mutated_plans(), valid_plans()))
+def test_validator_accepts_exactly_what_the_oracle_accepts(plan):
+    broken = oracle(plan)
+    if broken:
+        with pytest.raises(GraphError) as info:
+            validate_plan(plan, NODE_KINDS, CONNECTORS)
+        check_rejection(info.value, broken, plan)
+        return
+    order = validate_plan(plan, NODE_KINDS, CONNECTORS)
+    assert sorted(order) == sorted(n.id for n in plan.nodes)
+    for e in plan.edges:
+        assert order.index(e.source) < order.index(e.target)
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_plans())
+def test_generated_valid_plans_are_valid(plan):
+    assert oracle(plan) == {}
+
+
+def test_every_rule_is_reachable_by_the_generators():
+    """The rule list in graph.py and the oracle agree on names."""
+    assert set(RULES) >= {"duplicate_node", "unknown_edge_node", "self_loop", "cycle", "multiple_inputs",
+                          "no_entry", "unreachable", "final_output", "unknown_node_type", "unknown_connector",
+                          "connector_kind_mismatch"}
+
+
+@pytest.mark.parametrize("plan, rule, nodes", [
+    (PipelinePlan("p", [NodeSpec("a", "t.ar", final=True), NodeSpec("a", "t.ar")]), "duplicate_node", ("a",)),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar", final=True)], [EdgeSpec("a", "x", "ar_to_ar")]),
+     "unknown_edge_node", ("x",)),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar", final=True)], [EdgeSpec("a", "a", "ar_to_ar")]), "self_loop", ("a",)),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar", final=True), NodeSpec("b", "t.ar")],
+                  [EdgeSpec("a", "b", "ar_to_ar"), EdgeSpec("b", "a", "ar_to_ar")]), "cycle", ("a", "b")),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.ar"), NodeSpec("c", "t.ar", final=True)],
+                  [EdgeSpec("a", "c", "ar_to_ar"), EdgeSpec("b", "c", "ar_to_ar")]), "multiple_inputs", ("c",)),
+    (PipelinePlan("p", []), "no_entry", ()),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.ar")]), "final_output", ()),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar", final=True), NodeSpec("b", "t.ar", final=True)]), "final_output",
+     ("a", "b")),
+    (PipelinePlan("p", [NodeSpec("a", "wan.i2v", final=True, plugin_hint="omni-wan")]), "unknown_node_type", ("a",)),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.ar", final=True)], [EdgeSpec("a", "b", "nope")]),
+     "unknown_connector", ("a", "b")),
+    (PipelinePlan("p", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
+                  [EdgeSpec("a", "b", "ar_to_diff")]), "connector_kind_mismatch", ("a", "b")),
+])
+def test_each_rule_names_itself_and_its_nodes(plan, rule, nodes):
+    with pytest.raises(GraphError) as info:
+        validate_plan(plan, NODE_KINDS, CONNECTORS)
+    assert (info.value.rule, info.value.nodes) == (rule, nodes)
+    assert info.value.exit_code == 2
+
+
+def test_unknown_node_type_says_which_plugin_to_install():
+    plan = PipelinePlan("p", [NodeSpec("wan", "diffusion.wan22_i2v", final=True, plugin_hint="omni-wan")])
+    with pytest.raises(GraphError, match="install the plugin that provides it \\(omni-wan\\)"):
+        validate_plan(plan, NODE_KINDS, CONNECTORS)
+
+
+# ---- the StageScheduler on valid graphs --------------------------------------------------------------------
+
+def expected_text(plan: PipelinePlan, node_id: str, prompt: str) -> str:
+    edge = next((e for e in plan.edges if e.target == node_id), None)
+    if edge is None:
+        return stage_text(node_id, prompt)
+    return stage_text(node_id, f"{edge.connector}[{expected_text(plan, edge.source, prompt)}]")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=valid_plans(), prompts=st.lists(st.text("xyé世 ", max_size=6), min_size=1, max_size=3),
+       step_wise=st.booleans())
+def test_scheduler_runs_each_node_once_after_its_parent_through_the_edge_connector(plan, prompts, step_wise):
+    log: list = []
+    registry = registry_with(NODE_KINDS, CONNECTORS.values(), log, step_wise=step_wise)
+    graph = PipelineRegistry(registry).build(plan)
+    scheduler = StageScheduler(graph)
+    requests = [Request("p", prompt, request_id=f"r{i}") for i, prompt in enumerate(prompts)]
+    events = list(scheduler.run(requests))
+
+    assert not [e for e in events if isinstance(e, RequestFailed)]
+    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    assert sorted(finished) == sorted(r.request_id for r in requests)
+    assert [e.request_id for e in events if isinstance(e, RequestFinished)].count("r0") == 1
+    for request in requests:
+        rid, result = request.request_id, finished[request.request_id]
+        assert result.output.node_id == graph.final
+        for node in plan.nodes:
+            adds = [i for i, entry in enumerate(log) if entry == ("add", node.id, rid)]
+            finishes = [i for i, entry in enumerate(log) if entry == ("finish", node.id, rid)]
+            assert len(adds) == 1 and len(finishes) == 1, (node.id, rid, log)
+            parent = graph.parent(node.id)
+            if parent is not None:
+                assert log.index(("finish", parent, rid)) < adds[0]
+            text = expected_text(plan, node.id, request.prompt)
+            assert result.outputs[node.id].text == text
+            assert "".join(e.text for e in events if isinstance(e, TokenDelta) and e.request_id == rid
+                           and e.node_id == node.id) == text
+        for edge in plan.edges:
+            assert result.trace[f"connector.{edge.source}.{edge.connector}"] is True
+    assert not scheduler.has_unfinished()
+    assert all(not stage.has_unfinished() and not stage.engine.runner.executor.live
+               for stage in graph.stages.values())

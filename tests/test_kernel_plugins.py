@@ -1,0 +1,171 @@
+"""Plugin loading: fake entry points, a broken plugin, the OMNI_PLUGINS allowlist, duplicates, inline plugins."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import types
+
+import pytest
+
+from omni_kernel import hookimpl
+from omni_kernel.errors import DuplicateRegistration
+from omni_kernel.graph import NodeSpec, PipelinePlan
+from omni_kernel.identity import ECHO_NODE, KernelPlugin
+from omni_kernel.plugins import ENTRY_POINT_GROUP, PluginHost, load_host
+from omni_kernel.registry import NodeType
+
+
+class FakeEntryPoint:
+    def __init__(self, name, target, version="1.2.3"):
+        self.name, self.target = name, target
+        self.dist = types.SimpleNamespace(version=version) if version else None
+        self.loads = 0
+
+    def load(self):
+        self.loads += 1
+        if isinstance(self.target, BaseException):
+            raise self.target
+        return self.target
+
+
+@pytest.fixture
+def entry_points(monkeypatch):
+    """Replace the installed plugins with a list the test fills in."""
+    installed: list[FakeEntryPoint] = []
+
+    def fake(group=None, **kwargs):
+        assert group == ENTRY_POINT_GROUP
+        return list(installed)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", fake)
+    return installed
+
+
+@pytest.fixture
+def warnings(omni_logger, monkeypatch):
+    monkeypatch.setattr(omni_logger, "propagate", True)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    omni_logger.addHandler(handler)
+    yield records
+    omni_logger.removeHandler(handler)
+
+
+def pipeline_plugin(name: str, node_type: str = "kernel.echo"):
+    """A plugin class registering pipeline `name` made of one node."""
+
+    class Plugin:
+        @hookimpl
+        def omni_register_pipelines(self, register):
+            register(PipelinePlan(name, [NodeSpec("n", node_type, final=True)]))
+
+    return Plugin
+
+
+def test_broken_plugin_warns_once_with_name_and_version_and_the_others_load(entry_points, warnings):
+    good_a, good_b = pipeline_plugin("alpha"), pipeline_plugin("beta")
+    entry_points += [FakeEntryPoint("a_good", good_a), FakeEntryPoint("broken", ImportError("No module named 'torchx'"),
+                                                                       "0.9.1"),
+                     FakeEntryPoint("b_good", good_b, None)]
+    host = load_host()
+    assert sorted(host.registry.pipelines) == ["alpha", "beta", "echo"]
+    mine = [r for r in warnings if r.levelno >= logging.WARNING]
+    assert len(mine) == 1
+    message = mine[0].getMessage()
+    assert "broken" in message and "0.9.1" in message and "No module named 'torchx'" in message
+    status = {p.name: (p.version, p.status) for p in host.plugins}
+    assert status == {"omni_kernel": (status["omni_kernel"][0], "loaded"), "a_good": ("1.2.3", "loaded"),
+                      "broken": ("0.9.1", "failed"), "b_good": ("unknown", "loaded")}
+
+
+def test_plugin_whose_hook_raises_is_skipped_whole(entry_points, warnings):
+    class HalfBroken:
+        @hookimpl
+        def omni_register_node_types(self, register):
+            register(NodeType("half.node", "ar", lambda node, config: None))
+
+        @hookimpl
+        def omni_register_pipelines(self, register):
+            raise RuntimeError("bad plan")
+
+    entry_points += [FakeEntryPoint("half", HalfBroken), FakeEntryPoint("ok", pipeline_plugin("ok"))]
+    host = load_host()
+    assert "half.node" not in host.registry.node_types and "ok" in host.registry.pipelines
+    assert host.pm.get_plugin("half") is None and {p.name: p.status for p in host.plugins}["half"] == "failed"
+    assert "RuntimeError: bad plan" in warnings[0].getMessage()
+
+
+def test_allowlist_restricts_which_plugins_load(entry_points, monkeypatch):
+    entry_points += [FakeEntryPoint("one", pipeline_plugin("p1")), FakeEntryPoint("two", pipeline_plugin("p2")),
+                     FakeEntryPoint("three", pipeline_plugin("p3"))]
+    monkeypatch.setenv("OMNI_PLUGINS", " one, three ,")
+    host = load_host()
+    assert sorted(host.registry.pipelines) == ["echo", "p1", "p3"]
+    assert {p.name: p.status for p in host.plugins}["two"] == "skipped"
+    assert entry_points[1].loads == 0  # a plugin left out is never imported
+    assert sorted(load_host(allowlist="two").registry.pipelines) == ["echo", "p2"]
+
+
+def test_duplicate_registration_names_both_claimants(entry_points, warnings):
+    entry_points += [FakeEntryPoint("first", pipeline_plugin("shared")),
+                     FakeEntryPoint("second", pipeline_plugin("shared"))]
+    host = load_host()
+    assert host.registry.pipelines["shared"].plugin == "first"
+    message = warnings[0].getMessage()
+    assert "'shared'" in message and "'first'" in message and "'second'" in message
+    assert {p.name: p.status for p in host.plugins}["second"] == "failed"
+
+
+def test_inline_plugins_register_directly_and_duplicates_raise():
+    host = PluginHost()
+    host.register(KernelPlugin(), "omni_kernel", "0.1.0")
+    assert host.registry.node_types["kernel.echo"].item is ECHO_NODE
+    assert host.registry.by_plugin("omni_kernel") == {"node types": ["kernel.echo"], "connectors": [],
+                                                      "pipelines": ["echo"], "commands": []}
+
+    class Clash:
+        @hookimpl
+        def omni_register_node_types(self, register):
+            register(NodeType("mine.node", "ar", lambda node, config: None))
+            register(NodeType("kernel.echo", "ar", lambda node, config: None))
+
+    with pytest.raises(DuplicateRegistration, match="node type 'kernel.echo'.*'omni_kernel'.*'clash'"):
+        host.register(Clash(), "clash")
+    assert "mine.node" not in host.registry.node_types  # all or nothing
+    assert host.pm.get_plugin("clash") is None
+    host.register(pipeline_plugin("later")(), "later")  # the host still works
+    assert "later" in host.registry.pipelines
+
+
+def test_module_plugins_and_every_hook(entry_points):
+    import click
+
+    module = types.ModuleType("fake_plugin_module")
+
+    class Connector:
+        name, source_kind, target_kind = "fake.conn", "ar", "ar"
+
+        def convert(self, output, request):
+            raise NotImplementedError
+
+    @hookimpl
+    def omni_register_connectors(register):
+        register(Connector())
+
+    @hookimpl
+    def omni_register_commands(register):
+        register(click.Command("hello", callback=lambda: click.echo("hi")))
+
+    module.omni_register_connectors = omni_register_connectors
+    module.omni_register_commands = omni_register_commands
+    entry_points.append(FakeEntryPoint("mod", module))
+    host = load_host()
+    assert host.registry.by_plugin("mod") == {"node types": [], "connectors": ["fake.conn"], "pipelines": [],
+                                              "commands": ["hello"]}
+
+
+def test_no_entry_points_leaves_the_kernel_echo(entry_points):
+    host = load_host()
+    assert [p.name for p in host.plugins] == ["omni_kernel"] and list(host.registry.pipelines) == ["echo"]
