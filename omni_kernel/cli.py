@@ -138,7 +138,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
         return
     if result.path is not None:
         click.echo(f"wrote {result.path}")
-    elif not streamed:
+    elif not streamed and result.text is not None:
         click.echo(result.text)
     click.echo(format_trace(result.trace), err=True)
 
@@ -196,6 +196,7 @@ def _write_json(path: Path, body) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(body, f, ensure_ascii=False, indent=2)
+        f.write("\n")
     os.replace(tmp, path)
 
 

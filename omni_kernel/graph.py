@@ -88,10 +88,13 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
         raise GraphError("final_output", finals,
                          f"exactly one node must be the final output, found {len(finals)}"
                          + (f" ({', '.join(finals)})" if finals else ""))
-    for n in plan.nodes:
-        if n.type not in node_kinds:
-            hint = f"; install the plugin that provides it ({n.plugin_hint})" if n.plugin_hint else ""
-            raise GraphError("unknown_node_type", [n.id], f"node {n.id} has unregistered type {n.type!r}{hint}")
+    unknown = [n for n in plan.nodes if n.type not in node_kinds]
+    if unknown:
+        hints = sorted({n.plugin_hint for n in unknown if n.plugin_hint})
+        hint = (f"; install the plugin(s) that provide them ({', '.join(hints)}), or check `omni plugins` and "
+                f"OMNI_PLUGINS if installed") if hints else ""
+        names = ", ".join(f"{n.id} ({n.type!r})" for n in unknown)
+        raise GraphError("unknown_node_type", [n.id for n in unknown], f"unregistered node type(s): {names}{hint}")
     kinds = {n.id: node_kinds[n.type] for n in plan.nodes}
     for e in plan.edges:
         conn = connectors.get(e.connector)

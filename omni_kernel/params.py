@@ -12,6 +12,10 @@ def _check(field: str, ok: bool, allowed: str, value) -> None:
         raise InvalidParameter(field, f"{value!r} is outside the allowed range ({allowed})")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _optional_int(value, field: str, minimum: int) -> None:
     if value is None:
         return
@@ -31,10 +35,10 @@ class ARParams:
     max_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
-        _check("temperature", isinstance(self.temperature, (int, float)) and self.temperature >= 0,
+        _check("temperature", _number(self.temperature) and self.temperature >= 0,
                "temperature >= 0", self.temperature)
-        _check("top_p", isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "0 < top_p <= 1", self.top_p)
-        _check("top_k", isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k > 0),
+        _check("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1", self.top_p)
+        _check("top_k", isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and (self.top_k == -1 or self.top_k > 0),
                "top_k = -1 (off) or top_k > 0", self.top_k)
         _optional_int(self.seed, "seed", 0)
         _optional_int(self.max_tokens, "max_tokens", 1)
@@ -63,5 +67,5 @@ class DiffusionParams:
             _optional_int(getattr(self, name), name, 1)
         _optional_int(self.seed, "seed", 0)
         if self.guidance_scale is not None:
-            _check("guidance_scale", isinstance(self.guidance_scale, (int, float)) and self.guidance_scale >= 0,
+            _check("guidance_scale", _number(self.guidance_scale) and self.guidance_scale >= 0,
                    "guidance_scale >= 0", self.guidance_scale)

@@ -86,6 +86,8 @@ class ARExecutor:
             raise InputError("the prompt is empty")
         text = self.settings.render(prompt) if self.settings.render else prompt
         ids, mode = self.pipeline.encode_prompt(text, chat=self.settings.chat)
+        if not ids:
+            raise InputError("the prompt encodes to no tokens")
         if len(ids) >= self.context_window:
             raise InputError(f"the prompt is {len(ids)} tokens but the model's context window is "
                              f"{self.context_window} tokens (room is needed for at least one new token)")

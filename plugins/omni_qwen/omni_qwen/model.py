@@ -22,6 +22,8 @@ from transformers.utils import logging as hf_logging
 
 from omni_kernel.errors import InvalidParameter, ModelError
 
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt",
+                   "sentencepiece.bpe.model")
 DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -93,6 +95,9 @@ class TransformersARPipeline:
         check_model_dir(path, trust_remote_code)
         device = device or default_device()
         start = time.perf_counter()
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)})")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is a bad directory

@@ -1,0 +1,63 @@
+"""The example plugin, registered inline with a fresh PluginHost: no installation needed."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from omni_kernel import Omni, TokenDelta, UserError
+from omni_kernel.cli import main
+from omni_kernel.identity import KernelPlugin
+from omni_kernel.plugins import PluginHost
+from omni_plugin_example.plugin import ExamplePlugin
+
+
+@pytest.fixture
+def host():
+    host = PluginHost()
+    host.register(KernelPlugin(), "omni_kernel")
+    host.register(ExamplePlugin(), "omni_plugin_example", "0.1.0")
+    return host
+
+
+def test_it_registers_a_node_type_a_connector_and_a_pipeline(host):
+    assert host.registry.by_plugin("omni_plugin_example") == {
+        "node types": ["text.upper"], "connectors": ["ar_to_text"], "pipelines": ["echo_upper"], "commands": []}
+
+
+def test_the_pipeline_runs_through_both_stages(host):
+    omni = Omni("echo_upper", host=host)
+    events = list(omni.generate_stream("  héllo wörld, omni ", stream=True))
+    result = events[-1].result
+    assert result.text == "HÉLLO WÖRLD, OMNI"
+    assert result.outputs["echo"].text == "  héllo wörld, omni "
+    upper = [e.text for e in events if isinstance(e, TokenDelta) and e.node_id == "upper"]
+    assert len(upper) == 5 and "".join(upper) == result.text
+    assert result.trace["upper.chars"] == 17 and result.trace["ar_to_text.chars"] == 20
+    assert result.trace["ar.stop_reason"] == "eos"
+
+
+def test_requests_run_side_by_side(host):
+    omni = Omni("echo_upper", host=host)
+    for i in range(3):
+        omni.submit(omni.request(f"request {i} " * (i + 1), request_id=f"r{i}"))
+    finished = {}
+    while omni.has_unfinished():
+        for event in omni.step():
+            if hasattr(event, "result"):
+                finished[event.request_id] = event.result.text
+    assert finished == {f"r{i}": (f"REQUEST {i} " * (i + 1)).strip() for i in range(3)}
+
+
+def test_blank_text_is_a_user_error(host):
+    with pytest.raises(UserError, match="no text to upper-case"):
+        Omni("echo_upper", host=host).generate("   ")
+
+
+def test_omni_run_streams_the_final_stage_to_stdout(host, tmp_path):
+    trace = tmp_path / "t.json"
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo_upper", "--prompt", "héllo", "--stream",
+                                       "--trace-json", str(trace)], obj={"host": host})
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "HÉLLO\n"
+    assert json.loads(trace.read_text(encoding="utf-8"))["upper.chars"] == 5

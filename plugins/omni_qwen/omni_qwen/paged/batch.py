@@ -1,0 +1,78 @@
+"""StepBatch: one engine step's chunks flattened into the index tensors every layer reuses.
+
+Rows are ordered one-token chunks first (decodes, batched into one attention call per layer), then the longer
+prefill chunks (one attention call each). Nothing is padded except the decode gather, to the longest context.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from omni_kernel.ar_scheduler import ScheduledChunk
+
+
+@attrs.frozen
+class PrefillSpan:
+    row: int  # first row of the chunk in the flattened batch
+    num_tokens: int
+    start: int  # position of the chunk's first token
+    blocks: torch.Tensor  # block ids covering start + num_tokens
+    mask: torch.Tensor | None  # (num_tokens, context) bool; None when the chunk starts at 0 (plain causal)
+
+    @property
+    def context_len(self) -> int:
+        return self.start + self.num_tokens
+
+
+@attrs.frozen
+class StepBatch:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    num_decodes: int
+    decode_blocks: torch.Tensor  # (num_decodes * max_blocks,) padded with block 0
+    decode_bias: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size): 0 or -inf
+    prefills: tuple[PrefillSpan, ...]
+    sample_rows: torch.Tensor
+    sample_ids: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _slots(table, start: int, n: int, size: int) -> list[int]:
+    return [table[p // size] * size + p % size for p in range(start, start + n)]
+
+
+def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch.dtype) -> StepBatch:
+    decodes = [c for c in chunks if c.num_tokens == 1]
+    longer = [c for c in chunks if c.num_tokens > 1]
+    ids, positions, slots, sample_rows, sample_ids = [], [], [], [], []
+    for chunk in decodes + longer:
+        if chunk.samples:
+            sample_rows.append(len(ids) + chunk.num_tokens - 1)
+            sample_ids.append(chunk.request_id)
+        ids.extend(chunk.token_ids)
+        positions.extend(range(chunk.start, chunk.context_len))
+        slots.extend(_slots(chunk.block_table, chunk.start, chunk.num_tokens, block_size))
+    max_blocks = max((-(-c.context_len // block_size) for c in decodes), default=0)
+    gather = [0] * (len(decodes) * max_blocks)
+    bias = torch.full((len(decodes), 1, 1, max_blocks * block_size), float("-inf"), dtype=dtype)
+    for i, chunk in enumerate(decodes):
+        used = -(-chunk.context_len // block_size)
+        gather[i * max_blocks:i * max_blocks + used] = chunk.block_table[:used]
+        bias[i, 0, 0, :chunk.context_len] = 0
+    prefills, row = [], len(decodes)
+    for chunk in longer:
+        used = -(-chunk.context_len // block_size)
+        mask = None
+        if chunk.start:
+            mask = torch.ones(chunk.num_tokens, chunk.context_len, dtype=torch.bool).tril(chunk.start)
+        prefills.append(PrefillSpan(row, chunk.num_tokens, chunk.start,
+                                    torch.tensor(chunk.block_table[:used], dtype=torch.long), mask))
+        row += chunk.num_tokens
+    return StepBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                     torch.tensor(slots, dtype=torch.long), len(decodes), torch.tensor(gather, dtype=torch.long),
+                     bias, tuple(prefills), torch.tensor(sample_rows, dtype=torch.long), tuple(sample_ids))

@@ -1,0 +1,125 @@
+"""PagedQwen2: the project's own Qwen2 forward over a HF Qwen2ForCausalLM's weights and a KVPool.
+
+Every linear layer runs once over the flattened tokens of the whole step. q/k/v and gate/up are merged into
+one matmul each; the HF modules are re-pointed at views of the merged weights, so nothing is duplicated and
+the HF model keeps working. Attention writes this step's K/V into the pool, then reads each request's context
+back through its block table: all one-token chunks in one batched call, each longer chunk on its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import StepBatch
+from .pool import KVPool
+
+
+def _merge(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([m.weight.data for m in linears])
+    bias = torch.cat([m.bias.data for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[row:row + rows]
+        if bias is not None:
+            m.bias.data = bias[row:row + rows]
+        row += rows
+    return weight, bias
+
+
+class _Layer:
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv_w, self.qkv_b = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o_w = attn.o_proj.weight
+        self.gate_up_w, _ = _merge([mlp.gate_proj, mlp.up_proj])
+        self.down_w = mlp.down_proj.weight
+        self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+
+
+class PagedQwen2:
+    def __init__(self, model):
+        config = model.config
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError("the paged backend does not implement sliding-window attention")
+        inner = model.model
+        self.model, self.config = model, config
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.group = self.num_heads // self.num_kv_heads
+        self.eps = config.rms_norm_eps
+        self.embed = inner.embed_tokens.weight
+        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.max_positions = config.max_position_embeddings
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As HF: normalize in fp32, cast back, then scale.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
+        """Run the step; write its K/V into the pool; return the logits (fp32) of the sampled rows."""
+        x = F.embedding(step.input_ids, self.embed)
+        cos, sin = self.rotary(x, step.positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        workspace = self._workspace(step, pool)
+        nq, nkv, hd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = self._norm(x, layer.ln1)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qk = qkv[:, :nq + nkv].view(-1, self.num_heads + self.num_kv_heads, hd)
+            half = hd // 2
+            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
+            qk = qk * cos + rotated * sin
+            q = qk[:, :self.num_heads]
+            k = qk[:, self.num_heads:]
+            v = qkv[:, nq + nkv:].view(-1, self.num_kv_heads, hd)
+            k_pool, v_pool = pool.layer(index)
+            k_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, k)
+            v_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, v)
+            attn = self._attend(step, q, k_pool, v_pool, workspace)
+            x = x + F.linear(attn, layer.o_w)
+            h = self._norm(x, layer.ln2)
+            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_w)
+        h = self._norm(x.index_select(0, step.sample_rows), self.norm)
+        return F.linear(h, self.lm_head).float()
+
+    def _workspace(self, step: StepBatch, pool: KVPool):
+        """Gather buffers reused by every layer, so the per-layer gathers allocate nothing."""
+        shape = (step.decode_blocks.shape[0], pool.block_size, self.num_kv_heads, self.head_dim)
+        return torch.empty(shape, dtype=pool.kv.dtype), torch.empty(shape, dtype=pool.kv.dtype)
+
+    def _attend(self, step: StepBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                workspace) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
+        d, hd = step.num_decodes, self.head_dim
+        if d:
+            k_buf, v_buf = workspace
+            torch.index_select(k_pool, 0, step.decode_blocks, out=k_buf)
+            torch.index_select(v_pool, 0, step.decode_blocks, out=v_buf)
+            k = k_buf.view(d, -1, self.num_kv_heads, hd).transpose(1, 2)
+            v = v_buf.view(d, -1, self.num_kv_heads, hd).transpose(1, 2)
+            # A decode's query heads of one KV group ride as that group's query rows: no K/V repeat.
+            qd = q[:d].reshape(d, self.num_kv_heads, self.group, hd)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=step.decode_bias)
+            out[:d] = o.reshape(d, -1)
+        for span in step.prefills:
+            rows = slice(span.row, span.row + span.num_tokens)
+            length = span.context_len
+            k = k_pool.index_select(0, span.blocks).view(1, -1, self.num_kv_heads, hd)[:, :length]
+            v = v_pool.index_select(0, span.blocks).view(1, -1, self.num_kv_heads, hd)[:, :length]
+            k = k.transpose(1, 2).repeat_interleave(self.group, dim=1)
+            v = v.transpose(1, 2).repeat_interleave(self.group, dim=1)
+            qp = q[rows].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=span.mask, is_causal=span.mask is None)
+            out[rows] = o[0].transpose(0, 1).reshape(span.num_tokens, -1)
+        return out

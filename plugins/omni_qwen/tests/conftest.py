@@ -1,0 +1,138 @@
+"""Tiny Qwen2 checkpoints built locally once per session (never a hub), and a session cache dir."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def omni_cache(tmp_path_factory):
+    """Everything omni builds on first use (the demo checkpoint) goes to a session tmp dir."""
+    path = tmp_path_factory.mktemp("omni-cache")
+    old = os.environ.get("OMNI_CACHE_DIR")
+    os.environ["OMNI_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("OMNI_CACHE_DIR", None)
+    else:
+        os.environ["OMNI_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    from omni_qwen.demo import train_tokenizer
+
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory, qwen_tokenizer) -> Path:
+    """Random weights with a large init range, so greedy output is varied text, not one repeated token."""
+    from omni_qwen.demo import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen2-tiny", context_window=256,
+                            initializer_range=0.5, tokenizer=qwen_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def qwen25_dir(tmp_path_factory, tiny_ckpt) -> Path:
+    """tiny_ckpt rewritten in the real Qwen2.5-Instruct layout: vocab.json + merges.txt, specials only in
+    tokenizer_config.json, inline chat template, rope_theta, torch_dtype bfloat16, bf16 safetensors, and the
+    sampling defaults of the real generation_config.json."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    dst = tmp_path_factory.mktemp("qwen25") / "Qwen2.5-tiny-Instruct"
+    dst.mkdir()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_ckpt)
+    tokenizer.backend_tokenizer.model.save(str(dst))  # vocab.json + merges.txt
+    specials = {str(tokenizer.convert_tokens_to_ids(t)): {"content": t, "lstrip": False, "normalized": False,
+                                                          "rstrip": False, "single_word": False, "special": True}
+                for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    (dst / "tokenizer_config.json").write_text(json.dumps({
+        "add_prefix_space": False, "added_tokens_decoder": specials, "bos_token": None,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"], "chat_template": tokenizer.chat_template,
+        "clean_up_tokenization_spaces": False, "eos_token": "<|im_end|>", "errors": "replace",
+        "model_max_length": 131072, "pad_token": "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer", "unk_token": None}, indent=2))
+    config = json.loads((tiny_ckpt / "config.json").read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    config.pop("dtype", None)
+    config.update(rope_theta=theta, torch_dtype="bfloat16", rope_scaling=None, transformers_version="4.43.1")
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    (dst / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": eos[1], "do_sample": True, "eos_token_id": eos, "pad_token_id": eos[1],
+        "repetition_penalty": 1.1, "temperature": 0.7, "top_k": 20, "top_p": 0.8}))
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(tiny_ckpt / "model.safetensors").items()}
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def copy_with_eos(src: Path, dst: Path, eos_ids: list[int]) -> Path:
+    """A copy of a checkpoint whose generation config stops on `eos_ids`."""
+    shutil.copytree(src, dst)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    gen["eos_token_id"] = eos_ids
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None) -> list[int]:
+    """transformers' own greedy `generate`, the reference the runtime must match token for token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).eval()
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
+                         repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.fixture(name="hf_greedy", scope="session")
+def _hf_greedy():
+    return hf_greedy
+
+
+@pytest.fixture(name="copy_with_eos", scope="session")
+def _copy_with_eos():
+    return copy_with_eos
+
+
+@pytest.fixture(scope="session")
+def host():
+    """A plugin host with this plugin loaded (models stay cached in its QwenStages across graph builds)."""
+    from omni_kernel.plugins import load_host
+
+    return load_host()
+
+
+@pytest.fixture(scope="session")
+def run_plan(host):
+    """Build a one-node plan of an omni_qwen node type and run a request through the StageScheduler."""
+    from omni_kernel import NodeSpec, PipelinePlan, Request
+    from omni_kernel.planner import PipelineRegistry
+    from omni_kernel.stage_scheduler import StageScheduler
+
+    def run(node_type: str, prompt: str, config: dict, policy=None, ar=None, stream=False, events=None):
+        plan = PipelinePlan("test_" + node_type, [NodeSpec("n", node_type, policy=policy or {}, final=True)])
+        scheduler = StageScheduler(PipelineRegistry(host.registry).build(plan, config))
+        request = Request(plan.name, prompt, params={"ar": ar} if ar else {}, options={"stream": stream})
+        if events is None:
+            return scheduler.generate(request)
+        for event in scheduler.generate_stream(request):
+            events.append(event)
+        return events[-1].result
+
+    return run

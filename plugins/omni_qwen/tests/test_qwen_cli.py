@@ -1,0 +1,120 @@
+"""`omni run --pipeline ar_text` through click's CliRunner, every error case, and the real Qwen2.5 layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from omni_kernel.cli import main
+
+PROMPT = "生成1000字的文本，描述一所学校"
+
+
+def omni(*args):
+    result = CliRunner().invoke(main, ["run", "--pipeline", "ar_text", *args])
+    return result
+
+
+def test_run_prints_text_and_trace(tiny_ckpt, tmp_path):
+    result = omni("--ar-model", str(tiny_ckpt), "--prompt", PROMPT, "--trace-json", str(tmp_path / "t.json"))
+    assert result.exit_code == 0, result.output
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert trace["ar.stop_reason"] in ("eos", "context_window")
+    assert trace["ar.streaming"] is False and trace["ar.token_budget"] is None
+    assert "ar.kv_cache_backend" in result.stderr and '"dynamic_cache"' in result.stderr
+    assert result.stdout.rstrip("\n")
+
+
+def test_stream_prints_the_same_text(tiny_ckpt):
+    streamed = omni("--ar-model", str(tiny_ckpt), "--prompt", PROMPT, "--stream")
+    as_json = omni("--ar-model", str(tiny_ckpt), "--prompt", PROMPT, "--json")
+    assert streamed.exit_code == 0 and as_json.exit_code == 0, streamed.output + as_json.output
+    body = json.loads(as_json.stdout)
+    assert streamed.stdout == body["output"]["text"] + "\n"
+    assert body["trace"]["ar.streaming"] is False and body["stop_reason"] == body["trace"]["ar.stop_reason"]
+    assert any(line.split() == ["ar.streaming", "true"] for line in streamed.stderr.splitlines())
+
+
+def test_real_qwen25_layout(qwen25_dir, hf_greedy):
+    result = omni("--ar-model", str(qwen25_dir), "--prompt", PROMPT, "--json")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["trace"]["ar.dtype"] == "bfloat16"
+    assert body["trace"]["ar.sampling"] == "greedy"
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen25_dir)
+    assert not (qwen25_dir / "tokenizer.json").exists()
+    prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                               return_dict=False)
+    n = body["trace"]["ar.generated_tokens"]
+    expected = hf_greedy(qwen25_dir, list(prompt_ids), n)
+    assert body["output"]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+    assert body["trace"]["ar.input_tokens"] == len(prompt_ids)
+
+
+def test_ar_dtype_override(tiny_ckpt, host):
+    from omni_kernel import ARParams, Omni
+
+    result = Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="bf16").generate(
+        "hi", ar=ARParams(max_tokens=3))
+    assert result.trace["ar.dtype"] == "bfloat16"
+
+
+@pytest.fixture(scope="module")
+def bad_dirs(tmp_path_factory, tiny_ckpt):
+    root = tmp_path_factory.mktemp("bad")
+    (root / "file.txt").write_text("not a dir")
+    (root / "empty").mkdir()
+    (root / "broken").mkdir()
+    (root / "broken" / "config.json").write_text("{not json")
+    (root / "vision").mkdir()
+    (root / "vision" / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    (root / "noweights").mkdir()
+    (root / "noweights" / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    (root / "notokenizer").mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (root / "notokenizer" / name).write_bytes((tiny_ckpt / name).read_bytes())
+    (root / "badweights").mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (root / "badweights" / name).write_bytes((tiny_ckpt / name).read_bytes())
+    (root / "badweights" / "model.safetensors").write_bytes(b"garbage")
+    return root
+
+
+@pytest.mark.parametrize("name, message", [
+    ("missing", "does not exist"), ("file.txt", "is not a directory"), ("empty", "has no config.json"),
+    ("broken", "unreadable config.json"), ("vision", "not a causal language model"),
+    ("noweights", "no *.safetensors weights"), ("notokenizer", "no usable tokenizer"),
+    ("badweights", "could not be loaded as a causal LM"),
+])
+def test_bad_model_dir_is_one_line_exit_2(bad_dirs, name, message):
+    result = omni("--ar-model", str(bad_dirs / name), "--prompt", "hi")
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", " \n "], "the prompt is empty"),
+    (["--prompt", "school " * 300], "context window is 256 tokens"),
+    (["--prompt", "hi", "--image", "x.png"], "does not use --image"),
+    (["--prompt", "hi", "--ar-dtype", "fp32"], "No such option"),
+    (["--prompt", "hi", "--max-tokens", "5"], "No such option"),
+])
+def test_bad_request_is_one_line_exit_2(tiny_ckpt, args, message):
+    result = omni("--ar-model", str(tiny_ckpt), *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_bad_dtype_is_refused(tiny_ckpt, host):
+    from omni_kernel import Omni
+    from omni_kernel.errors import InvalidParameter
+
+    with pytest.raises(InvalidParameter, match="ar_dtype"):
+        Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="int3")

@@ -1,0 +1,61 @@
+"""Plugin registration, the torch-free entry module, model caching, the demo checkpoint and the installed script."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from omni_kernel import NodeSpec, PipelinePlan
+from omni_kernel.planner import PipelineRegistry
+
+
+def test_entry_module_imports_no_torch():
+    code = "import sys, omni_qwen.plugin; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_registers_nodes_and_pipeline(host):
+    registry = host.registry
+    assert registry.pipelines["ar_text"].plugin == "omni_qwen"
+    text = registry.node_types["ar.text_generation"].item
+    bridge = registry.node_types["ar.prompt_bridge"].item
+    assert (text.kind, bridge.kind) == ("ar", "ar")
+    assert text.options == {"stream", "ar_model"} and bridge.options == {"stream", "ar_model"}
+    assert registry.options_of(registry.pipelines["ar_text"].item) >= {"stream", "ar_model", "prompt", "seed"}
+
+
+def test_model_loads_once_per_path(host, tiny_ckpt):
+    plan = PipelinePlan("two", [NodeSpec("a", "ar.prompt_bridge"), NodeSpec("b", "ar.text_generation", final=True)])
+    graph = PipelineRegistry(host.registry).build(plan, {"ar_model": str(tiny_ckpt)})
+    assert graph.stages["a"].executor.pipeline is graph.stages["b"].executor.pipeline
+
+
+def test_demo_checkpoint_is_built_once(omni_cache):
+    from omni_qwen.demo import DEMO_CONTEXT_WINDOW, demo_dir, ensure_demo_checkpoint
+
+    path = ensure_demo_checkpoint()
+    assert path == demo_dir() and path.parent.parent == omni_cache
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_checkpoint() == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")], "a temp build dir was left behind"
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["max_position_embeddings"] == DEMO_CONTEXT_WINDOW
+
+
+def test_installed_script_runs_ar_text_on_the_demo(omni_cache):
+    script = Path(sys.executable).with_name("omni")
+    # One thread: a tiny model gains nothing from more, and OpenMP spinning on a busy machine costs 10-30x.
+    env = {**os.environ, "OMNI_CACHE_DIR": str(omni_cache), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(script), "run", "--pipeline", "ar_text", "--stream", "--prompt",
+                           "生成1000字的文本，描述一所学校"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "using a random-weight demo model" in proc.stderr and "--ar-model DIR" in proc.stderr
+    assert proc.stdout.strip()
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in proc.stderr.splitlines() if line.startswith("ar.")}
+    assert lines["ar.streaming"] == "true" and lines["ar.kv_cache_backend"] == '"dynamic_cache"'
+    assert lines["ar.stop_reason"] in ('"eos"', '"context_window"')

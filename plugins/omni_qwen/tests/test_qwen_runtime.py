@@ -1,0 +1,182 @@
+"""The runtime against transformers' own generate, streaming, stop reasons and seeds, through the StageScheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_kernel import ARParams, Omni, RequestFinished, StageFinished, TokenDelta
+from omni_kernel.errors import InputError
+
+PROMPTS = ["Tell me about the school by the river.", "生成一段文字，描述一所学校的春天", "emoji 🦊🎉 and café ñ",
+           "x"]
+AR_FIELDS = ("input_tokens", "prefill_tokens", "output_tokens", "generated_tokens", "prefill_ms", "decode_ms",
+             "ttft_ms", "scheduler_steps", "prefill_steps", "decode_model_calls", "decode_scheduler_steps",
+             "decode_step_mean_ms", "stop_reason", "streaming", "kv_cache", "kv_cache_type", "kv_cache_backend",
+             "kv_cache_source", "runtime_kv_manager", "prompt_mode")
+
+
+@pytest.fixture(scope="module")
+def omni(tiny_ckpt, host):
+    return Omni("ar_text", host=host, ar_model=str(tiny_ckpt))
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_transformers_generate(omni, tiny_ckpt, hf_greedy, prompt):
+    result = omni.generate(prompt, ar=ARParams(max_tokens=40))
+    out = result.output
+    expected = hf_greedy(tiny_ckpt, out.data["prompt_token_ids"], 40)
+    assert out.data["token_ids"] == expected
+    assert len(set(expected)) > 10, "greedy output should not be a trivial repetition"
+    tokenizer = omni.graph.stages["generate"].executor.pipeline.tokenizer
+    assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         return_dict=False)
+    assert out.data["prompt_token_ids"] == list(chat)
+
+
+def test_trace_fields_are_true(omni):
+    result = omni.generate("Describe the library.", ar=ARParams(max_tokens=12), stream=True)
+    trace = result.trace
+    missing = [f for f in AR_FIELDS if f"ar.{f}" not in trace]
+    assert not missing
+    assert trace["ar.input_tokens"] == trace["ar.prefill_tokens"] == len(result.output.data["prompt_token_ids"])
+    assert trace["ar.generated_tokens"] == len(result.output.data["token_ids"])
+    assert trace["ar.scheduler_steps"] == trace["ar.generated_tokens"]
+    assert trace["ar.prefill_steps"] == 1
+    assert trace["ar.decode_model_calls"] == trace["ar.decode_scheduler_steps"] == trace["ar.generated_tokens"] - 1
+    assert trace["ar.prefill_ms"] > 0 and trace["ar.decode_ms"] > 0 and trace["ar.ttft_ms"] >= trace["ar.prefill_ms"]
+    assert trace["ar.decode_step_mean_ms"] == pytest.approx(trace["ar.decode_ms"] / trace["ar.decode_model_calls"],
+                                                            abs=1e-2)
+    assert trace["ar.streaming"] is True
+    assert (trace["ar.kv_cache"], trace["ar.kv_cache_type"], trace["ar.kv_cache_backend"],
+            trace["ar.kv_cache_source"], trace["ar.runtime_kv_manager"]) == (
+        True, "DynamicCache", "dynamic_cache", "transformers", False)
+    assert trace["ar.prompt_mode"] == "chat_template"
+    assert trace["ar.stop_reason"] == "max_tokens" and trace["ar.output_tokens"] == 12
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[1:3])
+def test_stream_deltas_are_whole_characters_and_concatenate(omni, prompt):
+    deltas, result = [], None
+    for event in omni.generate_stream(prompt, ar=ARParams(max_tokens=60), stream=True):
+        if isinstance(event, TokenDelta):
+            deltas.append(event.text)
+        elif isinstance(event, RequestFinished):
+            result = event.result
+    assert "".join(deltas) == result.text
+    tokenizer = omni.graph.stages["generate"].executor.pipeline.tokenizer
+    ids = result.output.data["token_ids"]
+    assert result.text == tokenizer.decode(ids, skip_special_tokens=True)
+    for delta in deltas:
+        assert delta and delta.encode("utf-8").decode("utf-8") == delta
+    # Some character of this output took more than one token: its first tokens released nothing.
+    from omni_qwen.detokenize import IncrementalDetokenizer
+
+    pipeline = omni.graph.stages["generate"].executor.pipeline
+    detok, held = IncrementalDetokenizer(pipeline.decode), False
+    assembled = []
+    for token in ids:
+        piece = detok.add(token)
+        if held and piece:
+            assembled += [c for c in piece if len(c.encode()) > 1 and c != "\ufffd"]
+        held = not piece
+    assert assembled, "expected a multi-byte character split across tokens in the output"
+
+
+def test_split_characters_are_held_back(omni):
+    """Feed the detokenizer the tokens of text whose characters this tokenizer splits into bytes."""
+    from omni_qwen.detokenize import IncrementalDetokenizer
+
+    pipeline = omni.graph.stages["generate"].executor.pipeline
+    text = "fox 🦊 学校 ünï 𝄞!"
+    ids = pipeline.tokenizer.encode(text)
+    assert any("\ufffd" in pipeline.decode([i]) for i in ids), "expected a character split across tokens"
+    detok = IncrementalDetokenizer(pipeline.decode)
+    deltas = [detok.add(i) for i in ids] + [detok.flush()]
+    assert "" in deltas[:-1]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_eos(tiny_ckpt, tmp_path, host, copy_with_eos, run_plan):
+    first = run_plan("ar.text_generation", "x", {"ar_model": str(tiny_ckpt)}, ar=ARParams(max_tokens=6))
+    ids = first.output.data["token_ids"]
+    target = ids[3]
+    eos_dir = copy_with_eos(tiny_ckpt, tmp_path / "eos", [target])
+    result = run_plan("ar.text_generation", "x", {"ar_model": str(eos_dir)})
+    cut = ids.index(target)
+    assert result.output.stop_reason == "eos"
+    assert result.output.data["token_ids"] == ids[:cut + 1]
+    assert result.trace["ar.generated_tokens"] == cut + 1 and result.trace["ar.output_tokens"] == cut
+
+
+def test_stop_context_window(tiny_ckpt, hf_greedy, run_plan):
+    result = run_plan("ar.text_generation", "The red gate.", {"ar_model": str(tiny_ckpt)})
+    out = result.output
+    assert out.stop_reason == "context_window"
+    assert len(out.data["prompt_token_ids"]) + len(out.data["token_ids"]) == 256
+    assert out.data["token_ids"] == hf_greedy(tiny_ckpt, out.data["prompt_token_ids"], 256)[:len(out.data["token_ids"])]
+
+
+def test_stop_strings(omni):
+    full = omni.generate("x", ar=ARParams(max_tokens=30)).text
+    stop = full[8:11]
+    cut = full.index(stop)
+    deltas, result = [], None
+    for event in omni.generate_stream("x", ar=ARParams(max_tokens=30, stop=(stop,))):
+        if isinstance(event, TokenDelta):
+            deltas.append(event.text)
+        elif isinstance(event, RequestFinished):
+            result = event.result
+    assert result.output.stop_reason == "stop"
+    assert result.text == full[:cut] == "".join(deltas)
+
+
+def test_bridge_token_budget(tiny_ckpt, run_plan):
+    events = []
+    result = run_plan("ar.prompt_bridge", "a fox runs through snow", {"ar_model": str(tiny_ckpt)},
+                      policy={"max_tokens": 9}, stream=True, events=events)
+    out = result.output
+    assert out.stop_reason == "max_tokens" and out.contract == "supplemental_guidance"
+    assert result.trace["ar.output_tokens"] == 9 and result.trace["ar.token_budget"] == 9
+    assert result.trace["ar.prompt_mode"] == "bridge_chat_template"
+    assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == out.text
+    assert any(isinstance(e, StageFinished) for e in events)
+    from omni_qwen.bridge_prompt import BRIDGE_INSTRUCTION
+
+    pipeline_tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_ckpt)
+    prompt_text = pipeline_tokenizer.decode(out.data["prompt_token_ids"])
+    assert BRIDGE_INSTRUCTION in prompt_text and "a fox runs through snow" in prompt_text
+
+
+def test_seed_reproduces_and_seeds_differ(omni):
+    def sample(seed):
+        return omni.generate("Describe the school.", ar=ARParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed,
+                                                                  max_tokens=24))
+
+    a, b, c = sample(7), sample(7), sample(8)
+    assert a.output.data["token_ids"] == b.output.data["token_ids"]
+    assert a.output.data["token_ids"] != c.output.data["token_ids"]
+    assert a.trace["ar.sampling"] == "sample" and a.trace["ar.seed"] == 7
+    greedy = omni.generate("Describe the school.", ar=ARParams(max_tokens=24))
+    assert greedy.output.data["token_ids"] != a.output.data["token_ids"]
+
+
+def test_concurrent_requests_match_alone(omni):
+    prompts = ["one", "学校", "🦊 three"]
+    alone = [omni.generate(p, ar=ARParams(max_tokens=10 + i)).output.data["token_ids"] for i, p in enumerate(prompts)]
+    requests = [omni.request(p, ar=ARParams(max_tokens=10 + i)) for i, p in enumerate(prompts)]
+    finished = {}
+    for event in omni.scheduler.run(requests):
+        if isinstance(event, RequestFinished):
+            finished[event.request_id] = event.result.output.data["token_ids"]
+    assert [finished[r.request_id] for r in requests] == alone
+    assert not omni.graph.stages["generate"].executor.sequences
+    assert not omni.graph.stages["generate"].executor.pipeline.caches
+
+
+def test_prompt_errors(omni):
+    with pytest.raises(InputError, match="empty"):
+        omni.generate("   ")
+    with pytest.raises(InputError, match="context window is 256"):
+        omni.generate("school " * 400)

@@ -1,0 +1,62 @@
+"""The tiny Wan2.2 checkpoint, built once per session in a tmp cache dir (never a hub)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def omni_cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("omni-cache")
+    old = os.environ.get("OMNI_CACHE_DIR")
+    os.environ["OMNI_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("OMNI_CACHE_DIR", None)
+    else:
+        os.environ["OMNI_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_model(omni_cache) -> Path:
+    """The demo checkpoint (the real classes and layout, random weights), built under OMNI_CACHE_DIR."""
+    from omni_wan.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def image_path() -> Path:
+    assert ASSET.is_file(), "examples/assets/image.png ships with the repository"
+    return ASSET
+
+
+@pytest.fixture(scope="session")
+def omni(tiny_model):
+    """One wan_i2v pipeline for the session: the model stays loaded across tests, like in one process."""
+    from omni_kernel import Omni
+
+    return Omni("wan_i2v", model=str(tiny_model))
+
+
+@pytest.fixture(autouse=True)
+def omni_logger():
+    """The CLI configures the "omni" logger; restore it so one test's handlers never leak into the next."""
+    logger = logging.getLogger("omni")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield logger
+    logger.handlers[:] = saved[0]
+    logger.propagate, logger.level = saved[1], saved[2]

@@ -1,0 +1,183 @@
+"""The `omni` command line through click's CliRunner."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from omni_kernel import __version__, hookimpl
+from omni_kernel.cli import main
+from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
+from omni_kernel.identity import KernelPlugin
+from omni_kernel.plugins import PluginHost
+
+
+class ExtrasPlugin:
+    """A command, a connector and a two-node echo pipeline, registered inline."""
+
+    @hookimpl
+    def omni_register_commands(self, register):
+        @click.command("greet")
+        @click.option("--name", default="world")
+        def greet(name):
+            """Say hello."""
+            click.echo(f"hello {name}")
+
+        register(greet)
+
+    @hookimpl
+    def omni_register_connectors(self, register):
+        register(Relay())
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(PipelinePlan("echo_twice", [NodeSpec("first", "kernel.echo"), NodeSpec("second", "kernel.echo",
+                                                                                        final=True)],
+                              [EdgeSpec("first", "second", "relay")], description="echo, echoed again"))
+        register(PipelinePlan("needs_wan", [NodeSpec("wan", "diffusion.wan22_i2v", final=True,
+                                                     plugin_hint="omni-wan")]))
+
+
+class Relay:
+    name, source_kind, target_kind = "relay", "ar", "ar"
+
+    def convert(self, output, request):
+        from omni_kernel.request import StageInput
+        return StageInput(request.request_id, f"[{output.text}]", params=request.params.get("ar"),
+                          options=request.options, trace={"relay.chars": len(output.text)})
+
+
+@pytest.fixture
+def host():
+    host = PluginHost()
+    host.register(KernelPlugin(), "omni_kernel", "0.1.0")
+    host.register(ExtrasPlugin(), "extras", "2.0")
+    return host
+
+
+def omni(host, *args):
+    return CliRunner().invoke(main, list(args), obj={"host": host})
+
+
+def test_run_streams_the_text_and_writes_the_trace(host, tmp_path):
+    trace_path = tmp_path / "deep" / "t.json"
+    result = omni(host, "run", "--pipeline", "echo", "--prompt", "héllo 世界", "--stream", "--trace-json",
+                  str(trace_path))
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "héllo 世界\n"
+    trace = json.loads(trace_path.read_text(encoding="utf-8"))
+    assert trace["ar.streaming"] is True and trace["ar.input_tokens"] == 2 and trace["request.pipeline"] == "echo"
+    assert "ar.ttft_ms" in result.stderr and "Traceback" not in result.output
+    assert not list(trace_path.parent.glob("*.tmp"))
+
+
+def test_run_without_stream_prints_the_text_once(host):
+    result = omni(host, "run", "--pipeline", "echo", "--prompt", "a b c", "--seed", "3")
+    assert result.exit_code == 0 and result.stdout == "a b c\n"
+
+
+def test_run_json_prints_one_object(host):
+    result = omni(host, "run", "--pipeline", "echo", "--prompt", "héllo 世界", "--json", "--stream")
+    assert result.exit_code == 0, result.output
+    body = json.loads(result.stdout)
+    assert body["output"] == {"text": "héllo 世界"} and body["stop_reason"] == "eos" and body["pipeline"] == "echo"
+    assert body["trace"]["ar.stop_reason"] == "eos" and result.stdout.count("\n") == 1
+
+
+def test_multi_stage_stream_keeps_stdout_for_the_final_node(host):
+    result = omni(host, "run", "--pipeline", "echo_twice", "--prompt", "x y", "--stream")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "[x y]\n"
+    assert result.stderr.startswith("x y\n") and "relay.chars" in result.stderr
+
+
+def one_line_error(result, code=2) -> str:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_unknown_pipeline_lists_the_known_ones(host):
+    line = one_line_error(omni(host, "run", "--pipeline", "nope", "--prompt", "x"))
+    assert "unknown pipeline 'nope'" in line and "echo, echo_twice, needs_wan" in line
+
+
+@pytest.mark.parametrize("flag", [["--preset", "fast"], ["--image", "x.png"], ["--steps", "3"], ["--profile"],
+                                  ["--model", "m"], ["--vae-dtype", "bf16"], ["--disable-cpu-offload"]])
+def test_a_flag_the_pipeline_does_not_use_is_refused(host, flag):
+    line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", "x", *flag))
+    assert "'echo'" in line and flag[0] in line
+
+
+def test_empty_prompt_is_one_line_exit_2(host):
+    line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", ""))
+    assert "prompt" in line and "empty" in line
+
+
+def test_missing_node_type_says_which_plugin_to_install(host):
+    line = one_line_error(omni(host, "run", "--pipeline", "needs_wan", "--prompt", "x"))
+    assert "omni-wan" in line and "unknown_node_type" in line
+
+
+def test_bad_values_are_click_usage_errors(host):
+    result = omni(host, "run", "--pipeline", "echo", "--prompt", "x", "--seed", "many")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert omni(host, "run", "--pipeline", "echo").exit_code == 2  # --prompt is required
+
+
+def test_invalid_seed_range_is_a_user_error(host):
+    line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", "x", "--seed", "-1"))
+    assert "seed" in line
+
+
+def test_plugins_lists_versions_and_registrations(host):
+    result = omni(host, "plugins")
+    assert result.exit_code == 0
+    assert "omni_kernel 0.1.0 [loaded]" in result.stdout and "extras 2.0 [loaded]" in result.stdout
+    assert "  commands: greet" in result.stdout and "  pipelines: echo_twice, needs_wan" in result.stdout
+
+
+def test_pipelines_lists_nodes_edges_and_plugin(host):
+    result = omni(host, "pipelines")
+    assert result.exit_code == 0
+    out = result.stdout
+    assert "echo (from omni_kernel)" in out and "  node echo: kernel.echo [final]" in out
+    assert "echo_twice (from extras): echo, echoed again" in out and "  edge first -> second via relay" in out
+
+
+def test_plugin_commands_join_the_cli(host):
+    result = omni(host, "greet", "--name", "omni")
+    assert (result.exit_code, result.stdout) == (0, "hello omni\n")
+    assert "greet" in omni(host, "--help").stdout
+
+
+def test_version():
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"omni, version {__version__}"
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["plugins"], ["pipelines"], ["greet"]])
+def test_help_everywhere(host, command):
+    result = omni(host, *command, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.stdout
+
+
+def test_broken_plugin_warning_is_printed_once(monkeypatch):
+    class Broken:
+        name, dist = "broken", type("D", (), {"version": "0.0.1"})()
+
+        def load(self):
+            raise ImportError("No module named 'nothing_here'")
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [Broken()])
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi"])
+    assert result.exit_code == 0 and result.stdout == "hi\n"
+    warnings = [line for line in result.stderr.splitlines() if "broken" in line]
+    assert warnings == ["omni: plugin broken 0.0.1 failed to load and was skipped: ImportError: No module named "
+                        "'nothing_here'"]
