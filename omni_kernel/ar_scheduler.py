@@ -164,8 +164,10 @@ class ARScheduler:
         `samples` (an int, or a sequence whose first item is used)."""
         done, results = set(done), results or {}
         for seq, chunk in self.scheduled:
-            if seq.request_id in done or self.sequences.get(seq.request_id) is not seq:
-                continue
+            if self.sequences.get(seq.request_id) is not seq:
+                continue  # aborted since
+            if seq.request_id in done and seq.request_id not in results:
+                continue  # failed: its K/V may be unwritten, so none of it may enter the prefix cache
             seq.num_computed += chunk.num_tokens
             seq.fresh = False
             if chunk.samples and seq.request_id in results:

@@ -189,6 +189,24 @@ def test_shared_prefix_hits_are_counted_and_outputs_unchanged():
     assert bm.hit_tokens == 24
 
 
+def test_a_request_done_in_its_first_step_still_feeds_the_prefix_cache():
+    engine, _, executor, bm = make_engine(num_blocks=64, block_size=4, budget=64)
+    engine.add_request(item("a", list(range(20)), 1))
+    run_all(engine)
+    engine.add_request(item("b", list(range(20)) + [5], 1))
+    run_all(engine)
+    assert executor.steps[-1].chunks[0].cached_tokens == 20
+
+
+def test_a_failed_step_commits_nothing():
+    bm = BlockManager(16, 4)
+    scheduler = ARScheduler(bm, max_num_batched_tokens=64)
+    scheduler.add(item("a", list(range(12)), 1))
+    scheduler.schedule()
+    scheduler.update(["a"])  # the whole step failed: no results
+    assert bm.num_used == 0 and bm.num_cached == 0 and not bm.by_hash
+
+
 def test_missing_prompt_ids_and_pool_too_small_are_reported():
     scheduler = ARScheduler(BlockManager(2, 2))
     with pytest.raises(ValueError):

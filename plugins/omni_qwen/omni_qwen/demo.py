@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from omni_kernel.errors import ModelError
 from omni_kernel.paths import cache_dir
 
 from .bridge_prompt import BRIDGE_INSTRUCTION
@@ -68,9 +69,9 @@ def ensure_demo_checkpoint() -> Path:
         build_checkpoint(tmp, context_window=DEMO_CONTEXT_WINDOW, initializer_range=0.5)
         try:
             os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise  # not a lost race with another builder
+        except OSError as exc:
+            if not (target / "config.json").is_file():  # not a lost race with another builder
+                raise ModelError(f"cannot build the demo AR model in {str(target)!r}: {exc}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

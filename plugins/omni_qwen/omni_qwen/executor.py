@@ -71,7 +71,8 @@ class _Sequence:
 
 
 class ARExecutor:
-    def __init__(self, node_id: str, pipeline, settings: ARNodeSettings | None = None, backend: ARBackend | None = None):
+    def __init__(self, node_id: str, pipeline, settings: ARNodeSettings | None = None,
+                 backend: ARBackend | None = None):
         self.node_id = node_id
         self.pipeline = pipeline  # tokenizer, chat template, context window, EOS ids
         self.backend = backend or pipeline
@@ -177,7 +178,8 @@ class ARExecutor:
             "stop_reason": reason, "streaming": bool(seq.item.options.get("stream")),
             **self.backend.kv_trace, "prompt_mode": seq.prompt_mode,
             "model": str(getattr(self.pipeline, "path", "")), "dtype": getattr(self.pipeline, "dtype", ""),
-            "load_ms": round(getattr(self.pipeline, "load_ms", 0.0), 3), "context_window": self.context_window, "token_budget": seq.max_tokens,
+            "load_ms": round(getattr(self.pipeline, "load_ms", 0.0), 3), "context_window": self.context_window,
+            "token_budget": seq.max_tokens,
             "sampling": "greedy" if seq.sampler.seed is None else "sample", "seed": seq.sampler.seed,
         }
         trace = {f"ar.{k}": v for k, v in fields.items()}

@@ -58,7 +58,7 @@ def test_trace_fields_are_true(omni):
 @pytest.mark.parametrize("prompt", PROMPTS[1:3])
 def test_stream_deltas_are_whole_characters_and_concatenate(omni, prompt):
     deltas, result = [], None
-    for event in omni.generate_stream(prompt, ar=ARParams(max_tokens=60), stream=True):
+    for event in omni.generate_stream(prompt, ar=ARParams(max_tokens=200), stream=True):
         if isinstance(event, TokenDelta):
             deltas.append(event.text)
         elif isinstance(event, RequestFinished):

@@ -92,7 +92,7 @@ class PagedARExecutor:
             req = self.requests[rid]
             params = req.item.params
             token = greedy[row] if params is None or params.temperature == 0 else \
-                choose(logits[row], params, req.generator)
+                choose(logits[row].float(), params, req.generator)
             req.output_ids.append(token)
             results[rid] = token
             if req.first_token_ms is None:

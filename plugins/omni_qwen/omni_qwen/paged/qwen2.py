@@ -66,7 +66,8 @@ class PagedQwen2:
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
-        """Run the step; write its K/V into the pool; return the logits (fp32) of the sampled rows."""
+        """Run the step; write its K/V into the pool; return the logits of the sampled rows (model dtype:
+        argmax needs no fp32 copy of a vocabulary-wide row)."""
         x = F.embedding(step.input_ids, self.embed)
         cos, sin = self.rotary(x, step.positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
@@ -91,7 +92,7 @@ class PagedQwen2:
             gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_w)
         h = self._norm(x.index_select(0, step.sample_rows), self.norm)
-        return F.linear(h, self.lm_head).float()
+        return F.linear(h, self.lm_head)
 
     def _workspace(self, step: StepBatch, pool: KVPool):
         """Gather buffers reused by every layer, so the per-layer gathers allocate nothing."""
