@@ -197,6 +197,9 @@ def _write_json(path: Path, body) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(body, f, ensure_ascii=False, indent=2)
         f.write("\n")
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a trace file is as readable as any other output
     os.replace(tmp, path)
 
 

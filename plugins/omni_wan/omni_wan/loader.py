@@ -52,7 +52,7 @@ def _load(path: Path, placement: Placement):
     try:
         with quiet_libraries():
             return Wan22I2VPipeline.load(path, placement)
-    except (OSError, ValueError, KeyError, TypeError, EnvironmentError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever breaks a load, the directory is what the user can fix
         raise ModelError(f"cannot load a Wan2.2 TI2V model from {path}: {' '.join(str(exc).split())}") from None
 
 

@@ -85,7 +85,8 @@ def test_repeated_request_hits_prepare_cache_and_warm_model(omni, image_path, tm
 
 
 def test_trace_fields_and_progress(omni, image_path, tmp_path):
-    events = list(omni.generate_stream("a kite", image=str(image_path), diffusion=SMALL, output=str(tmp_path / "k.mp4")))
+    events = list(omni.generate_stream("a kite", image=str(image_path), diffusion=SMALL,
+                                       output=str(tmp_path / "k.mp4")))
     steps = [e.step for e in events if isinstance(e, StageProgress)]
     assert steps == [0, 1, 2, 3]
     trace = next(e for e in events if isinstance(e, RequestFinished)).result.trace
