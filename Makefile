@@ -24,8 +24,17 @@ $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLU
 	$(PIP) install -q -c constraints.txt -e '.[test]' $(addprefix -e ,$(PLUGINS))
 	touch $(STAMP)
 
+# Real weights: make demo AR_MODEL=./models/Qwen2.5-0.5B-Instruct MODEL=./models/Wan2.2-TI2V-5B-Diffusers
+AR_MODEL ?=
+MODEL ?=
+PROMPT ?= A lighthouse on a rocky coast at dusk, waves rolling in, the camera slowly pushing forward
+IMAGE ?= examples/assets/image.png
+DEMO_FLAGS = $(if $(AR_MODEL),--ar-model $(AR_MODEL)) $(if $(MODEL),--model $(MODEL),--preset smoke)
+
 demo: $(STAMP)
-	$(VENV)/bin/omni run --pipeline echo --prompt "héllo 世界: omni streams this back" --stream
+	mkdir -p out
+	$(VENV)/bin/omni run --pipeline qwen_to_wan_i2v --prompt "$(PROMPT)" --image $(IMAGE) $(DEMO_FLAGS) \
+		--seed 0 --output out/demo.mp4 --trace-json out/demo_trace.json
 
 test: $(STAMP) test-kernel-only
 	$(PY) -m pytest
