@@ -51,11 +51,12 @@ class StageScheduler:
 
     def step(self) -> list:
         events, self.backlog = self.backlog, []
-        for node_id in self.graph.order:
-            stage = self.graph.stages[node_id]
-            if stage.has_unfinished():
-                for event in stage.step():
-                    events.extend(self._route(node_id, event))
+        # Only stages that had work when the step began: a request handed downstream now starts next step, so
+        # its first work (a model load and its log line) never runs before the upstream events are yielded.
+        busy = [node_id for node_id in self.graph.order if self.graph.stages[node_id].has_unfinished()]
+        for node_id in busy:
+            for event in self.graph.stages[node_id].step():
+                events.extend(self._route(node_id, event))
         return events
 
     def abort(self, request_id: str) -> None:

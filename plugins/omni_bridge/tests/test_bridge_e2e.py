@@ -1,0 +1,227 @@
+"""qwen_to_wan_i2v end to end on both tiny demo checkpoints (real Qwen2 and Wan2.2 classes, random weights).
+
+Three ways in: the installed `omni` script in a subprocess, the Python API in this process, and the scripts
+in examples/. The demo checkpoints are built on first use under a module tmp OMNI_CACHE_DIR. Subprocess
+starts cost ~5 s each (torch, transformers, diffusers imports), so one `omni run` serves many assertions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from omni_bridge import FALLBACK_REASONS, merge_prompt
+from omni_kernel.cli import main
+
+ROOT = Path(__file__).resolve().parents[3]
+IMAGE = ROOT / "examples" / "assets" / "image.png"
+OMNI = Path(sys.executable).parent / "omni"
+PROMPT = "a red fox trotting through fresh snow"
+SMOKE = {"num_frames": 9, "height": 128, "width": 128}
+BRIDGE_FIELDS = ("diffusion.bridge", "diffusion.source_node", "diffusion.source_request_id",
+                 "diffusion.bridge_strategy", "diffusion.bridge_parse_success", "diffusion.bridge_fallback",
+                 "diffusion.bridge_fallback_reason", "diffusion.ar_guidance_prompt", "diffusion.prompt")
+AR_FIELDS = ("ar.input_tokens", "ar.output_tokens", "ar.ttft_ms", "ar.stop_reason", "ar.kv_cache_backend",
+             "ar.prompt_mode", "ar.streaming", "ar.token_budget")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """The demo checkpoints go to a tmp dir, never the user's cache; restored after the module."""
+    path = tmp_path_factory.mktemp("omni-cache")
+    saved = {k: os.environ.get(k) for k in ("OMNI_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    os.environ.update(OMNI_CACHE_DIR=str(path), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    yield path
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def omni_logger():
+    """The CLI configures the "omni" logger in this process; put it back so nothing leaks into other tests."""
+    import logging
+
+    logger = logging.getLogger("omni")
+    saved = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:] = saved[0]
+    logger.propagate, logger.level = saved[1], saved[2]
+
+
+def run(args: list[str], cache: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMNI_CACHE_DIR=str(cache), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               OMP_NUM_THREADS="1", PYTHONIOENCODING="utf-8")
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, encoding="utf-8", timeout=300)
+
+
+def read_video(path: Path):
+    import imageio.v3 as iio
+
+    return iio.imread(path)
+
+
+def parse_trace(text: str) -> dict:
+    """The `key  value` lines that omni_kernel.trace.format_trace prints (values are JSON)."""
+    lines = (re.fullmatch(r"((?:ar|diffusion|request)\.[a-z0-9_.]+) {2,}(.+)", line) for line in text.splitlines())
+    return {m[1]: json.loads(m[2]) for m in lines if m}
+
+
+def assert_bridge_trace(trace: dict, prompt: str) -> None:
+    missing = [k for k in AR_FIELDS + BRIDGE_FIELDS if k not in trace]
+    assert not missing, missing
+    assert trace["diffusion.bridge"] == "ar_to_diffusion"
+    assert trace["diffusion.source_node"] == "bridge"
+    assert trace["diffusion.source_request_id"] == trace["request.id"]
+    assert trace["diffusion.bridge_strategy"] == "append"
+    assert trace["diffusion.bridge_fallback"] is (not trace["diffusion.bridge_parse_success"])
+    assert trace["diffusion.prompt"].startswith(prompt)
+    if trace["diffusion.bridge_fallback"]:
+        assert trace["diffusion.bridge_fallback_reason"] in FALLBACK_REASONS
+        assert trace["diffusion.ar_guidance_prompt"] is None and trace["diffusion.prompt"] == prompt
+    else:
+        assert trace["diffusion.bridge_fallback_reason"] is None
+        assert trace["diffusion.prompt"] == merge_prompt(prompt, trace["diffusion.ar_guidance_prompt"])
+
+
+# ---- the installed `omni` script ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_run(cache, tmp_path_factory):
+    """One `omni run --stream` on the demo checkpoints (it also builds them into the module cache)."""
+    out = tmp_path_factory.mktemp("cli")
+    video, trace = out / "videos" / "fox.mp4", out / "trace.json"
+    proc = run([str(OMNI), "run", "--pipeline", "qwen_to_wan_i2v", "--image", str(IMAGE), "--prompt", PROMPT,
+                "--output", str(video), "--trace-json", str(trace), "--stream", "--seed", "0"], cache)
+    return proc, video, trace
+
+
+def test_omni_run_writes_the_mp4_and_a_trace_with_the_bridge_fields(cli_run):
+    proc, video, trace_path = cli_run
+    assert proc.returncode == 0, proc.stderr
+    frames = read_video(video)
+    assert frames.shape == (SMOKE["num_frames"], SMOKE["height"], SMOKE["width"], 3)
+    trace = json.loads(trace_path.read_text(encoding="utf-8"))
+    assert_bridge_trace(trace, PROMPT)
+    assert trace["ar.prompt_mode"] == "bridge_chat_template" and trace["ar.streaming"] is True
+    assert trace["ar.kv_cache_backend"] and trace["ar.output_tokens"] >= 1
+    assert {k: trace[f"diffusion.{k}"] for k in SMOKE} == SMOKE and trace["diffusion.preset"] == "smoke"
+    assert trace["diffusion.output"] == str(video)
+    assert parse_trace(proc.stderr) == trace  # the trace printed on stderr is the one written as JSON
+
+
+def test_stream_prints_the_ar_text_on_stderr_and_only_the_video_path_on_stdout(cli_run, omni):
+    """The AR node is not final: its deltas go to stderr, whole and on their own line(s), before the Wan stage's
+    first log line. The final (video) node streams nothing, so stdout is the path alone. The expected text
+    comes from the same greedy request through the Python API."""
+    proc, video, _ = cli_run
+    assert proc.stdout == f"wrote {video}\n"
+    text = omni.generate(PROMPT, image=str(IMAGE), output=str(video.parent / "again.mp4")).outputs["bridge"].text
+    assert text
+    start = proc.stderr.index(text)
+    assert proc.stderr[start - 1] == "\n" and proc.stderr[start + len(text)] == "\n"
+    assert proc.stderr.index("omni: loading Wan2.2") > start
+
+
+def test_bad_image_is_one_line_exit_2_and_no_file(cache, omni, tmp_path):
+    """Refused by the Wan stage's check before anything runs; --ar-model / --model name the demo dirs so no
+    demo notice joins the error line."""
+    from omni_qwen.demo import demo_dir as qwen_dir
+    from omni_wan.demo import demo_dir as wan_dir
+
+    (tmp_path / "fox.png").write_text("not an image")
+    out = tmp_path / "out" / "fox.mp4"
+    result = CliRunner().invoke(main, ["run", "--pipeline", "qwen_to_wan_i2v", "--prompt", PROMPT,
+                                       "--image", str(tmp_path / "fox.png"), "--output", str(out),
+                                       "--ar-model", str(qwen_dir()), "--model", str(wan_dir())])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and "is not an image" in lines[0], result.stderr
+    assert "Traceback" not in result.output and result.stdout == ""
+    assert not out.exists() and not out.parent.exists()
+
+
+# ---- the Python API, with good JSON from the AR stage ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def omni(cache):
+    import torch
+
+    from omni_kernel import Omni
+
+    torch.set_num_threads(1)  # the same thread count as the subprocesses, so greedy tokens agree with them
+    return Omni("qwen_to_wan_i2v")
+
+
+GOOD_REPLY = ('Sure! ```json\n{"guidance": "slow dolly-in,\\n soft lumière at dawn", "negative_prompt": "blur"}\n```')
+
+
+def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, monkeypatch):
+    """The demo Qwen writes noise, so its reply is forced: `Sampler.sample` is replaced to return, one per
+    call, the demo tokenizer's ids of GOOD_REPLY and then <|im_end|>. Everything else is real: the Qwen2 model
+    still runs prefill and every decode step, the executor detokenizes, streams and stops on EOS, the connector
+    parses and merges, and the Wan2.2 stage encodes the merged prompt and writes the MP4."""
+    from transformers import AutoTokenizer
+
+    from omni_kernel import RequestFinished, TokenDelta
+    from omni_qwen import sampling
+    from omni_qwen.demo import demo_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(demo_dir())
+    script = tokenizer.encode(GOOD_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert tokenizer.decode(script[:-1], clean_up_tokenization_spaces=False) == GOOD_REPLY
+
+    def forced(self, logits):
+        self.forced = getattr(self, "forced", -1) + 1
+        return script[self.forced]
+
+    monkeypatch.setattr(sampling.Sampler, "sample", forced)
+    video = tmp_path / "fox.mp4"
+    events = list(omni.generate_stream(PROMPT, image=str(IMAGE), output=str(video), return_frames=True))
+    result = events[-1].result
+    assert isinstance(events[-1], RequestFinished)
+
+    bridge = result.outputs["bridge"]
+    assert bridge.text == GOOD_REPLY and bridge.stop_reason == "eos" and bridge.contract == "supplemental_guidance"
+    assert "".join(e.text for e in events if isinstance(e, TokenDelta) and e.node_id == "bridge") == GOOD_REPLY
+    trace = result.trace
+    assert_bridge_trace(trace, PROMPT)
+    guidance = "slow dolly-in, soft lumière at dawn"
+    assert trace["diffusion.bridge_parse_success"] is True and trace["diffusion.ar_guidance_prompt"] == guidance
+    merged = f"{PROMPT}\n\nSupplemental guidance: {guidance}"
+    assert trace["diffusion.prompt"] == merged
+    assert result.outputs["video"].trace["diffusion.prompt"] == merged  # what the Wan stage itself encoded
+    assert trace["ar.stop_reason"] == "eos" and trace["ar.output_tokens"] == len(script) - 1
+    assert result.path == str(video) and video.is_file()
+    assert result.output.data["frames"].shape == (9, 128, 128, 3)
+
+
+# ---- examples/ -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("script", ["ar_text_stream", "wan_i2v", "qwen_to_wan_i2v"])
+def test_example_runs_with_no_arguments(script, cache, tmp_path):
+    """Run from another directory: defaults (image, models) must not depend on the working directory."""
+    proc = run([sys.executable, str(ROOT / "examples" / f"{script}.py")], cache, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    trace = parse_trace(proc.stdout)
+    assert trace["request.pipeline"] == script.removesuffix("_stream")
+    if script == "ar_text_stream":
+        text = proc.stdout.split("\nar.context_window ")[0]
+        assert text.strip() and trace["ar.streaming"] is True and trace["ar.output_tokens"] <= 64
+        return
+    video = tmp_path / "out" / f"{script}.mp4"
+    assert f"wrote {video}" in proc.stdout
+    assert read_video(video).shape == (9, 128, 128, 3)
+    assert trace["diffusion.output"] == str(video)
+    if script == "qwen_to_wan_i2v":
+        assert_bridge_trace(trace, "A lighthouse on a rocky coast at dusk, waves rolling in")
+        assert proc.stdout.startswith("guidance from the AR stage: ")
