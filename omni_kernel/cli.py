@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
-import tempfile
-from pathlib import Path
 
 import click
 
 from . import __version__
 from .errors import OmniError, UserError
 from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
+from .files import write_json
 from .params import ARParams, DiffusionParams
 from .planner import PipelineRegistry, Planner
 from .plugins import load_host
@@ -132,7 +130,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
     except KeyboardInterrupt:
         raise RequestFailedError("interrupted; the request was aborted and no partial output was kept") from None
     if options["trace_json"]:
-        _write_json(Path(options["trace_json"]), jsonable(dict(result.trace)))
+        write_json(options["trace_json"], jsonable(dict(result.trace)))
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
@@ -189,18 +187,6 @@ def _progress(event: StageProgress) -> None:
 
 def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _write_json(path: Path, body) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(body, f, ensure_ascii=False, indent=2)
-        f.write("\n")
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a trace file is as readable as any other output
-    os.replace(tmp, path)
 
 
 @main.command()

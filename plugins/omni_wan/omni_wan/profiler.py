@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
+from omni_kernel.files import write_json
 
 PHASES = ("load", "text_encode", "image_prepare", "latents", "denoise", "vae_decode", "export")
 
@@ -81,23 +79,7 @@ class Profiler:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write_chrome_trace(self, path: Path, request_id: str) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.chrome_trace(request_id), f)
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+        return write_json(path, self.chrome_trace(request_id), indent=None)
 
 
 def profile_path(output: Path) -> Path:

@@ -6,11 +6,10 @@ ffmpeg has finished, so an error, an abort or Ctrl-C never leaves a partial MP4 
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
+from omni_kernel.files import atomic_path
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:
@@ -26,12 +25,9 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8) 
     num_frames, height, width, channels = pixels.shape
     if channels != 3:
         raise ValueError(f"expected RGB frames, got {channels} channels")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp.mp4")
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".tmp.mp4") as tmp:
         writer = imageio_ffmpeg.write_frames(
-            tmp, (width, height), fps=fps, codec="libx264", pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
+            str(tmp), (width, height), fps=fps, codec="libx264", pix_fmt_in="rgb24", pix_fmt_out="yuv420p",
             quality=quality, macro_block_size=2, ffmpeg_log_level="error",
             output_params=["-movflags", "+faststart"])
         writer.send(None)
@@ -40,18 +36,7 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8) 
                 writer.send(np.ascontiguousarray(frame))
         finally:
             writer.close()
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a video should get the usual file mode
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def read_mp4(path: str | Path) -> tuple[dict, np.ndarray]:
