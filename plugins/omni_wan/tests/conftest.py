@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -16,18 +15,6 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
-
-
-@pytest.fixture(scope="session", autouse=True)
-def omni_cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("omni-cache")
-    old = os.environ.get("OMNI_CACHE_DIR")
-    os.environ["OMNI_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("OMNI_CACHE_DIR", None)
-    else:
-        os.environ["OMNI_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")
@@ -50,13 +37,3 @@ def omni(tiny_model):
     from omni_kernel import Omni
 
     return Omni("wan_i2v", model=str(tiny_model))
-
-
-@pytest.fixture(autouse=True)
-def omni_logger():
-    """The CLI configures the "omni" logger; restore it so one test's handlers never leak into the next."""
-    logger = logging.getLogger("omni")
-    saved = (list(logger.handlers), logger.propagate, logger.level)
-    yield logger
-    logger.handlers[:] = saved[0]
-    logger.propagate, logger.level = saved[1], saved[2]

@@ -1,4 +1,8 @@
-"""Kernel test fixtures. Kernel tests import no torch, transformers, diffusers or plugin packages."""
+"""A pytest plugin for omni and its plugins' tests (entry point `pytest11`, active wherever omni is installed).
+
+`omni_cache` keeps everything omni builds on first use (demo checkpoints) in a session tmp dir and keeps model
+hubs offline; `omni_logger` restores the "omni" logger that the CLI configures, so no test leaks handlers.
+"""
 
 import logging
 
@@ -6,19 +10,19 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def omni_cache_dir(tmp_path_factory):
-    """Keep every test (and every `omni` subprocess, which inherits os.environ) out of the user's cache."""
+def omni_cache(tmp_path_factory):
+    """OMNI_CACHE_DIR for the whole session (subprocesses inherit it); HF_HUB_OFFLINE=1."""
     path = tmp_path_factory.mktemp("omni-cache")
     patch = pytest.MonkeyPatch()
     patch.setenv("OMNI_CACHE_DIR", str(path))
     patch.setenv("HF_HUB_OFFLINE", "1")
+    patch.setenv("TRANSFORMERS_OFFLINE", "1")
     yield path
     patch.undo()
 
 
 @pytest.fixture(autouse=True)
 def omni_logger():
-    """The CLI configures the "omni" logger; restore it so one test's handlers never leak into the next."""
     logger = logging.getLogger("omni")
     saved = (list(logger.handlers), logger.propagate, logger.level)
     yield logger
