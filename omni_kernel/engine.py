@@ -28,10 +28,7 @@ class Engine:
             events += output.events
             results = output.results
         done = [e.request_id for e in events if is_done(e)]
-        if results:  # only schedulers that consume model results (ARScheduler) are given them
-            self.scheduler.update(done, results)
-        else:
-            self.scheduler.update(done)
+        self.scheduler.update(done, results)
         return events
 
     def abort(self, request_id: str) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
 from .errors import UserError
 from .events import StageFailed, StageFinished
+from .protocols import Executor
 from .request import StageInput
 from .scheduler import SchedulerOutput
 
@@ -23,20 +24,6 @@ class RunnerOutput:
 
     events: list = attrs.field(factory=list, converter=list)
     results: Mapping[str, Any] = attrs.field(factory=dict)
-
-
-class Executor(Protocol):
-    """A model family's executor. It owns per-request model state (KV cache, latents) keyed by request id."""
-
-    def add_request(self, item: StageInput) -> None:
-        """Accept a request (tokenize, validate); raise UserError for bad input."""
-
-    def execute(self, batch: SchedulerOutput) -> list | RunnerOutput:
-        """Run one step for every request in the batch; return events (ending a request with StageFinished),
-        or a RunnerOutput when the scheduler needs results back."""
-
-    def free(self, request_id: str) -> None:
-        """Drop everything held for the request; called on finish, failure and abort."""
 
 
 def is_done(event) -> bool:

@@ -40,7 +40,7 @@ class RequestScheduler:
             self.running.append(self.waiting.popleft())
         return SchedulerOutput([i.request_id for i in self.running], self.running)
 
-    def update(self, done: Iterable[str]) -> None:
+    def update(self, done: Iterable[str], results=None) -> None:
         done = set(done)
         self.running = [i for i in self.running if i.request_id not in done]
 
@@ -68,7 +68,7 @@ class StepScheduler:
         batch = [i for i in self.queue if self.batch_key(i) == key][: self.max_batch]
         return SchedulerOutput([i.request_id for i in batch], batch)
 
-    def update(self, done: Iterable[str]) -> None:
+    def update(self, done: Iterable[str], results=None) -> None:
         done = set(done)
         self.queue = deque(i for i in self.queue if i.request_id not in done)
 
