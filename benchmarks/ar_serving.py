@@ -1,11 +1,14 @@
-"""AR serving benchmark: this runtime's paged engine against HF transformers on the same random-weight model.
+"""AR serving benchmark: this runtime's ar_text stage against HF transformers on the same random-weight model.
 
-Builds a random-weight checkpoint of the Qwen2.5-0.5B-Instruct shape in memory (bf16) and measures, in one
-process: (a) HF `generate` one request at a time (on a subset), (b) HF `generate` in static left-padded batches
-of 32 in arrival order, (c) transformers' own continuous batching (the manager behind `generate_batch`, with
-per-request max_new_tokens), (d) this runtime. Then TTFT of a shared-prefix workload with and without prefix
-caching, the runtime's decode-only step at batch 32 against a bare HF forward on a contiguous cache, and one
-request alone. EOS is ignored everywhere. The last line printed is one JSON object.
+Builds (once, into $OMNI_CACHE_DIR/bench/) a random-weight checkpoint of the Qwen2.5-0.5B-Instruct shape in
+bf16 with a small locally trained tokenizer, loads it through the real stage (Omni("ar_text") with the paged
+KV backend), and measures, in one process on that one loaded model: (a) HF `generate` one request at a time
+(on a subset), (b) HF `generate` in static left-padded batches of 32 in arrival order, (c) transformers' own
+continuous batching (the manager behind `generate_batch`, with per-request max_new_tokens), (d) this runtime
+through Omni.submit/step. Then TTFT of a shared-prefix workload with and without prefix caching, the
+runtime's whole decode-only step (StageScheduler down to the model) at batch 32 against a bare HF forward on a
+contiguous cache, and one request alone. Prompts are token ids (request option prompt_token_ids); EOS is
+ignored everywhere (request option ignore_eos). The last line printed is one JSON object.
 
     .venv/bin/python benchmarks/ar_serving.py --quick
 """
@@ -13,21 +16,26 @@ request alone. EOS is ignored everywhere. The last line printed is one JSON obje
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import logging
+import os
+import pstats
 import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
-import torch
-from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from omni_kernel.events import StageFinished
-from omni_kernel.params import ARParams
-from omni_kernel.request import StageInput
-from omni_qwen.paged.engine import build_paged_engine
-from omni_qwen.paged.qwen2 import PagedQwen2
+import torch  # noqa: E402
+from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from omni_kernel import ARParams, Omni, RequestFailed, RequestFinished  # noqa: E402
+from omni_kernel.paths import cache_dir  # noqa: E402
+from omni_kernel.plugins import load_host  # noqa: E402
 
 log = logging.getLogger("omni")
 
@@ -36,7 +44,13 @@ def say(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def build_model(layers: int) -> Qwen2ForCausalLM:
+def ensure_checkpoint(layers: int) -> Path:
+    """The Qwen2.5-0.5B-shaped random checkpoint, saved with save_pretrained (about 1 GB for 24 layers)."""
+    path = cache_dir() / "bench" / f"qwen2.5-0.5b-shape-random-{layers}l"
+    if (path / "config.json").is_file():
+        return path
+    from omni_qwen.demo import train_tokenizer
+
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True,
@@ -49,7 +63,11 @@ def build_model(layers: int) -> Qwen2ForCausalLM:
     finally:
         torch.set_default_dtype(default)
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
-    return model
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    train_tokenizer().save_pretrained(tmp)
+    tmp.rename(path)
+    return path
 
 
 def workload(n: int, prompt_range, output_range, seed: int = 0):
@@ -96,7 +114,7 @@ def hf_continuous(model, reqs) -> float | None:
                    for i, (prompt, m) in enumerate(reqs)]
             tokens, finished = 0, set()
             while len(finished) < len(ids):
-                result = manager.get_result(timeout=60)
+                result = manager.get_result(timeout=600)  # the first request finishes only after dozens of steps
                 if result is None:
                     raise RuntimeError("transformers continuous batching stalled")
                 if result.is_finished() and result.request_id not in finished:
@@ -110,70 +128,95 @@ def hf_continuous(model, reqs) -> float | None:
         return None
 
 
-def runtime_engine(paged, kv_bytes: int, caching: bool = True, budget: int = 512, seqs: int = 64):
-    return build_paged_engine(paged, kv_memory_bytes=kv_bytes, block_size=16, max_num_batched_tokens=budget,
-                              max_num_seqs=seqs, enable_prefix_caching=caching)
+class Runtime:
+    """Omni("ar_text") instances over one plugin host, so the model loads once and each keeps its own pool."""
+
+    def __init__(self, path: Path):
+        self.host, self.path = load_host(), path
+
+    def omni(self, kv_memory: str = "1GiB", caching: bool = True, budget: int = 512, seqs: int = 64) -> Omni:
+        return Omni("ar_text", host=self.host, ar_model=str(self.path), ar_dtype="bf16", ar_kv_backend="paged",
+                    ar_kv_memory=kv_memory, ar_prefix_caching=caching, ar_max_num_batched_tokens=budget,
+                    ar_max_num_seqs=seqs)
 
 
-def run_runtime(paged, reqs, kv_bytes: int, budget: int):
-    engine, executor, scheduler = runtime_engine(paged, kv_bytes, budget=budget)
+def submit(omni: Omni, rid: str, prompt: list[int], max_tokens: int) -> None:
+    omni.submit(omni.request("", ar=ARParams(max_tokens=max_tokens), request_id=rid, prompt_token_ids=prompt,
+                             ignore_eos=True))
+
+
+def engine_of(omni: Omni):
+    return omni.graph.stages["generate"].engine
+
+
+def drain(omni: Omni, on_step=None) -> list[dict]:
+    traces = []
+    while omni.has_unfinished():
+        for event in omni.step():
+            if isinstance(event, RequestFinished):
+                traces.append(dict(event.result.trace))
+            elif isinstance(event, RequestFailed):
+                raise RuntimeError(f"{event.request_id}: {event.error}")
+        if on_step:
+            on_step()
+    return traces
+
+
+def run_runtime(runtime: Runtime, reqs, budget: int):
+    omni = runtime.omni(budget=budget)
+    scheduler = engine_of(omni).scheduler
+    executor = engine_of(omni).runner.executor
+    kv = {"reserved": 0, "stored": 0}
+
+    def account():
+        kv["reserved"] += scheduler.blocks.num_used * scheduler.blocks.block_size
+        kv["stored"] += sum(s.num_computed for s in scheduler.running)
+
     start = time.perf_counter()
     for i, (prompt, m) in enumerate(reqs):
-        engine.add_request(StageInput(f"q{i}", "", params=ARParams(max_tokens=m),
-                                      options={"prompt_token_ids": prompt}))
-    reserved = stored = 0
-    ttfts, tokens = [], 0
-    while engine.has_unfinished():
-        for event in engine.step():
-            if isinstance(event, StageFinished):
-                ttfts.append(event.output.trace["ar.ttft_ms"])
-                tokens += event.output.trace["ar.output_tokens"]
-        reserved += scheduler.blocks.num_used * scheduler.blocks.block_size
-        stored += sum(s.num_computed for s in scheduler.running)
+        submit(omni, f"q{i}", prompt, m)
+    traces = drain(omni, account)
     elapsed = time.perf_counter() - start
-    sizes = [n for n, _ in executor.step_log]
-    return {"tok_s": tokens / elapsed, "ttfts": ttfts, "kv_ratio": reserved / max(stored, 1),
-            "steps": len(sizes), "mean_batch": statistics.mean(sizes), "preemptions": scheduler.num_preemptions}
+    sizes = [n for n, _, _ in executor.step_log]
+    forward_s = sum(ms for _, _, ms in executor.step_log) / 1000
+    return {"tok_s": sum(t["ar.output_tokens"] for t in traces) / elapsed, "ttfts": [t["ar.ttft_ms"] for t in traces],
+            "kv_ratio": kv["reserved"] / max(kv["stored"], 1), "steps": len(sizes),
+            "mean_batch": statistics.mean(sizes), "preemptions": scheduler.num_preemptions,
+            "forward_share": forward_s / elapsed}
 
 
-def prefix_ttft(paged, n: int, system_len: int, user_len: int, caching: bool, kv_bytes: int) -> float:
+def prefix_ttft(runtime: Runtime, n: int, system_len: int, user_len: int, caching: bool) -> float:
     rng = random.Random(1)
     system = [rng.randrange(1000, 150000) for _ in range(system_len)]
-    engine, _, _ = runtime_engine(paged, kv_bytes, caching=caching, budget=1024)
+    omni = runtime.omni(kv_memory="256MiB", caching=caching, budget=1024)
     ttfts = []
     for i in range(n):
-        prompt = system + [rng.randrange(1000, 150000) for _ in range(user_len)]
-        engine.add_request(StageInput(f"p{i}", "", params=ARParams(max_tokens=1),
-                                      options={"prompt_token_ids": prompt}))
-        while engine.has_unfinished():
-            for event in engine.step():
-                if isinstance(event, StageFinished):
-                    ttfts.append(event.output.trace["ar.ttft_ms"])
+        submit(omni, f"p{i}", system + [rng.randrange(1000, 150000) for _ in range(user_len)], 1)
+        ttfts += [t["ar.ttft_ms"] for t in drain(omni)]
     return statistics.median(ttfts[1:] if caching else ttfts)
 
 
-def decode_efficiency(model, paged, batch: int, context: int, steps: int, kv_bytes: int, profile: bool):
-    """Runtime decode-only step (scheduler + executor + model) against HF's bare forward, same contexts."""
+def decode_efficiency(runtime: Runtime, model, batch: int, context: int, steps: int):
+    """The runtime's whole decode-only step (Omni.step down to the model) against HF's bare forward."""
     rng = random.Random(2)
-    engine, executor, scheduler = runtime_engine(paged, kv_bytes, budget=2048, seqs=batch)
+    omni = runtime.omni(budget=2048, seqs=batch)
+    scheduler = engine_of(omni).scheduler
     for i in range(batch):
-        engine.add_request(StageInput(f"d{i}", "", params=ARParams(max_tokens=steps * 3 + 4),
-                                      options={"prompt_token_ids": [rng.randrange(1000, 150000)
-                                                                    for _ in range(context)]}))
-    while any(s.num_computed < s.num_prompt for s in scheduler.sequences.values()) or scheduler.waiting:
-        engine.step()
-    engine.step()  # warm
+        submit(omni, f"d{i}", [rng.randrange(1000, 150000) for _ in range(context)], steps * 3 + 4)
+    while scheduler.waiting or any(s.num_computed < s.num_prompt for s in scheduler.sequences.values()):
+        omni.step()
+    omni.step()  # warm
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        omni.step()
     runtime_ms = (time.perf_counter() - start) / steps * 1000
-    table = None
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                engine.step()
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14)
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            omni.step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+    for rid in list(scheduler.sequences):
+        omni.abort(rid)
 
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -194,20 +237,25 @@ def decode_efficiency(model, paged, batch: int, context: int, steps: int, kv_byt
     return runtime_ms, hf_ms, table
 
 
-def single_request(model, paged, prompt_len: int, out_len: int, kv_bytes: int):
+def single_request(runtime: Runtime, model, prompt_len: int, out_len: int):
     rng = random.Random(3)
     prompt = [rng.randrange(1000, 150000) for _ in range(prompt_len)]
     hf_generate(model, [(prompt[:8], 2)])  # warm
     start = time.perf_counter()
     hf_generate(model, [(prompt, out_len)])
     hf_tok_s = out_len / (time.perf_counter() - start)
-    engine, _, _ = runtime_engine(paged, kv_bytes, caching=False)
+    omni = runtime.omni(caching=False)
+    submit(omni, "warm", prompt[:8], 2)
+    drain(omni)
+    profiler = cProfile.Profile()
     start = time.perf_counter()
-    engine.add_request(StageInput("one", "", params=ARParams(max_tokens=out_len),
-                                  options={"prompt_token_ids": prompt}))
-    while engine.has_unfinished():
-        engine.step()
-    return out_len / (time.perf_counter() - start), hf_tok_s
+    with profiler:
+        submit(omni, "one", prompt, out_len)
+        drain(omni)
+    tok_s = out_len / (time.perf_counter() - start)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(12)
+    return tok_s, hf_tok_s, text.getvalue()
 
 
 def main() -> None:
@@ -222,25 +270,32 @@ def main() -> None:
     quick = args.quick
     n = 16 if quick else 64
     reqs = workload(n, (32, 256), (32, 256) if not quick else (16, 64))
-    kv_bytes = 1 << 30
 
     t0 = time.perf_counter()
-    model = build_model(args.layers)
-    say(f"model built in {time.perf_counter() - t0:.1f}s: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M "
-        f"parameters, bf16, {torch.get_num_threads()} threads")
-    paged = PagedQwen2(model)
+    path = ensure_checkpoint(args.layers)
+    runtime = Runtime(path)
+    warm_omni = runtime.omni(kv_memory="64MiB")  # loads the model once for every Omni of this host
+    model = engine_of(warm_omni).runner.executor.pipeline.model
+    say(f"checkpoint ready and loaded in {time.perf_counter() - t0:.1f}s: "
+        f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {model.dtype}, "
+        f"{torch.get_num_threads()} threads")
     figures: dict = {"quick": quick, "requests": n, "threads": torch.get_num_threads()}
 
-    warm = [(list(range(1000, 1100)), 4)]
-    run_runtime(paged, warm, 64 << 20, budget=512)
+    warm = [(list(range(1000, 1256)), 4), (list(range(2000, 2256)), 4)]  # a full 512-token step, then decodes
+    for i, (prompt, m) in enumerate(warm):
+        submit(warm_omni, f"w{i}", prompt, m)
+    drain(warm_omni)
+    del warm_omni
     hf_generate(model, warm)
     stage = time.perf_counter()
-    run = run_runtime(paged, reqs, kv_bytes, budget=512)
+    run = run_runtime(runtime, reqs, budget=512)
     figures.update(runtime_tok_s=run["tok_s"], ttft_p50_ms=statistics.median(run["ttfts"]),
                    ttft_p99_ms=sorted(run["ttfts"])[min(len(run["ttfts"]) - 1, int(0.99 * len(run["ttfts"])))],
                    kv_reserved_over_stored=run["kv_ratio"], runtime_steps=run["steps"],
-                   runtime_mean_batch=run["mean_batch"], runtime_preemptions=run["preemptions"])
-    say(f"runtime: {run['tok_s']:.1f} tok/s, {run['steps']} steps ({time.perf_counter() - stage:.0f}s)")
+                   runtime_mean_batch=run["mean_batch"], runtime_preemptions=run["preemptions"],
+                   runtime_forward_share=run["forward_share"])
+    say(f"runtime: {run['tok_s']:.1f} tok/s, {run['steps']} steps, mean batch {run['mean_batch']:.1f}, "
+        f"{run['forward_share']:.0%} of the time in model forwards ({time.perf_counter() - stage:.0f}s)")
 
     stage = time.perf_counter()
     figures["hf_sequential_tok_s"] = hf_sequential(model, reqs[:2 if quick else 4])
@@ -254,28 +309,29 @@ def main() -> None:
 
     stage = time.perf_counter()
     prefix_n, system_len = (6, 512) if quick else (16, 512)
-    cold = prefix_ttft(paged, prefix_n, system_len, 32, caching=False, kv_bytes=256 << 20)
-    warm = prefix_ttft(paged, prefix_n, system_len, 32, caching=True, kv_bytes=256 << 20)
+    cold = prefix_ttft(runtime, prefix_n, system_len, 32, caching=False)
+    warm = prefix_ttft(runtime, prefix_n, system_len, 32, caching=True)
     figures.update(prefix_ttft_cold_ms=cold, prefix_ttft_cached_ms=warm, prefix_ttft_speedup=cold / warm)
     say(f"prefix TTFT: {cold:.0f} ms cold, {warm:.0f} ms cached ({time.perf_counter() - stage:.0f}s)")
 
     stage = time.perf_counter()
     context = 96 if quick else 144
-    runtime_ms, hf_ms, table = decode_efficiency(model, paged, 32, context, 4 if quick else 8, kv_bytes, True)
+    runtime_ms, hf_ms, table = decode_efficiency(runtime, model, 32, context, 4 if quick else 8)
     figures.update(decode_step_ms=runtime_ms, hf_decode_step_ms=hf_ms, decode_efficiency=hf_ms / runtime_ms)
     say(f"decode step at batch 32, context {context}: runtime {runtime_ms:.1f} ms, HF {hf_ms:.1f} ms "
         f"({time.perf_counter() - stage:.0f}s)")
     say(table)
 
     stage = time.perf_counter()
-    one, hf_one = single_request(model, paged, 128, 32 if quick else 128, kv_bytes)
+    one, hf_one, hot = single_request(runtime, model, 128, 32 if quick else 128)
     figures.update(single_runtime_tok_s=one, single_hf_tok_s=hf_one, single_request_ratio=one / hf_one)
     say(f"single request: runtime {one:.1f} tok/s, HF {hf_one:.1f} tok/s ({time.perf_counter() - stage:.0f}s)")
+    say(hot)
 
-    runtime = figures["runtime_tok_s"]
-    figures.update(ratio_vs_sequential=runtime / figures["hf_sequential_tok_s"],
-                   ratio_vs_static=runtime / figures["hf_static_tok_s"],
-                   ratio_vs_hf_cb=runtime / figures["hf_cb_tok_s"] if figures["hf_cb_tok_s"] else None,
+    tok_s = figures["runtime_tok_s"]
+    figures.update(ratio_vs_sequential=tok_s / figures["hf_sequential_tok_s"],
+                   ratio_vs_static=tok_s / figures["hf_static_tok_s"],
+                   ratio_vs_hf_cb=tok_s / figures["hf_cb_tok_s"] if figures["hf_cb_tok_s"] else None,
                    total_s=time.perf_counter() - t0)
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 

@@ -1,10 +1,8 @@
 """TransformersARPipeline: a local causal-LM directory loaded with transformers, and its model calls.
 
 Loading follows a real checkpoint's path exactly (AutoTokenizer / AutoModelForCausalLM, safetensors only,
-trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls are the
-DynamicCache backend: `prefill`, `decode_step` and `finalize`, with one transformers DynamicCache carried per
-request between them. The executor talks to them only through that small surface (executor.ARBackend), so a
-runtime-managed KV cache can replace them.
+trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls themselves
+belong to the KV backends (backends.py): the paged one or one DynamicCache per request.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
@@ -76,16 +74,12 @@ def check_model_dir(path: Path, trust_remote_code: bool = False):
 
 
 class TransformersARPipeline:
-    kv_trace = {"kv_cache": True, "kv_cache_type": "DynamicCache", "kv_cache_backend": "dynamic_cache",
-                "kv_cache_source": "transformers", "runtime_kv_manager": False}
-
     def __init__(self, model, tokenizer, path: Path, device: str, load_ms: float = 0.0):
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
         self.device = device
         self.load_ms = load_ms
-        self.caches: dict[str, DynamicCache] = {}
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | None = None, device: str | None = None,
@@ -127,6 +121,10 @@ class TransformersARPipeline:
         return int(getattr(config, "max_position_embeddings", None) or self.tokenizer.model_max_length)
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config(decoder=True).vocab_size)
+
+    @property
     def eos_token_ids(self) -> frozenset[int]:
         ids = self.model.generation_config.eos_token_id
         ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
@@ -145,33 +143,6 @@ class TransformersARPipeline:
                                                      tokenize=True, return_dict=False)
             return list(ids), "chat_template"
         return list(self.tokenizer.encode(text)), "raw"
-
-    # The DynamicCache backend: one cache per request, one request per model call.
-
-    @torch.inference_mode()
-    def prefill(self, request_id: str, token_ids: list[int]) -> torch.Tensor:
-        """Run the prompt, keep its cache, return the next-token logits (float32, 1-D)."""
-        cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        self.caches[request_id] = out.cache if out.cache is not None else cache
-        return out.logits[0, -1].float()
-
-    @torch.inference_mode()
-    def decode_step(self, request_ids: list[str], token_ids: list[int]) -> torch.Tensor:
-        """Feed each request its last sampled token; return next-token logits, one row per request."""
-        rows = []
-        for rid, token in zip(request_ids, token_ids, strict=True):
-            cache = self.caches[rid]
-            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, cache=cache, use_cache=True)
-            self.caches[rid] = out.cache if out.cache is not None else cache
-            rows.append(out.logits[0, -1].float())
-        return torch.stack(rows)
-
-    def finalize(self, request_id: str) -> None:
-        """Drop the request's cache."""
-        self.caches.pop(request_id, None)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

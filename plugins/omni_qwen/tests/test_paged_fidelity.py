@@ -1,39 +1,34 @@
-"""The paged backend against HF `generate`: each request's greedy output, served concurrently through the kernel
-Engine + ARScheduler + PagedQwen2, equals `generate` for that request alone, token for token (fp32)."""
+"""Both KV backends against HF `generate`, through the real ar_text stage (Omni -> StageScheduler -> Stage ->
+Engine(ARScheduler) -> ARExecutor -> backend): each request's greedy output, served concurrently, equals
+`generate` for that request alone, token for token (fp32); also with preemption, late arrivals and aborts."""
 
 import random
 
 import pytest
 import torch
 
-from omni_kernel.events import StageFinished
-from omni_kernel.params import ARParams
+from omni_kernel import ARParams, Omni, RequestFailed, RequestFinished, StageFailed
+from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
 
 transformers = pytest.importorskip("transformers")
 
-from omni_qwen.paged.engine import build_paged_engine  # noqa: E402
-from omni_qwen.paged.pool import KVPool  # noqa: E402
-
-BLOCK = 16
+BACKENDS = ["paged", "dynamic_cache"]
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 16  # layers x K/V x kv heads x head dim x fp32 x block size
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A random Qwen2 with weights large enough that greedy output is not a repeated token, saved and loaded
-    back through the path a real checkpoint takes."""
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=False, initializer_range=0.3, max_position_embeddings=1024)
-    path = tmp_path_factory.mktemp("paged_qwen2")
-    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def ckpt(tmp_path_factory, qwen_tokenizer):
+    """The demo architecture with a 1024-token context and weights large enough that greedy output is varied."""
+    from omni_qwen.demo import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("fidelity") / "qwen2", context_window=1024,
+                            initializer_range=0.3, tokenizer=qwen_tokenizer)
 
 
 @pytest.fixture(scope="module")
-def reference(model):
+def reference(ckpt):
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     cache = {}
 
     def generate(prompt, max_tokens):
@@ -48,6 +43,15 @@ def reference(model):
     return generate
 
 
+@pytest.fixture
+def make_omni(host, ckpt):
+    def make(backend, blocks=512, budget=128, **config):
+        return Omni("ar_text", host=host, ar_model=str(ckpt), ar_kv_backend=backend,
+                    ar_kv_memory=blocks * BLOCK_BYTES, ar_max_num_batched_tokens=budget, **config)
+
+    return make
+
+
 def requests(n=18, seed=0):
     rng = random.Random(seed)
     lengths = [1, 2, 15, 16, 17, 33, 64, 100, 150, 257, 301, 320]
@@ -56,143 +60,173 @@ def requests(n=18, seed=0):
             for i, length in enumerate(lengths)]
 
 
-def item(rid, prompt, max_tokens, **params):
-    return StageInput(rid, "", params=ARParams(max_tokens=max_tokens, **params),
-                      options={"prompt_token_ids": prompt})
+def submit(omni, rid, prompt, max_tokens, **params):
+    omni.submit(omni.request("", ar=ARParams(max_tokens=max_tokens, **params), request_id=rid,
+                             prompt_token_ids=prompt, ignore_eos=True))
 
 
-def blocks_bytes(model, blocks):
-    cfg = model.config
-    return blocks * KVPool.bytes_per_block(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                           cfg.hidden_size // cfg.num_attention_heads, BLOCK, torch.float32)
+def parts(omni):
+    stage = omni.graph.stages["generate"]
+    return stage, stage.engine.scheduler, stage.executor
 
 
-def engine_for(model, blocks=512, **kwargs):
-    kwargs.setdefault("max_num_batched_tokens", 128)
-    return build_paged_engine(model, kv_memory_bytes=blocks_bytes(model, blocks), block_size=BLOCK, **kwargs)
-
-
-def drain(engine, arrivals=(), every=1):
-    """Step until done, adding one queued item every `every` steps; return {request_id: StageOutput}."""
+def drain(omni, arrivals=(), every=1):
+    """Step until done, submitting one queued request every `every` steps; return {request_id: StageOutput}."""
     arrivals, finished, step = list(arrivals), {}, 0
-    while arrivals or engine.has_unfinished():
+    while arrivals or omni.has_unfinished():
         if arrivals and step % every == 0:
-            engine.add_request(arrivals.pop(0))
-        for event in engine.step():
-            if isinstance(event, StageFinished):
-                finished[event.request_id] = event.output
+            submit(omni, *arrivals.pop(0))
+        for event in omni.step():
+            assert not isinstance(event, RequestFailed) or event.error == "aborted", event
+            if isinstance(event, RequestFinished):
+                finished[event.request_id] = event.result.output
         step += 1
         assert step < 5000
     return finished
 
 
-def test_concurrent_requests_equal_generate_alone(model, reference):
+def assert_all_freed(omni):
+    _, scheduler, executor = parts(omni)
+    assert scheduler.blocks.num_used == 0 and not scheduler.sequences and not executor.sequences
+    assert not getattr(executor.backend, "caches", {})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concurrent_requests_equal_generate_alone(make_omni, reference, backend):
     reqs = requests()
-    engine, executor, scheduler = engine_for(model)
+    omni = make_omni(backend)
     for rid, prompt, m in reqs:
-        engine.add_request(item(rid, prompt, m))
-    finished = drain(engine)
+        submit(omni, rid, prompt, m)
+    finished = drain(omni)
+    _, _, executor = parts(omni)
     for rid, prompt, m in reqs:
-        assert finished[rid].data == reference(prompt, m), rid
-        assert finished[rid].trace["ar.kv_cache_backend"] == "paged"
-        assert finished[rid].trace["ar.runtime_kv_manager"] is True
-    assert max(n for n, _ in executor.step_log) > 8  # really batched
-    assert max(t for _, t in executor.step_log) <= 128
-    assert scheduler.blocks.num_used == 0
+        assert finished[rid].data["token_ids"] == reference(prompt, m), rid
+        trace = finished[rid].trace
+        assert trace["ar.kv_cache_backend"] == backend and trace["ar.runtime_kv_manager"] is (backend == "paged")
+        assert trace["ar.prompt_mode"] == "token_ids" and trace["ar.input_tokens"] == len(prompt)
+        assert trace["ar.prefill_steps"] >= -(-len(prompt) // 128)  # chunks of at most the step budget
+        assert trace["ar.prefill_tokens"] == len(prompt)
+    assert max(n for n, _, _ in executor.step_log) > 8  # really batched
+    assert max(t for _, t, _ in executor.step_log) <= 128
+    assert_all_freed(omni)
 
 
-def test_tiny_pool_preempts_and_still_matches(model, reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_pool_preempts_and_still_matches(make_omni, reference, backend):
     reqs = requests(16, seed=1)
-    engine, _, scheduler = engine_for(model, blocks=28)
+    omni = make_omni(backend, blocks=28)
     for rid, prompt, m in reqs:
-        engine.add_request(item(rid, prompt, m))
-    finished = drain(engine)
-    assert scheduler.num_preemptions > 0
+        submit(omni, rid, prompt, m)
+    finished = drain(omni)
+    assert parts(omni)[1].num_preemptions > 0
     assert any(out.trace["ar.preemptions"] for out in finished.values())
     for rid, prompt, m in reqs:
-        assert finished[rid].data == reference(prompt, m), rid
-    assert scheduler.blocks.num_used == 0
+        assert finished[rid].data["token_ids"] == reference(prompt, m), rid
+    assert_all_freed(omni)
 
 
-def test_requests_arriving_while_others_decode(model, reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requests_arriving_while_others_decode(make_omni, reference, backend):
     reqs = requests(16, seed=2)
-    engine, _, scheduler = engine_for(model, max_num_batched_tokens=64)
-    finished = drain(engine, [item(rid, p, m) for rid, p, m in reqs], every=3)
+    omni = make_omni(backend, budget=64)
+    finished = drain(omni, reqs, every=3)
     for rid, prompt, m in reqs:
-        assert finished[rid].data == reference(prompt, m), rid
-    assert scheduler.blocks.num_used == 0
+        assert finished[rid].data["token_ids"] == reference(prompt, m), rid
+    assert_all_freed(omni)
 
 
-def test_aborted_requests_free_blocks_and_spare_the_others(model, reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aborted_requests_free_blocks_and_spare_the_others(make_omni, reference, backend):
     reqs = requests(16, seed=3)
-    engine, executor, scheduler = engine_for(model, blocks=64)
+    omni = make_omni(backend, blocks=64)
+    _, scheduler, executor = parts(omni)
     for rid, prompt, m in reqs:
-        engine.add_request(item(rid, prompt, m + 8))
+        submit(omni, rid, prompt, m + 8)
     for _ in range(5):
-        engine.step()
-    running = [s.request_id for s in scheduler.running]
-    waiting = [s.request_id for s in scheduler.waiting]
-    doomed = running[:2] + waiting[:1]
+        omni.step()
+    doomed = [s.request_id for s in scheduler.running][:2] + [s.request_id for s in scheduler.waiting][:1]
     for rid in doomed:
-        engine.abort(rid)
-        assert rid not in scheduler.blocks.tables and rid not in executor.requests
-    finished = drain(engine)
+        omni.abort(rid)
+        assert rid not in scheduler.blocks.tables and rid not in executor.sequences
+    finished = drain(omni)
     assert not set(doomed) & set(finished)
     for rid, prompt, m in reqs:
         if rid not in doomed:
-            assert finished[rid].data == reference(prompt, m + 8), rid
-    assert scheduler.blocks.num_used == 0 and not scheduler.sequences
+            assert finished[rid].data["token_ids"] == reference(prompt, m + 8), rid
+    assert_all_freed(omni)
 
 
-def test_shared_prefix_reuses_blocks_with_identical_output(model, reference):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_prefix_reuses_blocks_with_identical_output(make_omni, reference, backend):
     rng = random.Random(4)
     system = [rng.randrange(1024) for _ in range(200)]
-    engine, _, scheduler = engine_for(model)
+    omni = make_omni(backend)
     outputs = []
     for i in range(5):
         prompt = system + [rng.randrange(1024) for _ in range(rng.randint(1, 30))]
-        out = drain(engine, [item(f"p{i}", prompt, 12)])[f"p{i}"]
-        assert out.data == reference(prompt, 12)
+        out = drain(omni, [(f"p{i}", prompt, 12)])[f"p{i}"]
+        assert out.data["token_ids"] == reference(prompt, 12)
         outputs.append(out)
+    hits = 192 if backend == "paged" else 0  # a DynamicCache cannot share blocks
     assert outputs[0].trace["ar.prefix_cache_hit_tokens"] == 0
-    assert all(o.trace["ar.prefix_cache_hit_tokens"] == 192 for o in outputs[1:])
-    assert scheduler.blocks.hit_tokens == 4 * 192
+    assert all(o.trace["ar.prefix_cache_hit_tokens"] == hits for o in outputs[1:])
+    assert all(o.trace["ar.prefill_tokens"] == o.trace["ar.input_tokens"] - hits for o in outputs[1:])
+    assert parts(omni)[1].blocks.hit_tokens == 4 * hits
 
 
-def test_seeded_sampling_survives_preemption(model):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_sampling_survives_preemption(make_omni, backend):
     reqs = requests(12, seed=5)
 
     def run(blocks):
-        engine, _, scheduler = engine_for(model, blocks=blocks)
+        omni = make_omni(backend, blocks=blocks)
         for rid, prompt, m in reqs:
-            engine.add_request(item(rid, prompt, m, temperature=0.8, top_p=0.9, top_k=50, seed=7))
-        return {rid: out.data for rid, out in drain(engine).items()}, scheduler.num_preemptions
+            submit(omni, rid, prompt, m, temperature=0.8, top_p=0.9, top_k=50, seed=7)
+        return {rid: out.data["token_ids"] for rid, out in drain(omni).items()}, parts(omni)[1].num_preemptions
 
     roomy, _ = run(512)
     tight, preemptions = run(23)
     assert preemptions > 0 and roomy == tight
 
 
-def test_bf16_logits_follow_hf(model):
-    bf16 = transformers.Qwen2ForCausalLM(model.config).to(torch.bfloat16).eval()
-    bf16.load_state_dict(model.state_dict())
+def test_bf16_logits_follow_hf(make_omni, ckpt):
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).eval()
     prompt = list(range(3, 90))
     with torch.inference_mode():
         ref = bf16(torch.tensor([prompt])).logits[0, -1].float()
-    engine, executor, _ = build_paged_engine(bf16, kv_memory_bytes=1 << 20, block_size=BLOCK)
+    omni = make_omni("paged", ar_dtype="bf16")
+    backend = parts(omni)[2].backend
     captured = {}
-    forward = executor.model.forward
-    executor.model.forward = lambda step, pool: captured.setdefault("logits", forward(step, pool))
-    drain(engine, [item("b", prompt, 1)])
-    assert executor.pool.kv.dtype == torch.bfloat16
-    logits = captured["logits"][0].float()
+    forward = backend.forward
+    backend.forward = lambda batch: captured.setdefault("out", forward(batch))
+    drain(omni, [("b", prompt, 1)])
+    assert backend.pool.kv.dtype == torch.bfloat16
+    logits = captured["out"][1][0].float()
     assert torch.allclose(logits, ref, atol=0.1, rtol=0.05)
     assert int(logits.argmax()) == int(ref.argmax())
 
 
-def test_too_long_request_is_refused(model):
-    engine, _, _ = engine_for(model, blocks=4)
-    events = []
-    engine.add_request(item("x", list(range(60)), 10))
-    events += engine.step()
-    assert events and events[0].user_error
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_request_that_never_fits_fails_alone(make_omni, reference, backend):
+    omni = make_omni(backend, blocks=4)  # 64 tokens
+    with pytest.raises(InputError, match="KV pool holds 64 tokens"):
+        submit(omni, "big", list(range(60)), 10)
+    stage = parts(omni)[0]
+    stage.add_request(StageInput("big2", "", params=ARParams(max_tokens=10),
+                                 options={"prompt_token_ids": list(range(60))}))
+    assert any(isinstance(e, StageFailed) and e.user_error and "raise ar_kv_memory" in e.error
+               for e in stage.step())
+    finished = drain(omni, [("ok", list(range(40)), 8)])
+    assert finished["ok"].data["token_ids"] == reference(list(range(40)), 8)
+    assert_all_freed(omni)
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"ar_kv_backend": "vllm"}, "ar_kv_backend"), ({"ar_kv_memory": "lots"}, "ar_kv_memory"),
+    ({"ar_kv_memory": 0}, "ar_kv_memory"), ({"ar_kv_memory": 100}, "ar_kv_memory"),
+    ({"ar_max_num_seqs": 0}, "ar_max_num_seqs"), ({"ar_max_num_batched_tokens": "8"}, "ar_max_num_batched_tokens"),
+    ({"ar_prefix_caching": "yes"}, "ar_prefix_caching"),
+])
+def test_bad_serving_config_is_refused(host, ckpt, config, field):
+    with pytest.raises(InvalidParameter, match=field):
+        Omni("ar_text", host=host, ar_model=str(ckpt), **config)

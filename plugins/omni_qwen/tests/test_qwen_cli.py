@@ -23,7 +23,7 @@ def test_run_prints_text_and_trace(tiny_ckpt, tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     assert trace["ar.stop_reason"] in ("eos", "context_window")
     assert trace["ar.streaming"] is False and trace["ar.token_budget"] is None
-    assert "ar.kv_cache_backend" in result.stderr and '"dynamic_cache"' in result.stderr
+    assert "ar.kv_cache_backend" in result.stderr and '"paged"' in result.stderr
     assert result.stdout.rstrip("\n")
 
 

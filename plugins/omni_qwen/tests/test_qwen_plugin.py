@@ -55,7 +55,8 @@ def test_installed_script_runs_ar_text_on_the_demo(omni_cache):
                            "生成1000字的文本，描述一所学校"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "using a random-weight demo model" in proc.stderr and "--ar-model DIR" in proc.stderr
+    assert "paged KV backend" in proc.stderr and "max concurrency" in proc.stderr
     assert proc.stdout.strip()
     lines = {line.split()[0]: line.split(None, 1)[1] for line in proc.stderr.splitlines() if line.startswith("ar.")}
-    assert lines["ar.streaming"] == "true" and lines["ar.kv_cache_backend"] == '"dynamic_cache"'
+    assert lines["ar.streaming"] == "true" and lines["ar.kv_cache_backend"] == '"paged"'
     assert lines["ar.stop_reason"] in ('"eos"', '"context_window"')

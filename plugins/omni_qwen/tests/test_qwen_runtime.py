@@ -15,9 +15,13 @@ AR_FIELDS = ("input_tokens", "prefill_tokens", "output_tokens", "generated_token
              "kv_cache_source", "runtime_kv_manager", "prompt_mode")
 
 
-@pytest.fixture(scope="module")
-def omni(tiny_ckpt, host):
-    return Omni("ar_text", host=host, ar_model=str(tiny_ckpt))
+KV_TRACE = {"paged": (True, "PagedKVPool", "paged", "runtime", True),
+            "dynamic_cache": (True, "DynamicCache", "dynamic_cache", "transformers", False)}
+
+
+@pytest.fixture(scope="module", params=list(KV_TRACE))
+def omni(tiny_ckpt, host, request):
+    return Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_kv_backend=request.param)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -48,9 +52,11 @@ def test_trace_fields_are_true(omni):
     assert trace["ar.decode_step_mean_ms"] == pytest.approx(trace["ar.decode_ms"] / trace["ar.decode_model_calls"],
                                                             abs=1e-2)
     assert trace["ar.streaming"] is True
+    backend = omni.graph.stages["generate"].executor.backend.kv_trace["kv_cache_backend"]
     assert (trace["ar.kv_cache"], trace["ar.kv_cache_type"], trace["ar.kv_cache_backend"],
-            trace["ar.kv_cache_source"], trace["ar.runtime_kv_manager"]) == (
-        True, "DynamicCache", "dynamic_cache", "transformers", False)
+            trace["ar.kv_cache_source"], trace["ar.runtime_kv_manager"]) == KV_TRACE[backend]
+    assert trace["ar.kv_blocks_used"] == -(-(trace["ar.input_tokens"] + 11) // 16)
+    assert trace["ar.preemptions"] == 0 and trace["ar.batch_size_max"] == 1
     assert trace["ar.prompt_mode"] == "chat_template"
     assert trace["ar.stop_reason"] == "max_tokens" and trace["ar.output_tokens"] == 12
 
@@ -171,8 +177,9 @@ def test_concurrent_requests_match_alone(omni):
         if isinstance(event, RequestFinished):
             finished[event.request_id] = event.result.output.data["token_ids"]
     assert [finished[r.request_id] for r in requests] == alone
-    assert not omni.graph.stages["generate"].executor.sequences
-    assert not omni.graph.stages["generate"].executor.pipeline.caches
+    stage = omni.graph.stages["generate"]
+    assert not stage.executor.sequences and not getattr(stage.executor.backend, "caches", {})
+    assert stage.engine.scheduler.blocks.num_used == 0
 
 
 def test_prompt_errors(omni):

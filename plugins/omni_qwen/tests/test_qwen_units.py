@@ -68,3 +68,39 @@ def test_node_policy_is_checked():
         node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"budget": 3}), PROMPT_BRIDGE_POLICY)
     with pytest.raises(InvalidParameter, match="max_tokens"):
         node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"max_tokens": 0}), PROMPT_BRIDGE_POLICY)
+
+
+def test_serving_config_reads_sizes_and_defaults():
+    from omni_qwen.serving import DEFAULT_KV_TOKENS, ServingConfig, parse_bytes
+
+    assert parse_bytes(1234) == 1234 and parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2 GB") == 2 * 10**9
+    assert parse_bytes("1.5kib") == 1536
+    for bad in ("", "12 parsecs", "-1", True, 0, 2.5):
+        with pytest.raises(InvalidParameter, match="ar_kv_memory"):
+            parse_bytes(bad)
+    config = ServingConfig.from_config({}, policy_max_num_seqs=None)
+    assert (config.kv_backend, config.max_num_seqs, config.max_num_batched_tokens, config.prefix_caching) == (
+        None, 64, 512, True)
+    assert config.memory_for(100, 512) == 100 * DEFAULT_KV_TOKENS and config.memory_for(100, 10**6) == 10**8
+    assert ServingConfig.from_config({}, policy_max_num_seqs=4).max_num_seqs == 4
+    assert ServingConfig.from_config({"ar_max_num_seqs": 8}, policy_max_num_seqs=4).max_num_seqs == 8
+
+
+def test_backend_choice_falls_back_for_models_the_paged_forward_lacks():
+    from types import SimpleNamespace
+
+    from omni_kernel.errors import ModelError
+    from omni_qwen.engine import choose_backend
+    from omni_qwen.serving import ServingConfig
+
+    def model(**config):
+        return SimpleNamespace(config=SimpleNamespace(**config))
+
+    qwen2, llama = model(model_type="qwen2"), model(model_type="llama")
+    assert choose_backend(ServingConfig(), qwen2) == "paged"
+    assert choose_backend(ServingConfig(kv_backend="dynamic_cache"), qwen2) == "dynamic_cache"
+    assert choose_backend(ServingConfig(), llama) == "dynamic_cache"
+    assert choose_backend(ServingConfig(), model(model_type="qwen2", layer_types=["sliding_attention"])) == \
+        "dynamic_cache"
+    with pytest.raises(ModelError, match="dynamic_cache"):
+        choose_backend(ServingConfig(kv_backend="paged"), llama)

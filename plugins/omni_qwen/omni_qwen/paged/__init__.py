@@ -1,6 +1,7 @@
-"""The paged KV backend: a runtime-owned pool of K/V blocks and one flattened Qwen2 forward per engine step.
+"""The paged KV backend's model side: a runtime-owned pool of K/V blocks and one flattened Qwen2 forward per
+engine step.
 
-pool.KVPool owns the K/V tensor, qwen2.PagedQwen2 runs the model over it, batch.StepBatch turns the
-scheduler's chunks into index tensors once per step, executor.PagedARExecutor drives it from the kernel
-Engine with an ARScheduler, and engine.build_paged_engine wires them together.
+pool.KVPool owns the K/V tensor, batch.build_step turns the scheduler's chunks into the index tensors every
+layer reuses, and qwen2.PagedQwen2 runs the model over them. backends.PagedBackend (one level up) plugs them
+into the shared ARExecutor; engine.build_ar_engine sizes the pool and wires the stage's Engine.
 """

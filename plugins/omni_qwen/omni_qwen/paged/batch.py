@@ -46,7 +46,8 @@ def _slots(table, start: int, n: int, size: int) -> list[int]:
     return [table[p // size] * size + p % size for p in range(start, start + n)]
 
 
-def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch.dtype) -> StepBatch:
+def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch.dtype,
+               device: str | torch.device = "cpu") -> StepBatch:
     decodes = [c for c in chunks if c.num_tokens == 1]
     longer = [c for c in chunks if c.num_tokens > 1]
     ids, positions, slots, sample_rows, sample_ids = [], [], [], [], []
@@ -73,6 +74,12 @@ def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch
         prefills.append(PrefillSpan(row, chunk.num_tokens, chunk.start,
                                     torch.tensor(chunk.block_table[:used], dtype=torch.long), mask))
         row += chunk.num_tokens
-    return StepBatch(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                     torch.tensor(slots, dtype=torch.long), len(decodes), torch.tensor(gather, dtype=torch.long),
-                     bias, tuple(prefills), torch.tensor(sample_rows, dtype=torch.long), tuple(sample_ids))
+    def as_tensor(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    if torch.device(device).type != "cpu":
+        bias = bias.to(device)
+        prefills = [attrs.evolve(p, blocks=p.blocks.to(device), mask=None if p.mask is None else p.mask.to(device))
+                    for p in prefills]
+    return StepBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), len(decodes), as_tensor(gather), bias,
+                     tuple(prefills), as_tensor(sample_rows), tuple(sample_ids))

@@ -39,13 +39,24 @@ class _Layer:
 
 
 class PagedQwen2:
+    @staticmethod
+    def supports(config) -> str | None:
+        """Why this forward cannot run a model with `config` (None: it can)."""
+        if getattr(config, "model_type", None) != "qwen2":
+            return f"it implements the Qwen2 architecture, not {getattr(config, 'model_type', None)!r}"
+        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+            return "it does not implement sliding-window attention"
+        return None
+
     def __init__(self, model):
         config = model.config
-        if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-            raise ValueError("the paged backend does not implement sliding-window attention")
+        reason = self.supports(config)
+        if reason:
+            raise ValueError(f"the paged backend cannot run this model: {reason}")
         inner = model.model
         self.model, self.config = model, config
         self.dtype = inner.embed_tokens.weight.dtype
+        self.device = inner.embed_tokens.weight.device
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -97,11 +108,12 @@ class PagedQwen2:
     def _workspace(self, step: StepBatch, pool: KVPool):
         """Gather buffers reused by every layer, so the per-layer gathers allocate nothing."""
         shape = (step.decode_blocks.shape[0], pool.block_size, self.num_kv_heads, self.head_dim)
-        return torch.empty(shape, dtype=pool.kv.dtype), torch.empty(shape, dtype=pool.kv.dtype)
+        return (torch.empty(shape, dtype=pool.kv.dtype, device=pool.device),
+                torch.empty(shape, dtype=pool.kv.dtype, device=pool.device))
 
     def _attend(self, step: StepBatch, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                 workspace) -> torch.Tensor:
-        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         d, hd = step.num_decodes, self.head_dim
         if d:
             k_buf, v_buf = workspace

@@ -1,0 +1,92 @@
+"""The two KV backends behind ARExecutor. Both consume the ARScheduler's chunks (prefill chunks and decodes
+of many requests) and return the logits of the chunks that sample; the executor never sees which one runs.
+
+- PagedBackend: the runtime owns K/V in a preallocated KVPool of blocks; ONE PagedQwen2 forward per engine
+  step covers every scheduled chunk. The scheduler's BlockManager is the pool's real allocator.
+- DynamicCacheBackend: one transformers DynamicCache per request and one model call per chunk (any causal
+  LM). The BlockManager is then pure bookkeeping that keeps the caches within the same memory budget.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from omni_kernel.ar_scheduler import ARSchedulerOutput
+
+from .paged.batch import build_step
+from .paged.pool import KVPool
+from .paged.qwen2 import PagedQwen2
+
+
+class ARBackend(Protocol):
+    """Model calls over some KV cache. `kv_trace` holds the ar.kv_* trace fields that describe it."""
+
+    kv_trace: dict[str, Any]
+
+    def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
+        """Compute every chunk of the step; return the request ids of the sampling chunks and their
+        next-token logits, one row each."""
+
+    def finalize(self, request_id: str) -> None:
+        """Drop everything the backend holds for the request."""
+
+
+class DynamicCacheBackend:
+    kv_trace = {"kv_cache": True, "kv_cache_type": "DynamicCache", "kv_cache_backend": "dynamic_cache",
+                "kv_cache_source": "transformers", "runtime_kv_manager": False}
+
+    def __init__(self, pipeline):
+        self.model = pipeline.model
+        self.device = pipeline.device
+        self.caches: dict[str, DynamicCache] = {}
+
+    @torch.inference_mode()
+    def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
+        ids, rows = [], []
+        for chunk in batch.chunks:
+            cache = self.caches.get(chunk.request_id)
+            if cache is None or chunk.start == 0:  # new, or recomputed after preemption
+                cache = DynamicCache(config=self.model.config)
+            if cache.get_seq_length() != chunk.start:
+                raise RuntimeError(f"request {chunk.request_id}: cache holds {cache.get_seq_length()} tokens, "
+                                   f"the chunk starts at {chunk.start}")
+            tokens = torch.tensor([chunk.token_ids], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
+            self.caches[chunk.request_id] = out.cache if out.cache is not None else cache
+            if chunk.samples:
+                ids.append(chunk.request_id)
+                rows.append(out.logits[0, -1])
+        return tuple(ids), torch.stack(rows) if rows else torch.empty(0)
+
+    def finalize(self, request_id: str) -> None:
+        self.caches.pop(request_id, None)
+
+
+class PagedBackend:
+    kv_trace = {"kv_cache": True, "kv_cache_type": "PagedKVPool", "kv_cache_backend": "paged",
+                "kv_cache_source": "runtime", "runtime_kv_manager": True}
+
+    def __init__(self, model: PagedQwen2, pool: KVPool):
+        self.model = model
+        self.pool = pool
+
+    def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
+        step = build_step(batch.chunks, batch.block_size, self.model.dtype, self.pool.device)
+        return step.sample_ids, self.model.forward(step, self.pool)
+
+    def finalize(self, request_id: str) -> None:
+        """Nothing: the request's blocks belong to the scheduler's BlockManager, which frees them."""
+
+
+_paged_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def paged_model(model) -> PagedQwen2:
+    """The PagedQwen2 over a loaded HF model, built once (it merges the model's q/k/v and gate/up weights)."""
+    if model not in _paged_models:
+        _paged_models[model] = PagedQwen2(model)
+    return _paged_models[model]
