@@ -1,7 +1,7 @@
 """qwen_to_wan_i2v end to end on both tiny demo checkpoints (real Qwen2 and Wan2.2 classes, random weights).
 
 Three ways in: the installed `omni` script in a subprocess, the Python API in this process, and the scripts
-in examples/. The demo checkpoints are built on first use under a module tmp OMNI_CACHE_DIR. Subprocess
+in examples/. The demo checkpoints are built on first use under the session tmp OMNI_CACHE_DIR. Subprocess
 starts cost ~5 s each (torch, transformers, diffusers imports), so one `omni run` serves many assertions.
 """
 
@@ -33,29 +33,9 @@ AR_FIELDS = ("ar.input_tokens", "ar.output_tokens", "ar.ttft_ms", "ar.stop_reaso
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The demo checkpoints go to a tmp dir, never the user's cache; restored after the module."""
-    path = tmp_path_factory.mktemp("omni-cache")
-    saved = {k: os.environ.get(k) for k in ("OMNI_CACHE_DIR", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    os.environ.update(OMNI_CACHE_DIR=str(path), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    yield path
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-@pytest.fixture(autouse=True)
-def omni_logger():
-    """The CLI configures the "omni" logger in this process; put it back so nothing leaks into other tests."""
-    import logging
-
-    logger = logging.getLogger("omni")
-    saved = (list(logger.handlers), logger.propagate, logger.level)
-    yield
-    logger.handlers[:] = saved[0]
-    logger.propagate, logger.level = saved[1], saved[2]
+def cache(omni_cache):
+    """The session tmp OMNI_CACHE_DIR of the kernel's pytest plugin (omni_kernel.testing): never the user's."""
+    return omni_cache
 
 
 def run(args: list[str], cache: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -1,4 +1,5 @@
-"""Tiny Qwen2 checkpoints built locally once per session (never a hub), and a session cache dir."""
+"""Tiny Qwen2 checkpoints built locally once per session (never a hub). The session cache dir (omni_cache)
+comes from the kernel's pytest plugin, omni_kernel.testing."""
 
 from __future__ import annotations
 
@@ -15,19 +16,6 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="session", autouse=True)
-def omni_cache(tmp_path_factory):
-    """Everything omni builds on first use (the demo checkpoint) goes to a session tmp dir."""
-    path = tmp_path_factory.mktemp("omni-cache")
-    old = os.environ.get("OMNI_CACHE_DIR")
-    os.environ["OMNI_CACHE_DIR"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("OMNI_CACHE_DIR", None)
-    else:
-        os.environ["OMNI_CACHE_DIR"] = old
 
 
 @pytest.fixture(scope="session")
