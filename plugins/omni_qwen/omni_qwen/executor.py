@@ -8,6 +8,7 @@ chunks, so the paged and the DynamicCache backends share every line of it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,6 +24,8 @@ from .detokenize import IncrementalDetokenizer
 from .sampling import Sampler
 from .sequence import ARNodeSettings, ARSequenceState
 
+STEP_LOG_SIZE = 10_000
+
 
 class ARExecutor:
     def __init__(self, node_id: str, pipeline, backend: ARBackend, settings: ARNodeSettings | None = None,
@@ -35,7 +38,8 @@ class ARExecutor:
         self.eos = pipeline.eos_token_ids
         self.context_window = pipeline.context_window
         self.sequences: dict[str, ARSequenceState] = {}
-        self.step_log: list[tuple[int, int, float]] = []  # (sequences, tokens, forward ms) per step
+        # (sequences, tokens, forward ms) of recent steps; bounded so a long-lived server does not grow
+        self.step_log: deque[tuple[int, int, float]] = deque(maxlen=STEP_LOG_SIZE)
         self.summary = ""  # the engine's KV pool and limits in one line (engine.build_ar_engine)
 
     # Admission.
