@@ -97,7 +97,7 @@ class QwenStages:
             from .demo import ensure_demo_checkpoint
 
             path = ensure_demo_checkpoint()
-            log.info("using a random-weight demo model (%s); pass --ar-model DIR for real weights", path)
+            log.info("using a random-weight demo model at %s; pass --ar-model DIR for real weights", path)
         dtype = config.get("ar_dtype")
         resolve_dtype(dtype)
         device = config.get("ar_device") or default_device()
