@@ -50,7 +50,6 @@ def main() -> None:
 
     with quiet_libraries():
         from diffusers import WanImageToVideoPipeline
-    from omni_wan.prepare_cache import CACHE
     from omni_wan.presets import DEFAULT_NEGATIVE_PROMPT
     from omni_wan.video import write_mp4
 
@@ -63,13 +62,14 @@ def main() -> None:
         params = DiffusionParams(height=args.height, width=args.width, num_frames=args.num_frames,
                                  num_inference_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed)
         omni = Omni("wan_i2v", model=str(model))
+        cache = omni.host.pm.get_plugin("omni_wan").stages.cache
         with quiet_libraries():
             pipe = WanImageToVideoPipeline.from_pretrained(str(model), use_safetensors=True)
         pipe.set_progress_bar_config(disable=True)
         image = open_image(IMAGE)
 
         def runtime(i: int):
-            CACHE.clear()
+            cache.clear()
             start = time.perf_counter()
             result = omni.generate(prompt, image=str(IMAGE), diffusion=params, output=str(work / f"rt{i}.mp4"),
                                    return_frames=True)

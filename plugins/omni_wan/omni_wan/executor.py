@@ -22,7 +22,7 @@ from . import prepare_cache
 from .device import Placement
 from .images import image_digest, open_image
 from .layout import ModelLayout
-from .loader import POOL, ModelPool
+from .loader import ModelPool
 from .presets import DEFAULT_NEGATIVE_PROMPT, Settings, resolve
 from .profiler import Profiler, profile_path
 from .video import write_mp4
@@ -55,7 +55,7 @@ def output_path(item_options, request_id: str) -> Path:
 
 class DiffusionExecutor:
     def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, default_preset: str,
-                 model_label: str, pool: ModelPool = POOL, cache: prepare_cache.PrepareCache = prepare_cache.CACHE):
+                 model_label: str, pool: ModelPool, cache: prepare_cache.PrepareCache):
         self.node_id = node_id
         self.layout = layout
         self.placement = placement

@@ -1,4 +1,5 @@
-"""The process-wide model pool: a model loads once and stays loaded across requests and stage rebuilds."""
+"""The model pool: a model loads once and stays loaded across requests and stage rebuilds of its owner
+(WanStages, one per plugin host)."""
 
 from __future__ import annotations
 
@@ -79,5 +80,3 @@ def quiet_libraries():
         if bars[1]:
             dlog.enable_progress_bar()
 
-
-POOL = ModelPool()

@@ -47,5 +47,3 @@ def text_key(model_key: Hashable, prompt: str, negative_prompt: str, guidance: b
 def image_key(model_key: Hashable, digest: str, height: int, width: int) -> tuple:
     return ("image", model_key, digest, height, width)
 
-
-CACHE = PrepareCache()

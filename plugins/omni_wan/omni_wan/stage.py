@@ -43,18 +43,29 @@ def check_output(output) -> None:
         raise InvalidParameter("output", f"{str(path)!r} is a directory; name a file such as {path / 'out.mp4'}")
 
 
-def build_wan_stage(node: NodeSpec, config) -> DiffusionStage:
-    """`config`: model (a Wan2.2-TI2V-5B-Diffusers directory; default: the demo), vae_dtype, disable_cpu_offload."""
-    from .demo import ensure_demo_model
-    from .device import place
-    from .executor import DiffusionExecutor
+class WanStages:
+    """Builds `diffusion.wan22_i2v` stages. Owns the loaded models and the prepare cache, so every graph a plugin
+    host builds shares them: a model loads once per process and host, and stays loaded."""
 
-    if config.get("model"):
-        layout, label, default_preset = read_layout(config["model"]), str(config["model"]), "quality"
-    else:
-        layout, label, default_preset = read_layout(ensure_demo_model()), "demo (random weights)", "smoke"
-    default_preset = node.policy.get("preset", default_preset)
-    placement = place(config)
-    executor = DiffusionExecutor(node.id, layout, placement, default_preset, label)
-    engine = Engine(StepScheduler(max_batch=1), ModelRunner(executor, node.id))
-    return DiffusionStage(node, engine, layout, default_preset)
+    def __init__(self):
+        from .loader import ModelPool
+        from .prepare_cache import PrepareCache
+
+        self.pool = ModelPool()
+        self.cache = PrepareCache()
+
+    def build(self, node: NodeSpec, config) -> DiffusionStage:
+        """`config`: model (a Wan2.2-TI2V-5B-Diffusers directory; default: the demo), vae_dtype,
+        disable_cpu_offload."""
+        from .demo import ensure_demo_model
+        from .device import place
+        from .executor import DiffusionExecutor
+
+        if config.get("model"):
+            layout, label, default_preset = read_layout(config["model"]), str(config["model"]), "quality"
+        else:
+            layout, label, default_preset = read_layout(ensure_demo_model()), "demo (random weights)", "smoke"
+        default_preset = node.policy.get("preset", default_preset)
+        executor = DiffusionExecutor(node.id, layout, place(config), default_preset, label, self.pool, self.cache)
+        engine = Engine(StepScheduler(max_batch=1), ModelRunner(executor, node.id))
+        return DiffusionStage(node, engine, layout, default_preset)

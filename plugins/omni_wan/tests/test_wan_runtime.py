@@ -9,8 +9,6 @@ import pytest
 import torch
 from omni_kernel import DiffusionParams, RequestFailed, RequestFinished, StageProgress
 from omni_wan.images import open_image
-from omni_wan.loader import POOL
-from omni_wan.prepare_cache import CACHE
 from omni_wan.presets import DEFAULT_NEGATIVE_PROMPT
 from omni_wan.video import read_mp4
 
@@ -71,8 +69,9 @@ def test_abort_between_denoise_steps_frees_and_writes_nothing(omni, image_path, 
 
 
 def test_repeated_request_hits_prepare_cache_and_warm_model(omni, image_path, tmp_path):
-    POOL.clear()
-    CACHE.clear()
+    stages = omni.host.pm.get_plugin("omni_wan").stages  # the plugin owns the loaded models and the cache
+    stages.pool.clear()
+    stages.cache.clear()
     first = omni.generate("a lake", image=str(image_path), diffusion=SMALL, output=str(tmp_path / "1.mp4")).trace
     second = omni.generate("a lake", image=str(image_path), diffusion=SMALL, output=str(tmp_path / "2.mp4")).trace
     assert first["diffusion.load_was_cold"] is True and first["diffusion.load_ms"] > 0
