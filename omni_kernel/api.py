@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
-from .params import ARParams, DiffusionParams
-from .planner import PipelineRegistry, Planner
+from .planner import GraphBuilder, Planner
 from .plugins import PluginHost, load_host
 from .request import Request, RequestResult
 from .stage_scheduler import StageScheduler
@@ -15,21 +14,21 @@ from .stage_scheduler import StageScheduler
 class Omni:
     """Build a pipeline's StageGraph once (models stay loaded) and run requests through it.
 
-    `config` holds model-level settings such as ar_model, model, vae_dtype, disable_cpu_offload.
+    `config` holds the model-level settings the pipeline's node types declare (e.g. ar_model, model,
+    vae_dtype); request parameters (max_tokens, steps, output, ...) go to `request`/`generate` as keywords.
+    Unknown keys are refused with the valid ones listed: `omni run --help` and docs/plugins.md list them.
     """
 
     def __init__(self, pipeline: str, host: PluginHost | None = None, **config: Any):
         self.host = host or load_host()
         self.plan = Planner(self.host.registry).plan(pipeline)
-        self.graph = PipelineRegistry(self.host.registry).build(self.plan, config)
+        self.graph = GraphBuilder(self.host.registry).build(self.plan, config)
         self.scheduler = StageScheduler(self.graph)
 
-    def request(self, prompt: str, image: str | None = None, ar: ARParams | None = None,
-                diffusion: DiffusionParams | None = None, request_id: str | None = None,
-                **options: Any) -> Request:
-        params: Mapping[str, Any] = {k: v for k, v in (("ar", ar), ("diffusion", diffusion)) if v is not None}
+    def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
+                **params: Any) -> Request:
         extra = {"request_id": request_id} if request_id else {}
-        return Request(self.plan.name, prompt, image=image, params=params, options=options, **extra)
+        return Request(self.plan.name, prompt, image=image, params=params, **extra)
 
     def generate(self, prompt: str, **kwargs: Any) -> RequestResult:
         return self.scheduler.generate(self.request(prompt, **kwargs))

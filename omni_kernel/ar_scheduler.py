@@ -5,21 +5,21 @@ running decodes first, then running prompts continue in chunks, then waiting pro
 blocks and budget last. When a decode needs a block and none is free, the most recently admitted sequence is
 preempted by recompute: its blocks are freed and it waits again with prompt + generated tokens as its new
 prompt, so it later yields exactly the tokens it would have (its computed full blocks usually come back as
-prefix-cache hits). The executor learns what to compute from `ScheduledChunk`s and reports the sampled token
-of each chunk that `samples` through `update(done, results)` (the Engine passes the executor's results).
+prefix-cache hits). The model runner learns what to compute from `ScheduledChunk`s and returns the sampled
+token of each chunk that `samples`; `update` appends it and decides whether the sequence is finished.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from .kv_blocks import BlockManager
 from .request import StageInput
-from .scheduler import SchedulerOutput
+from .scheduler import RequestOutput, SchedulerOutput
 
 
 @attrs.frozen
@@ -32,7 +32,6 @@ class ScheduledChunk:
     start: int
     block_table: tuple[int, ...]
     samples: bool
-    cached_tokens: int = 0  # prefix-cache hit of this admission (0 after the first step)
 
     @property
     def num_tokens(self) -> int:
@@ -48,22 +47,45 @@ class ARSchedulerOutput(SchedulerOutput):
     chunks: tuple[ScheduledChunk, ...] = attrs.field(default=(), converter=tuple)
     block_size: int = 16
     preempted: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    blocks_used: int = 0
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@attrs.frozen
+class ARPrompt:
+    """What an AR stage's input processing makes of a request (StageInput.processed): the prompt's token ids,
+    the token budget (None: EOS or the context window) and how the ids were built."""
+
+    token_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    max_tokens: int | None = None
+    ignore_eos: bool = False
+    mode: str = "raw"
+
+
 @attrs.define(eq=False)
 class ARSequence:
+    """One request's progress, owned by the scheduler: its tokens, KV progress and the counters of its trace."""
+
     item: StageInput
     token_ids: list[int]  # prompt + generated so far
     num_prompt: int
+    max_tokens: int | None
+    ignore_eos: bool
     num_computed: int = 0
-    cached_tokens: int = 0
-    preemptions: int = 0
-    fresh: bool = True  # admitted this step: report its prefix hit once
+    prefix_hit_tokens: int = -1  # of the first admission (re-admissions after preemption are not hits); -1: not yet
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_prefill_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_steps: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+    batch_seqs: int = 0
+    batch_seqs_max: int = 0
+    batch_tokens: int = 0
+    num_blocks_max: int = 0
 
     @property
     def request_id(self) -> str:
@@ -73,36 +95,65 @@ class ARSequence:
     def num_pending(self) -> int:
         return len(self.token_ids) - self.num_computed
 
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
 
-def _prompt_ids_of(item: StageInput) -> Sequence[int]:
-    ids = getattr(item.params, "prompt_token_ids", None) or item.options.get("prompt_token_ids")
-    if ids is None:
-        raise ValueError("ARScheduler needs prompt token ids: pass prompt_ids= or options['prompt_token_ids']")
-    return ids
+    def record(self, chunk: ScheduledChunk, step_ms: float, step_seqs: int, step_tokens: int) -> None:
+        if chunk.num_tokens == 1 and self.num_output and chunk.start == len(self.token_ids) - 1:
+            self.num_decode_steps += 1
+            self.decode_ms += step_ms
+        else:  # a prompt chunk, or recompute after preemption
+            self.num_prefill_steps += 1
+            self.num_prefill_tokens += chunk.num_tokens
+            self.prefill_ms += step_ms
+        self.num_steps += 1
+        self.batch_seqs += step_seqs
+        self.batch_seqs_max = max(self.batch_seqs_max, step_seqs)
+        self.batch_tokens += step_tokens
+        self.num_blocks_max = max(self.num_blocks_max, len(chunk.block_table))
+
+    def stats(self) -> dict[str, Any]:
+        """The scheduler's ar.* trace fields (without the prefix)."""
+        steps = max(self.num_steps, 1)
+        decode_mean = round(self.decode_ms / self.num_decode_steps, 3) if self.num_decode_steps else 0.0
+        return {"input_tokens": self.num_prompt, "generated_tokens": self.num_output,
+                "prefill_tokens": self.num_prefill_tokens, "prefill_ms": round(self.prefill_ms, 3),
+                "decode_ms": round(self.decode_ms, 3), "scheduler_steps": self.num_steps,
+                "prefill_steps": self.num_prefill_steps, "decode_model_calls": self.num_decode_steps,
+                "decode_scheduler_steps": self.num_decode_steps, "decode_step_mean_ms": decode_mean,
+                "token_budget": self.max_tokens, "kv_blocks_used": self.num_blocks_max,
+                "prefix_cache_hit_tokens": max(self.prefix_hit_tokens, 0), "preemptions": self.num_preemptions,
+                "batch_size_mean": round(self.batch_seqs / steps, 2), "batch_size_max": self.batch_seqs_max,
+                "batch_tokens_mean": round(self.batch_tokens / steps, 2)}
 
 
 class ARScheduler:
+    """Stops a request at EOS (unless it ignores EOS), at its token budget, or at the context window, in that
+    order of precedence; the stage's output processor adds stop strings by aborting the request."""
+
     def __init__(self, blocks: BlockManager, max_num_batched_tokens: int = 512, max_num_seqs: int = 64,
-                 prompt_ids: Callable[[StageInput], Sequence[int]] = _prompt_ids_of):
+                 eos_token_ids: Iterable[int] = (), context_window: int | None = None):
         if max_num_batched_tokens < 1 or max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        self.prompt_ids = prompt_ids
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.context_window = context_window
         self.waiting: deque[ARSequence] = deque()
         self.running: list[ARSequence] = []
         self.sequences: dict[str, ARSequence] = {}
         self.scheduled: tuple[tuple[ARSequence, ScheduledChunk], ...] = ()
         self.num_preemptions = 0
 
-    # Engine contract.
-
     def add(self, item: StageInput) -> None:
-        ids = list(self.prompt_ids(item))
-        if not ids:
+        prompt = item.processed
+        if not isinstance(prompt, ARPrompt):
+            raise TypeError("an AR request needs its input processed into an ARPrompt (StageInput.processed)")
+        if not prompt.token_ids:
             raise ValueError("an AR request needs at least one prompt token")
-        seq = ARSequence(item, ids, len(ids))
+        seq = ARSequence(item, list(prompt.token_ids), len(prompt.token_ids), prompt.max_tokens, prompt.ignore_eos)
         self.sequences[item.request_id] = seq
         self.waiting.append(seq)
 
@@ -152,31 +203,45 @@ class ARScheduler:
                 if n <= 0 or not self.blocks.can_allocate(seq.token_ids, hits + n):
                     break
             self.waiting.popleft()
-            seq.cached_tokens = seq.num_computed = self.blocks.allocate(seq.request_id, seq.token_ids, hits + n)
-            seq.fresh = True
+            seq.num_computed = self.blocks.allocate(seq.request_id, seq.token_ids, hits + n)
+            if seq.prefix_hit_tokens < 0:
+                seq.prefix_hit_tokens = seq.num_computed
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
         return self._output(picked, preempted)
 
-    def update(self, done: Iterable[str], results: Mapping[str, Any] | None = None) -> None:
-        """Advance what ran last step. `results[request_id]` is the token id sampled for a chunk that
-        `samples` (an int, or a sequence whose first item is used)."""
-        done, results = set(done), results or {}
+    def update(self, batch: ARSchedulerOutput, results: Mapping[str, Any],
+               step_ms: float = 0.0) -> list[RequestOutput]:
+        """Advance what ran. `results[request_id]` is the token id sampled for a chunk that `samples`; a
+        sequence that reaches a stop is freed and reported with `finished` set to the reason."""
+        outputs = []
+        num_seqs, num_tokens = len(self.scheduled), sum(c.num_tokens for _, c in self.scheduled)
         for seq, chunk in self.scheduled:
             if self.sequences.get(seq.request_id) is not seq:
-                continue  # aborted since
-            if seq.request_id in done and seq.request_id not in results:
-                continue  # failed: its K/V may be unwritten, so none of it may enter the prefix cache
+                continue  # aborted or failed since: its K/V may be unwritten, so none of it enters the prefix cache
+            seq.record(chunk, step_ms, num_seqs, num_tokens)
             seq.num_computed += chunk.num_tokens
-            seq.fresh = False
             if chunk.samples and seq.request_id in results:
-                token = results[seq.request_id]
-                seq.token_ids.append(int(token if isinstance(token, int) else token[0]))
+                seq.token_ids.append(int(results[seq.request_id]))
             self.blocks.commit(seq.request_id, seq.token_ids, seq.num_computed)
+            if chunk.samples and seq.request_id in results:
+                reason = self._stop_reason(seq, seq.token_ids[-1])
+                outputs.append(RequestOutput(seq.request_id, seq.token_ids[-1], reason,
+                                             stats=seq.stats() if reason else None))
+                if reason is not None:
+                    self.abort(seq.request_id)
         self.scheduled = ()
-        for request_id in done:
-            self.abort(request_id)
+        return outputs
+
+    def _stop_reason(self, seq: ARSequence, token: int) -> str | None:
+        if token in self.eos_token_ids and not seq.ignore_eos:
+            return "eos"
+        if seq.max_tokens is not None and seq.num_output >= seq.max_tokens:
+            return "max_tokens"
+        if self.context_window is not None and len(seq.token_ids) >= self.context_window:
+            return "context_window"
+        return None
 
     def abort(self, request_id: str) -> None:
         seq = self.sequences.pop(request_id, None)
@@ -191,15 +256,12 @@ class ARScheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def capacity_tokens(self) -> int:
-        return self.blocks.num_blocks * self.blocks.block_size
+    def request_ids(self) -> set[str]:
+        return set(self.sequences)
 
-    def stats(self, request_id: str) -> dict[str, int]:
-        seq = self.sequences.get(request_id)
-        return {} if seq is None else {"prefix_hit_tokens": seq.cached_tokens, "preemptions": seq.preemptions}
-
-    # Helpers.
+    def stats(self, request_id: str) -> dict[str, Any]:
+        """The trace counters of a request still held (e.g. one its stage stops on a stop string)."""
+        return self.sequences[request_id].stats()
 
     def _room(self, seq: ARSequence) -> int:
         """Tokens the sequence can add with its own partly filled block and the free blocks."""
@@ -217,7 +279,7 @@ class ARScheduler:
         self.running.remove(seq)
         self.blocks.free(seq.request_id)
         seq.num_computed = 0
-        seq.preemptions += 1
+        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -226,11 +288,9 @@ class ARScheduler:
         for seq, n in picked:
             start = seq.num_computed
             chunk = ScheduledChunk(seq.request_id, tuple(seq.token_ids[start:start + n]), start,
-                                   tuple(self.blocks.table(seq.request_id)), start + n == len(seq.token_ids),
-                                   seq.cached_tokens if seq.fresh else 0)
+                                   tuple(self.blocks.table(seq.request_id)), start + n == len(seq.token_ids))
             chunks.append(chunk)
             scheduled.append((seq, chunk))
         self.scheduled = tuple(scheduled)
         return ARSchedulerOutput([c.request_id for c in chunks], [s.item for s, _ in scheduled], chunks=chunks,
-                                 block_size=self.blocks.block_size, preempted=preempted,
-                                 blocks_used=self.blocks.num_used)
+                                 block_size=self.blocks.block_size, preempted=preempted)

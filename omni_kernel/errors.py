@@ -2,7 +2,15 @@
 
 UserError and its subclasses are mistakes the caller can fix: the CLI prints them as one line and exits 2,
 a server answers them with a 4xx. Everything else that goes wrong inside a request is a RequestError.
+Failures cross the event boundary as (kind, message, field) and `rebuild` turns them back into these types.
 """
+
+from __future__ import annotations
+
+from typing import Literal
+
+ErrorKind = Literal["invalid_parameter", "bad_input", "model", "user", "runtime", "engine_dead", "aborted"]
+USER_KINDS = frozenset({"invalid_parameter", "bad_input", "model", "user"})
 
 
 class OmniError(Exception):
@@ -12,11 +20,9 @@ class OmniError(Exception):
 class UserError(OmniError):
     """A mistake in what the user asked for (exit code 2, HTTP 4xx)."""
 
-    exit_code = 2
-
 
 class InvalidParameter(UserError):
-    """A parameter value outside its allowed range."""
+    """A parameter value outside its allowed range, or an unknown parameter."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"invalid {field}: {message}")
@@ -59,3 +65,29 @@ class RequestError(OmniError):
 
 class RequestAborted(RequestError):
     """The request was aborted before it finished."""
+
+
+class EngineDead(RequestError):
+    """A stage's engine hit an error that left it inconsistent; it takes no more requests."""
+
+
+def classify(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
+    """(kind, one-line message, field) of an exception, for a StageFailed / RequestFailed event."""
+    kinds: list[tuple[type, ErrorKind]] = [(InvalidParameter, "invalid_parameter"), (InputError, "bad_input"),
+                                           (ModelError, "model"), (UserError, "user"), (EngineDead, "engine_dead"),
+                                           (RequestAborted, "aborted")]
+    kind: ErrorKind = next((k for cls, k in kinds if isinstance(exc, cls)), "runtime")
+    text = " ".join(str(exc).split())
+    message = text if kind != "runtime" else f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return kind, message, getattr(exc, "field", None)
+
+
+def rebuild(kind: str, message: str, field: str | None = None) -> OmniError:
+    """The typed exception for a failure that crossed the event boundary as (kind, message, field)."""
+    if kind == "invalid_parameter":
+        exc = InvalidParameter(field or "parameter", "")
+        exc.args = (message,)
+        return exc
+    types = {"bad_input": InputError, "model": ModelError, "user": UserError, "engine_dead": EngineDead,
+             "aborted": RequestAborted}
+    return types.get(kind, RequestError)(message)

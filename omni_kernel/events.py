@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from .errors import USER_KINDS, ErrorKind, OmniError, classify, rebuild
 from .request import RequestResult, StageOutput
 
 
@@ -36,12 +37,25 @@ class StageFinished:
 
 @attrs.frozen
 class StageFailed:
-    """One request failed inside one stage. `user_error` marks a mistake in the input (exit 2 / 4xx)."""
+    """One request failed inside one stage. `kind` says whose fault it is (see errors.ErrorKind)."""
 
     request_id: str
-    node_id: str
+    node_id: str | None
     error: str
-    user_error: bool = False
+    kind: ErrorKind = "runtime"
+    field: str | None = None
+
+    @classmethod
+    def of(cls, request_id: str, node_id: str | None, exc: BaseException):
+        kind, message, field = classify(exc)
+        return cls(request_id, node_id, message, kind, field)
+
+    @property
+    def user_error(self) -> bool:
+        return self.kind in USER_KINDS
+
+    def exception(self) -> OmniError:
+        return rebuild(self.kind, self.error, self.field)
 
 
 @attrs.frozen
@@ -51,11 +65,5 @@ class RequestFinished:
 
 
 @attrs.frozen
-class RequestFailed:
-    request_id: str
-    node_id: str | None
-    error: str
-    user_error: bool = False
-
-
-Event = TokenDelta | StageProgress | StageFinished | StageFailed | RequestFinished | RequestFailed
+class RequestFailed(StageFailed):
+    """The request failed: in stage `node_id`, in a connector, or (node_id None) aborted by the caller."""

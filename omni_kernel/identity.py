@@ -1,7 +1,7 @@
-"""An identity AR executor that streams its prompt back token by token, and the kernel's `echo` pipeline.
+"""An identity AR stage that streams its prompt back word by word, and the kernel's `echo` pipeline.
 
-It runs the full layering (StageScheduler -> Stage -> Engine -> RequestScheduler -> ModelRunner -> Executor)
-with no model, so the kernel's own tests need no torch.
+It runs the full layering (StageScheduler -> Stage -> Engine -> StepScheduler -> model runner) with no
+model, so the kernel's own tests need no torch.
 """
 
 from __future__ import annotations
@@ -16,80 +16,93 @@ from .errors import InvalidParameter
 from .events import StageFinished, TokenDelta
 from .graph import NodeSpec, PipelinePlan
 from .hookspecs import hookimpl
+from .params import ARParams
 from .registry import NodeType
 from .request import StageInput, StageOutput
-from .runner import ModelRunner
-from .scheduler import RequestScheduler, SchedulerOutput
+from .scheduler import SchedulerOutput, StepScheduler
 from .stage import Stage
 
-_TOKEN = re.compile(r"\s*\S+|\s+")
+_WORD = re.compile(r"\s*\S+|\s+")
 
 
-class IdentityARPipeline:
-    """The "model": tokens are words with their leading whitespace; the output is the prompt itself."""
+@attrs.frozen
+class Words:
+    """The echo stage's processed input: the prompt split into words (its "tokens") and the budget."""
 
-    def tokenize(self, text: str) -> list[str]:
-        return _TOKEN.findall(text)
-
-
-@attrs.define
-class _Sequence:
-    item: StageInput
-    tokens: list[str]
-    max_tokens: int
-    start: float
-    emitted: int = 0
-    first_token_ms: float | None = None
+    words: tuple[str, ...] = attrs.field(converter=tuple)
+    num_steps: int
 
 
-class IdentityARExecutor:
-    def __init__(self, node_id: str, pipeline: IdentityARPipeline | None = None):
-        self.node_id = node_id
-        self.pipeline = pipeline or IdentityARPipeline()
-        self.sequences: dict[str, _Sequence] = {}
+class IdentityRunner:
+    """The "model": step k of a request returns its k-th word."""
+
+    def __init__(self):
+        self.words: dict[str, tuple[str, ...]] = {}
 
     def add_request(self, item: StageInput) -> None:
-        if not item.prompt:
-            raise InvalidParameter("prompt", "must not be empty")
-        tokens = self.pipeline.tokenize(item.prompt)
-        budget = getattr(item.params, "max_tokens", None) or len(tokens)
-        self.sequences[item.request_id] = _Sequence(item, tokens, budget, time.perf_counter())
+        self.words[item.request_id] = item.processed.words
 
-    def execute(self, batch: SchedulerOutput) -> list:
-        events = []
-        for rid in batch.request_ids:
-            seq = self.sequences[rid]
-            token = seq.tokens[seq.emitted]
-            seq.emitted += 1
-            if seq.first_token_ms is None:
-                seq.first_token_ms = (time.perf_counter() - seq.start) * 1000
-            events.append(TokenDelta(rid, self.node_id, token))
-            if seq.emitted == len(seq.tokens) or seq.emitted >= seq.max_tokens:
-                events.append(StageFinished(rid, self.node_id, self._output(seq)))
-        return events
+    def run(self, batch: SchedulerOutput) -> dict[str, str]:
+        return {rid: self.words[rid][step] for rid, step in zip(batch.request_ids, batch.steps)}
 
     def free(self, request_id: str) -> None:
-        self.sequences.pop(request_id, None)
+        self.words.pop(request_id, None)
 
-    def _output(self, seq: _Sequence) -> StageOutput:
-        stop = "eos" if seq.emitted == len(seq.tokens) else "max_tokens"
-        trace = {"ar.input_tokens": len(seq.tokens), "ar.output_tokens": seq.emitted,
-                 "ar.generated_tokens": seq.emitted, "ar.ttft_ms": round(seq.first_token_ms, 3),
-                 "ar.stop_reason": stop, "ar.streaming": bool(seq.item.options.get("stream")),
-                 "ar.prompt_mode": "raw", "ar.kv_cache": False, "ar.kv_cache_backend": "none"}
-        return StageOutput(seq.item.request_id, self.node_id, text="".join(seq.tokens[: seq.emitted]),
-                           stop_reason=stop, trace=trace)
+
+class EchoStage(Stage):
+    def __init__(self, node: NodeSpec, engine: Engine):
+        super().__init__(node, "ar", engine)
+        self.texts: dict[str, tuple[StageInput, list[str], float]] = {}
+
+    def process(self, item: StageInput) -> StageInput:
+        if not item.prompt.strip():
+            raise InvalidParameter("prompt", "must not be empty")
+        words = _WORD.findall(item.prompt)
+        params = item.params or ARParams()
+        budget = min(len(words), params.max_tokens or len(words))
+        return attrs.evolve(item, processed=Words(words, budget))
+
+    def add_request(self, item: StageInput) -> None:
+        self.texts[item.request_id] = (item, [], time.perf_counter())
+        super().add_request(item)
+
+    def postprocess(self, outputs) -> list:
+        events = []
+        for out in outputs:
+            if out.error is None:
+                item, pieces, start = self.texts[out.request_id]
+                pieces.append(out.result)
+                events.append(TokenDelta(out.request_id, self.node_id, out.result))
+                if out.finished:
+                    events.append(StageFinished(out.request_id, self.node_id, self._output(item, pieces, start)))
+            if out.error is not None or out.finished:
+                self.texts.pop(out.request_id, None)
+        return events + [e for e in super().postprocess([o for o in outputs if o.error is not None])]
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self.texts.pop(request_id, None)
+
+    def _output(self, item: StageInput, pieces: list[str], start: float) -> StageOutput:
+        words = item.processed.words
+        stop = "eos" if len(pieces) == len(words) else "max_tokens"
+        params = item.params or ARParams()
+        trace = {"ar.input_tokens": len(words), "ar.output_tokens": len(pieces), "ar.generated_tokens": len(pieces),
+                 "ar.stop_reason": stop, "ar.streaming": params.stream, "ar.prompt_mode": "raw",
+                 "ar.kv_cache": False, "ar.kv_cache_backend": "none",
+                 "ar.elapsed_ms": round((time.perf_counter() - start) * 1000, 3)}
+        return StageOutput(item.request_id, self.node_id, text="".join(pieces), stop_reason=stop, trace=trace)
 
 
 def build_echo_stage(node: NodeSpec, config) -> Stage:
-    executor = IdentityARExecutor(node.id)
-    return Stage(node, "ar", Engine(RequestScheduler(), ModelRunner(executor, node.id)))
+    scheduler = StepScheduler(max_batch=16, num_steps=lambda item: item.processed.num_steps)
+    return EchoStage(node, Engine(scheduler, IdentityRunner()))
 
 
-ECHO_NODE = NodeType("kernel.echo", "ar", build_echo_stage, options={"stream"},
+ECHO_NODE = NodeType("kernel.echo", "ar", build_echo_stage, params=ARParams,
                      description="streams the prompt back word by word (no model)")
 ECHO_PIPELINE = PipelinePlan("echo", [NodeSpec("echo", "kernel.echo", final=True)],
-                             description="the prompt, streamed back by the identity AR executor")
+                             description="the prompt, streamed back by the identity AR stage")
 
 
 class KernelPlugin:

@@ -1,71 +1,156 @@
-"""Per-stage-kind request parameters, validated at construction."""
+"""Declared parameters: node types describe their config and request parameters as closed attrs classes.
+
+A field made with `option(...)` carries its help text, the type its text form parses to (for `-o key=value`,
+`-c key=value` and generated flags) and an optional `omni run` flag. `split` routes one flat mapping of
+values to every node of a pipeline and refuses a key that no node declares, naming the valid ones.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
 from .errors import InvalidParameter
 
-
-def _check(field: str, ok: bool, allowed: str, value) -> None:
-    if not ok:
-        raise InvalidParameter(field, f"{value!r} is outside the allowed range ({allowed})")
+TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
 
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+@attrs.frozen
+class OptionInfo:
+    help: str
+    type: type = str  # str, int, float or bool: what a text value parses to
+    flag: str | None = None  # e.g. "--steps"; None: reachable through -o / -c only
+    choices: tuple[str, ...] | None = None
+    multiple: bool = False  # a tuple of values; -o key=a -o key=b collects both
 
 
-def _optional_int(value, field: str, minimum: int) -> None:
-    if value is None:
-        return
-    _check(field, isinstance(value, int) and not isinstance(value, bool) and value >= minimum,
-           f"an integer >= {minimum}", value)
+def option(default: Any = None, *, help: str, type: type = str, flag: str | None = None,
+           choices: tuple[str, ...] | None = None, multiple: bool = False,
+           validator: Callable | None = None, converter: Callable | None = None) -> Any:
+    """An attrs field with the metadata the CLI, the Python API and the HTTP server read."""
+    info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple)
+    validators = [v for v in (_choice(info.choices) if info.choices else None, validator) if v]
+    return attrs.field(default=default, validator=validators or None, converter=converter,
+                       metadata={"omni": info}, kw_only=True)
+
+
+def options_of(cls: type | None) -> dict[str, OptionInfo]:
+    """The declared options of a params/config class by field name."""
+    if cls is None:
+        return {}
+    return {f.name: f.metadata.get("omni") or OptionInfo(help="") for f in attrs.fields(cls)}
+
+
+def parse(name: str, info: OptionInfo, text: str) -> Any:
+    """A `key=value` text value converted to the option's type."""
+    try:
+        if info.type is bool:
+            low = text.strip().lower()
+            if low not in TRUE | FALSE:
+                raise ValueError
+            return low in TRUE
+        return info.type(text)
+    except ValueError:
+        raise InvalidParameter(name, f"{text!r} is not a valid {info.type.__name__}") from None
+
+
+def make(cls: type, values: Mapping[str, Any]) -> Any:
+    """Build one params/config instance; a wrong type becomes an InvalidParameter naming the field."""
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as exc:
+        field = next((k for k in values if k in str(exc)), "parameter")
+        raise InvalidParameter(field, " ".join(str(exc).split())) from None
+
+
+def split(pipeline: str, what: str, classes: Mapping[str, type | None], values: Mapping[str, Any]) -> dict[str, Any]:
+    """Route flat `values` to each node's class (None values mean "not given"); refuse unknown keys."""
+    given = {k: v for k, v in values.items() if v is not None}
+    valid = sorted({name for cls in classes.values() for name in options_of(cls)})
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise InvalidParameter(unknown[0], f"pipeline {pipeline!r} has no {what} {unknown[0]!r}; valid {what}s: "
+                                           f"{', '.join(valid) or 'none'}")
+    return {node: None if cls is None else make(cls, {k: v for k, v in given.items() if k in options_of(cls)})
+            for node, cls in classes.items()}
+
+
+# Validators for option(validator=...). Each raises InvalidParameter naming the field.
+
+def _choice(choices):
+    def check(instance, attribute, value):
+        if value is not None and value not in choices:
+            raise InvalidParameter(attribute.name, f"{value!r} is not one of {', '.join(choices)}")
+    return check
+
+
+def integer(minimum: int | None = None, maximum: int | None = None):
+    def check(instance, attribute, value):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        if value is not None and not (ok and (minimum is None or value >= minimum)
+                                      and (maximum is None or value <= maximum)):
+            raise InvalidParameter(attribute.name, f"{value!r} is not an integer{_range(minimum, maximum)}")
+    return check
+
+
+def number(minimum: float | None = None, maximum: float | None = None, above: float | None = None):
+    def check(instance, attribute, value):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+        ok = ok and abs(value) != float("inf")
+        ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+        ok = ok and (above is None or value > above)
+        if value is not None and not ok:
+            low = f" > {above}" if above is not None else _range(minimum, None)
+            raise InvalidParameter(attribute.name, f"{value!r} is not a finite number{low}"
+                                                   + (f" <= {maximum}" if maximum is not None else ""))
+    return check
+
+
+def boolean(instance, attribute, value):
+    if value is not None and not isinstance(value, bool):
+        raise InvalidParameter(attribute.name, f"{value!r} is not True or False")
+
+
+def text(instance, attribute, value):
+    if value is not None and not isinstance(value, str):
+        raise InvalidParameter(attribute.name, f"{value!r} is not text")
+
+
+def _range(minimum, maximum) -> str:
+    if minimum is not None and maximum is not None:
+        return f" between {minimum} and {maximum}"
+    return f" >= {minimum}" if minimum is not None else f" <= {maximum}" if maximum is not None else ""
+
+
+MAX_SEED = 2**63 - 1
 
 
 @attrs.frozen
 class ARParams:
-    """Sampling values of an autoregressive stage. temperature 0 means greedy."""
+    """Request parameters of an autoregressive stage. temperature 0 means greedy."""
 
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    max_tokens: int | None = None
+    temperature: float = option(0.0, help="sampling temperature (0: greedy)", type=float, flag="--temperature",
+                                validator=number(minimum=0))
+    top_p: float = option(1.0, help="nucleus sampling mass", type=float, validator=number(maximum=1, above=0))
+    top_k: int = option(-1, help="sample from the k most likely tokens (-1: off)", type=int, validator=integer(-1))
+    seed: int | None = option(None, help="random seed for sampling and noise", type=int, flag="--seed",
+                              validator=integer(0, MAX_SEED))
+    stop: tuple[str, ...] = option((), help="stop string (repeatable)", multiple=True,
+                                   converter=lambda v: (v,) if isinstance(v, str) else tuple(v))
+    max_tokens: int | None = option(None, help="most new tokens", type=int, flag="--max-tokens",
+                                    validator=integer(1))
+    ignore_eos: bool = option(False, help="keep generating past EOS (benchmarks)", type=bool, validator=boolean)
+    stream: bool = option(False, help="print text as it is generated", type=bool, flag="--stream",
+                          validator=boolean)
 
     def __attrs_post_init__(self) -> None:
-        _check("temperature", _number(self.temperature) and self.temperature >= 0,
-               "temperature >= 0", self.temperature)
-        _check("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "0 < top_p <= 1", self.top_p)
-        _check("top_k", isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and (self.top_k == -1 or self.top_k > 0),
-               "top_k = -1 (off) or top_k > 0", self.top_k)
-        _optional_int(self.seed, "seed", 0)
-        _optional_int(self.max_tokens, "max_tokens", 1)
-        _check("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings", self.stop)
+        if self.top_k == 0:
+            raise InvalidParameter("top_k", "0 is not allowed (use -1 for off, or k >= 1)")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidParameter("stop", f"{self.stop!r} must be non-empty strings")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-
-@attrs.frozen
-class DiffusionParams:
-    """Values of a diffusion stage; None means "the stage's preset decides"."""
-
-    preset: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_frames: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    negative_prompt: str | None = None
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("height", "width", "num_frames", "num_inference_steps"):
-            _optional_int(getattr(self, name), name, 1)
-        _optional_int(self.seed, "seed", 0)
-        if self.guidance_scale is not None:
-            _check("guidance_scale", _number(self.guidance_scale) and self.guidance_scale >= 0,
-                   "guidance_scale >= 0", self.guidance_scale)

@@ -1,7 +1,7 @@
 """The contracts between layers, as typing Protocols. Every layer is step-driven: add, step, abort, has work.
 
-The kernel's own classes (Stage, Engine, RequestScheduler, StepScheduler, ARScheduler, ModelRunner) satisfy
-them; a plugin may bring its own implementation of any layer as long as it keeps the contract.
+The kernel's own classes satisfy them (Stage; Engine; StepScheduler, DiffusionScheduler, ARScheduler); a plugin
+brings its ModelRunner and may bring its own implementation of any other layer as long as it keeps the contract.
 """
 
 from __future__ import annotations
@@ -10,64 +10,56 @@ from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .request import Request, StageInput, StageOutput
-from .scheduler import SchedulerOutput
 
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Decides which requests of one engine run this step."""
+    """Owns each request's progress: decides which requests run this step and when each one is finished."""
 
     def add(self, item: StageInput) -> None: ...
-    def schedule(self) -> SchedulerOutput: ...
-    def update(self, done, results: Mapping[str, Any] | None = None) -> None: ...
+    def schedule(self) -> Any:
+        """A SchedulerOutput (falsy when nothing runs this step)."""
+    def update(self, batch: Any, results: Mapping[str, Any], step_ms: float) -> list:
+        """Advance what ran; return a RequestOutput per request that got a result (`finished` set when done).
+        A request absent from `results` failed: nothing of its step may be kept."""
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
-
-
-@runtime_checkable
-class Executor(Protocol):
-    """A model family's executor. It owns per-request model state (KV cache, latents) keyed by request id."""
-
-    def add_request(self, item: StageInput) -> None:
-        """Accept a request (tokenize, validate); raise UserError for bad input."""
-
-    def execute(self, batch: SchedulerOutput) -> Any:
-        """Run one step for every request in the batch; return events (ending a request with StageFinished),
-        or a RunnerOutput when the scheduler needs results back (e.g. sampled token ids)."""
-
-    def free(self, request_id: str) -> None:
-        """Drop everything held for the request; called on finish, failure and abort."""
+    def request_ids(self) -> set[str]: ...
 
 
 @runtime_checkable
 class ModelRunner(Protocol):
-    def add_request(self, item: StageInput) -> list: ...
-    def execute(self, batch: SchedulerOutput) -> Any: ...
-    def free(self, request_id: str) -> None: ...
+    """A model family's code. It keeps per-request model state (KV cache, latents) keyed by request id."""
 
+    def add_request(self, item: StageInput) -> None:
+        """Accept a processed input; raise for one it cannot take."""
 
-@runtime_checkable
-class Engine(Protocol):
-    """step() = schedule -> run -> update; returns the step's events."""
+    def run(self, batch: Any) -> Mapping[str, Any]:
+        """One batched step: a result per request id, or an exception for a request that failed alone."""
 
-    def add_request(self, item: StageInput) -> None: ...
-    def step(self) -> list: ...
-    def abort(self, request_id: str) -> None: ...
-    def has_unfinished(self) -> bool: ...
+    def free(self, request_id: str) -> None:
+        """Drop everything held for the request; a no-op for an id it never received."""
 
 
 @runtime_checkable
 class Stage(Protocol):
-    """One graph node: an Engine plus the node's policy."""
+    """One graph node: input processing (once per request), an Engine, output processing."""
 
     node_id: str
     kind: str
 
-    def check(self, request: Request) -> None: ...
-    def add_request(self, item: StageInput) -> None: ...
+    def check(self, item: StageInput) -> None:
+        """Cheap early refusal of a downstream node's input at submit (no model, no full decode)."""
+    def process(self, item: StageInput) -> StageInput:
+        """Input processing, once per request: returns the input with `processed` set; raises UserError."""
+    def add_request(self, item: StageInput) -> None:
+        """Take a processed input; a failure is reported as a StageFailed event by a later step."""
     def step(self) -> list: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
+    def request_ids(self) -> set[str]: ...
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a step would make progress (or timeout); True if it would."""
 
 
 @runtime_checkable

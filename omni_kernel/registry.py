@@ -10,22 +10,22 @@ import attrs
 from .errors import DuplicateRegistration
 from .graph import PipelinePlan
 
-# CLI options that every pipeline takes; node types declare the rest (NodeType.options).
-COMMON_OPTIONS = frozenset({"prompt", "seed", "trace_json", "json"})
-
 
 @attrs.frozen
 class NodeType:
     """A stage type. `factory(node, config)` builds the Stage for one graph node.
 
-    `config` holds the run's model-level settings (e.g. ar_model, model, vae_dtype). `options` names the CLI
-    options this node type uses; `omni run` refuses any other option for pipelines made of it.
+    `config` and `params` are attrs classes of `params.option` fields: the model-level settings the factory
+    receives (as one instance) and the request parameters each StageInput carries. `inputs` names the request
+    inputs the node reads besides the prompt (e.g. "image"). An undeclared key is refused everywhere.
     """
 
     name: str
     kind: str
     factory: Callable[..., Any]
-    options: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    config: type | None = None
+    params: type | None = None
+    inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     description: str = ""
 
 
@@ -41,6 +41,9 @@ class Registry:
     connectors: dict[str, Registered] = attrs.Factory(dict)
     pipelines: dict[str, Registered] = attrs.Factory(dict)
     commands: dict[str, Registered] = attrs.Factory(dict)
+
+    def copy(self) -> Registry:
+        return Registry(*(dict(getattr(self, f.name)) for f in attrs.fields(Registry)))
 
     def _add(self, table: dict[str, Registered], what: str, name: str, item: Any, plugin: str) -> None:
         if name in table:
@@ -71,10 +74,6 @@ class Registry:
                   "commands": self.commands}
         return {what: sorted(n for n, r in table.items() if r.plugin == plugin) for what, table in tables.items()}
 
-    def options_of(self, plan: PipelinePlan) -> frozenset[str]:
-        """Every CLI option the pipeline uses (unknown node types contribute none)."""
-        used = set(COMMON_OPTIONS)
-        for node in plan.nodes:
-            if node.type in self.node_types:
-                used |= self.node_types[node.type].item.options
-        return frozenset(used)
+    def node_types_of(self, plan: PipelinePlan) -> dict[str, NodeType]:
+        """Node id -> NodeType for the plan's registered node types."""
+        return {n.id: self.node_types[n.type].item for n in plan.nodes if n.type in self.node_types}

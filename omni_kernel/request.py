@@ -16,7 +16,7 @@ def _new_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def _frozen_dict(value) -> Mapping[str, Any]:
+def _as_dict(value) -> dict[str, Any]:
     return dict(value or {})
 
 
@@ -27,32 +27,29 @@ def _require_prompt(instance, attribute, value) -> None:
 
 @attrs.frozen
 class Request:
-    """What a user asks a pipeline for. `params` maps a stage kind ("ar", "diffusion") to its params."""
+    """What a user asks a pipeline for. `params` is one flat mapping of request parameters; the StageScheduler
+    routes each key to the nodes whose node type declares it and refuses keys that none declares."""
 
     pipeline: str
     prompt: str = attrs.field(validator=_require_prompt)
     image: str | None = None
-    params: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    params: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
     request_id: str = attrs.field(factory=_new_id)
     arrival_time: float = attrs.field(factory=time.time)
 
 
 @attrs.frozen
 class StageInput:
-    """What one stage receives for one request: built from the Request, or by a connector."""
+    """What one stage receives for one request: built from the Request, or by a connector. `params` is the
+    node's own params instance (filled in by the StageScheduler); `processed` is what the stage's input
+    processing made of it (token ids, a decoded image), computed once."""
 
     request_id: str
     prompt: str
     image: str | None = None
     params: Any = None
-    options: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
-    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
-
-    @classmethod
-    def from_request(cls, request: Request, kind: str) -> StageInput:
-        return cls(request_id=request.request_id, prompt=request.prompt, image=request.image,
-                   params=request.params.get(kind), options=request.options)
+    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
+    processed: Any = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -66,7 +63,7 @@ class StageOutput:
     data: Any = attrs.field(default=None, eq=False, repr=False)
     stop_reason: str | None = None
     contract: str | None = None
-    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen_dict)
+    trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
 
 
 @attrs.frozen

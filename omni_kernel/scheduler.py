@@ -1,14 +1,16 @@
-"""Generic schedulers: which requests of one engine run this step.
+"""Step schedulers: which requests of one engine run this step, and when each one is finished.
 
-RequestScheduler admits requests FIFO up to `max_num_seqs` and runs every admitted request each step (an AR
-engine decodes all of them). StepScheduler runs step-wise work (denoise steps): each step it takes up to
-`max_batch` requests from the front of the queue that share a batch key, so batching is a policy value.
+Every request needs a known number of steps (`num_steps(item)`, fixed when it is added). StepScheduler runs
+up to `max_batch` requests from the front of its queue that share a batch key; DiffusionScheduler names the
+steps as phases (prepare, denoise 0..n-1, decode, export) and only batches requests in the same phase.
+The ARScheduler (ar_scheduler.py) is the token-level one.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -17,63 +19,112 @@ from .request import StageInput
 
 @attrs.frozen
 class SchedulerOutput:
-    """The requests to run in one engine step, in order."""
+    """The requests to run in one engine step, in order, with the step index each one is at."""
 
     request_ids: tuple[str, ...] = attrs.field(converter=tuple)
-    items: tuple[StageInput, ...] = attrs.field(converter=tuple)
+    items: tuple[StageInput, ...] = attrs.field(default=(), converter=tuple)
+    steps: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __bool__(self) -> bool:
         return bool(self.request_ids)
 
 
-@attrs.define
-class RequestScheduler:
-    max_num_seqs: int = 16
-    waiting: deque[StageInput] = attrs.Factory(deque)
-    running: list[StageInput] = attrs.Factory(list)
+@attrs.frozen
+class RequestOutput:
+    """What one request got from one engine step: the model's result for it, and `finished` (the reason)
+    when the scheduler decided it is done, or `error` when it failed."""
 
-    def add(self, item: StageInput) -> None:
-        self.waiting.append(item)
+    request_id: str
+    result: Any = None
+    finished: str | None = None
+    error: BaseException | None = None
+    stats: Mapping[str, Any] | None = None
 
-    def schedule(self) -> SchedulerOutput:
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            self.running.append(self.waiting.popleft())
-        return SchedulerOutput([i.request_id for i in self.running], self.running)
 
-    def update(self, done: Iterable[str], results=None) -> None:
-        done = set(done)
-        self.running = [i for i in self.running if i.request_id not in done]
-
-    def abort(self, request_id: str) -> None:
-        self.waiting = deque(i for i in self.waiting if i.request_id != request_id)
-        self.update([request_id])
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+@attrs.define(eq=False)
+class Job:
+    item: StageInput
+    total: int
+    step: int = 0
 
 
 @attrs.define
 class StepScheduler:
     max_batch: int = 1
     batch_key: Callable[[StageInput], object] = lambda item: None
-    queue: deque[StageInput] = attrs.Factory(deque)
+    num_steps: Callable[[StageInput], int] = lambda item: 1
+    queue: deque[Job] = attrs.Factory(deque)
 
     def add(self, item: StageInput) -> None:
-        self.queue.append(item)
+        total = self.num_steps(item)
+        if not isinstance(total, int) or total < 1:
+            raise ValueError(f"a request needs at least one step, not {total!r}")
+        self.queue.append(Job(item, total))
 
     def schedule(self) -> SchedulerOutput:
         if not self.queue:
-            return SchedulerOutput((), ())
-        key = self.batch_key(self.queue[0])
-        batch = [i for i in self.queue if self.batch_key(i) == key][: self.max_batch]
-        return SchedulerOutput([i.request_id for i in batch], batch)
+            return SchedulerOutput(())
+        key = self._key(self.queue[0])
+        batch = [j for j in self.queue if self._key(j) == key][: self.max_batch]
+        return self._output(batch)
 
-    def update(self, done: Iterable[str], results=None) -> None:
-        done = set(done)
-        self.queue = deque(i for i in self.queue if i.request_id not in done)
+    def update(self, batch: SchedulerOutput, results: Mapping[str, Any], step_ms: float = 0.0) -> list[RequestOutput]:
+        """Advance every request that got a result; a request is finished after its last step."""
+        jobs = {j.item.request_id: j for j in self.queue}
+        outputs = []
+        for rid in batch.request_ids:
+            job = jobs.get(rid)
+            if job is None or rid not in results:
+                continue  # aborted or failed since
+            job.step += 1
+            done = job.step >= job.total
+            if done:
+                self.queue.remove(job)
+            outputs.append(RequestOutput(rid, results[rid], finished="done" if done else None))
+        return outputs
 
     def abort(self, request_id: str) -> None:
-        self.update([request_id])
+        self.queue = deque(j for j in self.queue if j.item.request_id != request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.queue)
+
+    def request_ids(self) -> set[str]:
+        return {j.item.request_id for j in self.queue}
+
+    def _key(self, job: Job) -> object:
+        return self.batch_key(job.item)
+
+    def _output(self, batch: list[Job]) -> SchedulerOutput:
+        return SchedulerOutput([j.item.request_id for j in batch], [j.item for j in batch], [j.step for j in batch])
+
+
+@attrs.frozen
+class DiffusionSchedulerOutput(SchedulerOutput):
+    phase: str = "prepare"
+
+
+def phase_of(step: int, total: int) -> str:
+    """prepare, denoise (steps 1..total-3), decode, export."""
+    if step == 0:
+        return "prepare"
+    return "denoise" if step < total - 2 else "decode" if step == total - 2 else "export"
+
+
+@attrs.define
+class DiffusionScheduler(StepScheduler):
+    """`num_steps(item)` is the request's denoise steps; the scheduler adds prepare, decode and export. The
+    step index of a denoise phase is `step - 1`."""
+
+    def add(self, item: StageInput) -> None:
+        denoise = self.num_steps(item)
+        if not isinstance(denoise, int) or denoise < 0:
+            raise ValueError(f"a diffusion request needs >= 0 denoise steps, not {denoise!r}")
+        self.queue.append(Job(item, denoise + 3))
+
+    def _key(self, job: Job) -> object:
+        return phase_of(job.step, job.total), self.batch_key(job.item)
+
+    def _output(self, batch: list[Job]) -> DiffusionSchedulerOutput:
+        return DiffusionSchedulerOutput([j.item.request_id for j in batch], [j.item for j in batch],
+                                        [j.step for j in batch], phase=phase_of(batch[0].step, batch[0].total))

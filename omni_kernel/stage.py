@@ -1,19 +1,19 @@
-"""Stage: one graph node, an Engine plus the node's policy."""
+"""Stage: one graph node. Input processing (once per request), an Engine, output processing."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from .errors import UserError
-from .events import StageFailed
+from .engine import Engine
+from .events import StageFailed, StageFinished
 from .graph import NodeSpec
-from .request import Request, StageInput
+from .request import StageInput, StageOutput
+from .scheduler import RequestOutput
 
 
 class Stage:
-    """Generic stage. Plugins subclass it to apply node policy in `prepare` and to `check` requests early."""
+    """Generic stage. Plugins subclass it: `process` turns an input into what the model runner needs,
+    `postprocess` turns the engine's RequestOutputs into events."""
 
-    def __init__(self, node: NodeSpec, kind: str, engine: Any):
+    def __init__(self, node: NodeSpec, kind: str, engine: Engine):
         self.node = node
         self.kind = kind
         self.engine = engine
@@ -22,28 +22,42 @@ class Stage:
     def node_id(self) -> str:
         return self.node.id
 
-    def check(self, request: Request) -> None:
-        """Refuse a request this stage can never serve (bad sizes, unreadable image) before anything runs."""
+    def check(self, item: StageInput) -> None:
+        """Refuse at submit an input this downstream node can never serve (bad sizes, an unreadable image
+        header); the connector's real input is processed at hand-off. Cheap: no model, no full decode."""
 
-    def prepare(self, item: StageInput) -> StageInput:
-        """Apply the node's policy (prompt mode, token budget) to an incoming request."""
+    def process(self, item: StageInput) -> StageInput:
+        """Input processing, once per request (tokenize, decode an image, resolve settings); raise UserError."""
         return item
 
     def add_request(self, item: StageInput) -> None:
-        try:
-            prepared = self.prepare(item)
-        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            message = str(exc) if isinstance(exc, UserError) else f"{type(exc).__name__}: {exc}"
-            self.engine.pending.append(StageFailed(item.request_id, self.node_id, message,
-                                                   user_error=isinstance(exc, UserError)))
-            return
-        self.engine.add_request(prepared)
+        self.engine.add_request(item)
 
     def step(self) -> list:
-        return self.engine.step()
+        return self.postprocess(self.engine.step())
+
+    def postprocess(self, outputs: list[RequestOutput]) -> list:
+        """Events of one step. By default a finished request's result is its StageOutput."""
+        events: list = []
+        for out in outputs:
+            if out.error is not None:
+                events.append(StageFailed.of(out.request_id, self.node_id, out.error))
+            elif out.finished is not None:
+                result = out.result if isinstance(out.result, StageOutput) else StageOutput(
+                    out.request_id, self.node_id, text=None if out.result is None else str(out.result),
+                    stop_reason=out.finished)
+                events.append(StageFinished(out.request_id, self.node_id, result))
+        return events
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
+
+    def request_ids(self) -> set[str]:
+        return self.engine.request_ids()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """In this process stepping is the work, so a stage with work never needs to wait."""
+        return self.has_unfinished()

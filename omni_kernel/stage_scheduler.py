@@ -6,21 +6,26 @@ It knows nothing of tokens, KV caches or denoise steps.
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter, RequestAborted, RequestError, UserError
-from .events import (RequestFailed, RequestFinished, StageFailed, StageFinished)
+from .errors import InvalidParameter, RequestAborted, RequestError
+from .events import RequestFailed, RequestFinished, StageFailed, StageFinished
 from .graph import StageGraph
+from .params import split
 from .request import Request, RequestResult, StageInput, StageOutput
+
+log = logging.getLogger("omni")
 
 
 @attrs.define
 class InFlight:
     request: Request
+    params: Mapping[str, Any]  # node id -> that node's params instance
     remaining: set[str]
     outputs: dict[str, StageOutput] = attrs.Factory(dict)
     trace: dict[str, Any] = attrs.Factory(dict)
@@ -33,29 +38,55 @@ class StageScheduler:
         self.in_flight: dict[str, InFlight] = {}
         self.backlog: list = []  # events that a helper stepped past for another request; returned next step
 
+    def resolve(self, request: Request) -> dict[str, Any]:
+        """Each node's params for the request; refuses keys and inputs no node of the pipeline declares."""
+        types = self.graph.node_types
+        if request.image is not None and not any("image" in t.inputs for t in types.values()):
+            raise InvalidParameter("image", f"pipeline {self.graph.name!r} takes no input image")
+        return split(self.graph.name, "request parameter", {n: t.params for n, t in types.items()}, request.params)
+
     def submit(self, request: Request) -> str:
+        """Process the request's inputs for the entry nodes now, so a user mistake raises here."""
         if request.pipeline != self.graph.name:
             raise InvalidParameter("pipeline", f"this scheduler runs {self.graph.name!r}, not {request.pipeline!r}")
         if request.request_id in self.in_flight:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
-        for stage in self.graph.stages.values():
-            stage.check(request)
-        self.in_flight[request.request_id] = InFlight(request, set(self.graph.order))
-        for node_id in self.graph.entries():
-            stage = self.graph.stages[node_id]
-            stage.add_request(StageInput.from_request(request, stage.kind))
+        params = self.resolve(request)
+        entries = self.graph.entries()
+        items = {}
+        for node_id in self.graph.order:
+            item = StageInput(request.request_id, request.prompt, image=request.image, params=params[node_id])
+            if node_id in entries:
+                items[node_id] = self.graph.stages[node_id].process(item)
+            else:
+                self.graph.stages[node_id].check(item)
+        self.in_flight[request.request_id] = InFlight(request, params, set(self.graph.order))
+        for node_id, item in items.items():
+            self.graph.stages[node_id].add_request(item)
         return request.request_id
 
     def has_unfinished(self) -> bool:
         return bool(self.in_flight) or bool(self.backlog)
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a step would make progress; never spins on stages that are waiting on others."""
+        return bool(self.backlog) or any(s.wait(timeout) for s in self.graph.stages.values() if s.has_unfinished())
+
     def step(self) -> list:
         events, self.backlog = self.backlog, []
-        # Only stages that had work when the step began: a request handed downstream now starts next step, so
-        # its first work (a model load and its log line) never runs before the upstream events are yielded.
+        # Only stages that had work when the step began: a request handed downstream starts next step, so the
+        # upstream events (its last text) reach the caller before the downstream stage's first work.
         busy = [node_id for node_id in self.graph.order if self.graph.stages[node_id].has_unfinished()]
         for node_id in busy:
-            for event in self.graph.stages[node_id].step():
+            stage = self.graph.stages[node_id]
+            try:
+                stage_events = stage.step()
+            except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
+                log.error("stage %s failed: %s: %s", node_id, type(exc).__name__, exc, exc_info=exc)
+                stage_events = [StageFailed.of(rid, node_id, exc) for rid in sorted(stage.request_ids())]
+                for rid in stage.request_ids():
+                    stage.abort(rid)
+            for event in stage_events:
                 events.extend(self._route(node_id, event))
         return events
 
@@ -64,39 +95,40 @@ class StageScheduler:
             return
         for stage in self.graph.stages.values():
             stage.abort(request_id)
-        self.backlog.append(RequestFailed(request_id, None, "aborted"))
+        self.backlog.append(RequestFailed(request_id, None, "aborted", "aborted"))
 
     def _route(self, node_id: str, event) -> list:
         flight = self.in_flight.get(event.request_id)
         if flight is None:
             return []  # aborted or failed while the stage was working on it
         if isinstance(event, StageFailed):
-            return self._fail(flight, event.node_id, event.error, event.user_error)
+            return self._fail(flight, event)
         if not isinstance(event, StageFinished):
             return [event]
         flight.outputs[node_id] = event.output
         flight.remaining.discard(node_id)
-        routed = [event]
+        routed: list = [event]
         for child in self.graph.children(node_id):
             connector = self.graph.connectors[(node_id, child)]
+            stage = self.graph.stages[child]
             try:
                 item = connector.convert(event.output, flight.request)
-            except Exception as exc:  # noqa: BLE001 - a connector failure fails this request only
-                return routed + self._fail(flight, child, f"connector {connector.name}: {exc}",
-                                           isinstance(exc, UserError))
+                item = stage.process(attrs.evolve(item, params=flight.params[child]) if item.params is None else item)
+            except Exception as exc:  # noqa: BLE001 - a failed hand-off fails this request only
+                return routed + self._fail(flight, StageFailed.of(flight.request.request_id, child, exc))
             flight.trace.update(item.trace)
-            self.graph.stages[child].add_request(item)
+            stage.add_request(item)
         if not flight.remaining:
             routed.append(RequestFinished(flight.request.request_id, self._result(flight)))
             del self.in_flight[flight.request.request_id]
         return routed
 
-    def _fail(self, flight: InFlight, node_id: str | None, error: str, user_error: bool) -> list:
+    def _fail(self, flight: InFlight, failed: StageFailed) -> list:
         rid = flight.request.request_id
         del self.in_flight[rid]
         for stage in self.graph.stages.values():
             stage.abort(rid)
-        return [RequestFailed(rid, node_id, error, user_error)]
+        return [RequestFailed(rid, failed.node_id, failed.error, failed.kind, failed.field)]
 
     def _result(self, flight: InFlight) -> RequestResult:
         trace: dict[str, Any] = {"request.id": flight.request.request_id, "request.pipeline": self.graph.name}
@@ -134,16 +166,15 @@ class StageScheduler:
                 self.backlog = [e for e in self.backlog if e.request_id != rid]
 
     def generate(self, request: Request) -> RequestResult:
-        """Run one request to the end; raise its error if it fails."""
+        """Run one request to the end; raise its error (typed, as the stage raised it) if it fails."""
         for event in self.generate_stream(request):
             if isinstance(event, RequestFinished):
                 return event.result
             if isinstance(event, RequestFailed):
-                raise raise_for(event)
+                raise event.exception()
         raise RequestAborted("aborted")
 
 
-def raise_for(event: RequestFailed) -> Exception:
-    if event.error == "aborted" and event.node_id is None:
-        return RequestAborted("request aborted")
-    return UserError(event.error) if event.user_error else RequestError(event.error)
+def raise_for(event: RequestFailed) -> RequestError | Exception:
+    """The typed exception a failed request's event stands for."""
+    return event.exception()
