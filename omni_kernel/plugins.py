@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Literal
 
 import attrs
 import pluggy
 
 from . import hookspecs
-from .errors import PluginError
+from .errors import DuplicateRegistration, PluginError
 from .registry import Registry
 
 ENTRY_POINT_GROUP = "omni_kernel"
@@ -22,6 +23,8 @@ HOOKS = {
     "omni_register_pipelines": Registry.add_pipeline,
     "omni_register_commands": Registry.add_command,
 }
+# The `omni` group's own commands; a plugin command of the same name would never be reachable.
+BUILTIN_COMMANDS = frozenset({"run", "plugins", "pipelines"})
 
 log = logging.getLogger("omni")
 
@@ -30,42 +33,69 @@ log = logging.getLogger("omni")
 class PluginInfo:
     name: str
     version: str
-    status: str  # loaded | failed | skipped
+    status: Literal["loaded", "failed", "skipped"]
     error: str | None = None
 
 
 class PluginHost:
-    def __init__(self):
+    def __init__(self, reserved_commands: Iterable[str] = BUILTIN_COMMANDS):
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
         self.registry = Registry()
         self.plugins: list[PluginInfo] = []
+        self.reserved_commands = frozenset(reserved_commands)
 
     def register(self, plugin: Any, name: str, version: str = "unknown") -> None:
         """Register a plugin object and everything its hooks register; all or nothing."""
-        self.pm.register(plugin, name=name)
+        if self.pm.has_plugin(name):
+            raise DuplicateRegistration(f"plugin {name!r} is already registered")
+        if (other := self.pm.get_name(plugin)) is not None:
+            raise DuplicateRegistration(f"plugin {name!r} is the object already registered as {other!r}")
         try:
-            pending = []
-            for hook_name in HOOKS:
-                for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-                    if impl.plugin_name == name:
-                        impl.function(register=lambda item, h=hook_name: pending.append((h, item)))
-            staged = attrs.evolve(self.registry, node_types=dict(self.registry.node_types),
-                                  connectors=dict(self.registry.connectors), pipelines=dict(self.registry.pipelines),
-                                  commands=dict(self.registry.commands))
-            for hook_name, item in pending:
-                HOOKS[hook_name](staged, item, name)
+            self.pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(" ".join(str(exc).split())) from None
+        try:
+            self._check_hooks(plugin, name)
+            staged = self.registry.copy()
+            for hook_name, add in HOOKS.items():
+                self._call(plugin, hook_name, register=lambda item, add=add: add(staged, item, name))
+            self._check_commands(staged, name)
         except BaseException:
             self.pm.unregister(name=name)
             raise
         self.registry = staged
         self.plugins.append(PluginInfo(name, version, "loaded"))
 
+    def _check_hooks(self, plugin: Any, name: str) -> None:
+        try:
+            self.pm.check_pending()
+        except pluggy.PluginValidationError:
+            unknown = sorted(c.name for c in self.pm.get_hookcallers(plugin) or () if not c.has_spec())
+            raise PluginError(f"plugin {name!r} implements unknown hook(s) {', '.join(unknown)}; "
+                              f"the hooks are {', '.join(HOOKS)}") from None
+
+    def _call(self, plugin: Any, hook_name: str, **kwargs: Any) -> None:
+        """Call one plugin's implementations of a hook, passing only the arguments each declares (as pluggy does)."""
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            if impl.plugin is plugin:
+                impl.function(*[kwargs[arg] for arg in impl.argnames])
+
+    def _check_commands(self, staged: Registry, name: str) -> None:
+        shadowing = sorted(set(staged.by_plugin(name)["commands"]) & self.reserved_commands)
+        if shadowing:
+            raise PluginError(f"command {shadowing[0]!r} of plugin {name!r} would shadow the built-in omni command")
+
     def load_entry_points(self, allowlist: str | None = None) -> None:
         """Load every installed plugin; one that fails is reported by name and version and skipped."""
         allow = allowlist if allowlist is not None else os.environ.get(ALLOWLIST_ENV)
         allowed = {n.strip() for n in allow.split(",") if n.strip()} if allow else None
-        for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        eps = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
+        installed = sorted({ep.name for ep in eps} | {n for n, _ in self.pm.list_name_plugin()})
+        if allowed is not None and (unknown := sorted(allowed - set(installed))):
+            log.warning("%s names %s, which %s not installed; installed plugins: %s", ALLOWLIST_ENV,
+                        ", ".join(unknown), "is" if len(unknown) == 1 else "are", ", ".join(installed) or "none")
+        for ep in eps:
             version = getattr(ep.dist, "version", None) or "unknown"
             if allowed is not None and ep.name not in allowed:
                 self.plugins.append(PluginInfo(ep.name, version, "skipped", f"not in {ALLOWLIST_ENV}"))
@@ -79,11 +109,11 @@ class PluginHost:
                 self.plugins.append(PluginInfo(ep.name, version, "failed", error))
 
 
-def load_host(allowlist: str | None = None) -> PluginHost:
+def load_host(allowlist: str | None = None, reserved_commands: Iterable[str] = BUILTIN_COMMANDS) -> PluginHost:
     """A host with the kernel's own plugin and every installed plugin loaded."""
     from .identity import KernelPlugin
 
-    host = PluginHost()
+    host = PluginHost(reserved_commands)
     host.register(KernelPlugin(), "omni_kernel", _version("omni-kernel"))
     host.load_entry_points(allowlist)
     return host

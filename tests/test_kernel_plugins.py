@@ -169,3 +169,64 @@ def test_module_plugins_and_every_hook(entry_points):
 def test_no_entry_points_leaves_the_kernel_echo(entry_points):
     host = load_host()
     assert [p.name for p in host.plugins] == ["omni_kernel"] and list(host.registry.pipelines) == ["echo"]
+
+
+def test_misspelled_hook_fails_that_plugin_only(entry_points, warnings):
+    class Misspelled:
+        @hookimpl
+        def omni_register_node_type(self, register):  # singular: not a hook
+            register(NodeType("typo.node", "ar", lambda node, config: None))
+
+        @hookimpl
+        def omni_register_pipelines(self, register):
+            register(PipelinePlan("typo", [NodeSpec("n", "kernel.echo", final=True)]))
+
+    entry_points += [FakeEntryPoint("a_typo", Misspelled), FakeEntryPoint("b_next", pipeline_plugin("next"))]
+    host = load_host()
+    info = {p.name: p for p in host.plugins}
+    assert info["a_typo"].status == "failed" and "omni_register_node_type" in info["a_typo"].error
+    assert "\n" not in info["a_typo"].error and "unknown hook" in info["a_typo"].error
+    assert host.registry.by_plugin("a_typo") == {"node types": [], "connectors": [], "pipelines": [], "commands": []}
+    assert host.pm.get_plugin("a_typo") is None
+    assert info["b_next"].status == "loaded" and "next" in host.registry.pipelines
+    assert "omni_register_node_type" in warnings[0].getMessage()
+
+
+def test_plugin_command_shadowing_a_builtin_is_refused(entry_points, warnings):
+    import click
+
+    class Shadow:
+        @hookimpl
+        def omni_register_commands(self, register):
+            register(click.Command("run", callback=lambda: None))
+
+        @hookimpl
+        def omni_register_pipelines(self, register):
+            register(PipelinePlan("shadowed", [NodeSpec("n", "kernel.echo", final=True)]))
+
+    entry_points.append(FakeEntryPoint("x", Shadow))
+    host = load_host()
+    error = {p.name: p for p in host.plugins}["x"].error
+    assert error == "command 'run' of plugin 'x' would shadow the built-in omni command"
+    assert "run" not in host.registry.commands and "shadowed" not in host.registry.pipelines
+    assert "'run'" in warnings[0].getMessage()
+
+
+def test_same_plugin_twice_is_a_duplicate_registration():
+    host = PluginHost()
+    plugin = pipeline_plugin("once")()
+    host.register(plugin, "once")
+    with pytest.raises(DuplicateRegistration, match="'once'"):
+        host.register(pipeline_plugin("other")(), "once")  # same name
+    with pytest.raises(DuplicateRegistration, match="'again'.*'once'"):
+        host.register(plugin, "again")  # same object
+    assert [p.name for p in host.plugins] == ["once"] and "other" not in host.registry.pipelines
+
+
+def test_allowlist_naming_an_unknown_plugin_warns(entry_points, warnings, monkeypatch):
+    entry_points += [FakeEntryPoint("one", pipeline_plugin("p1")), FakeEntryPoint("two", pipeline_plugin("p2"))]
+    monkeypatch.setenv("OMNI_PLUGINS", "one,tow")
+    host = load_host()
+    assert sorted(host.registry.pipelines) == ["echo", "p1"]
+    mine = [r.getMessage() for r in warnings if r.levelno >= logging.WARNING]
+    assert len(mine) == 1 and "tow" in mine[0] and "one" in mine[0] and "two" in mine[0]

@@ -1,29 +1,71 @@
-"""The kernel's own layer classes keep the contracts that plugins implement (omni_kernel/protocols.py)."""
+"""The kernel's own layer classes keep the contracts that plugins implement (omni_kernel/protocols.py).
+
+`runtime_checkable` only checks that methods exist, so this compares each method's parameters instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
 
 from omni_kernel import protocols
-from omni_kernel.ar_scheduler import ARScheduler
-from omni_kernel.graph import NodeSpec
-from omni_kernel.identity import IdentityARExecutor, build_echo_stage
-from omni_kernel.kv_blocks import BlockManager
-from omni_kernel.scheduler import RequestScheduler, StepScheduler
+
+# (protocol, kernel class that satisfies it as "module:Class"); update when a layer is added or renamed.
+IMPLEMENTATIONS = [
+    ("Stage", "omni_kernel.stage:Stage"),
+    ("Scheduler", "omni_kernel.scheduler:StepScheduler"),
+    ("Scheduler", "omni_kernel.scheduler:DiffusionScheduler"),
+    ("Scheduler", "omni_kernel.ar_scheduler:ARScheduler"),
+    ("ModelRunner", "omni_kernel.identity:IdentityRunner"),
+]
+PLUGIN_ONLY = {"Connector"}  # the kernel has no implementation; plugins bring them
 
 
-def test_kernel_layers_satisfy_the_protocols():
-    stage = build_echo_stage(NodeSpec("echo", "kernel.echo", final=True), {})
-    assert isinstance(stage, protocols.Stage)
-    assert isinstance(stage.engine, protocols.Engine)
-    assert isinstance(stage.engine.runner, protocols.ModelRunner)
-    assert isinstance(IdentityARExecutor("echo"), protocols.Executor)
-    for scheduler in (RequestScheduler(), StepScheduler(), ARScheduler(BlockManager(8, 4))):
-        assert isinstance(scheduler, protocols.Scheduler)
+def load(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
-def test_protocols_reject_what_lacks_a_method():
-    class NoAbort:
-        def add(self, item): ...
-        def schedule(self): ...
-        def update(self, done, results=None): ...
-        def has_unfinished(self): ...
+def methods(protocol: type) -> list[str]:
+    return sorted(n for n, v in vars(protocol).items() if callable(v) and not n.startswith("_"))
 
-    assert not isinstance(NoAbort(), protocols.Scheduler)
-    assert not isinstance(object(), protocols.Connector)
+
+def parameters(function) -> list[tuple[str, str, bool]]:
+    """Name, kind and whether it is required, for every parameter after self."""
+    params = list(inspect.signature(function).parameters.values())[1:]
+    return [(p.name, p.kind.name, p.default is p.empty) for p in params]
+
+
+def mismatches(protocol: type, cls: type) -> dict[str, str]:
+    found = {}
+    for name in methods(protocol):
+        wanted, method = getattr(protocol, name), getattr(cls, name, None)
+        if not callable(method):
+            found[name] = "missing"
+        elif parameters(method) != parameters(wanted):
+            found[name] = f"{inspect.signature(method)}, the protocol has {inspect.signature(wanted)}"
+    return found
+
+
+@pytest.mark.parametrize("protocol, path", IMPLEMENTATIONS)
+def test_kernel_class_has_the_protocols_signatures(protocol, path):
+    assert mismatches(getattr(protocols, protocol), load(path)) == {}
+
+
+def test_every_protocol_has_a_kernel_implementation_listed():
+    declared = {n for n, v in vars(protocols).items()
+                if isinstance(v, type) and getattr(v, "_is_protocol", False) and v.__module__ == protocols.__name__}
+    assert declared - PLUGIN_ONLY == {protocol for protocol, _ in IMPLEMENTATIONS}
+
+
+def test_a_changed_signature_is_a_mismatch():
+    protocol = protocols.Scheduler
+    first, second, *_ = methods(protocol)
+    members = {name: getattr(protocol, name) for name in methods(protocol)}
+    assert mismatches(protocol, type("Same", (), members)) == {}
+    members[first] = lambda self, *args, extra: None
+    del members[second]
+    found = mismatches(protocol, type("Changed", (), members))
+    assert sorted(found) == sorted([first, second]) and found[second] == "missing"

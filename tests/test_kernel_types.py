@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_kernel.errors import GraphError, InvalidParameter, OmniError, RequestError, UserError
+from omni_kernel.errors import GraphError, InvalidParameter, UserError
 from omni_kernel.params import ARParams, DiffusionParams
 from omni_kernel.request import Request, RequestResult, StageInput, StageOutput
 from omni_kernel.trace import format_trace, jsonable, prefixed
@@ -76,11 +76,6 @@ def test_top_p_accepted_exactly_in_its_range(p):
     assert accepted == (0 < p <= 1)
 
 
-def test_params_are_frozen():
-    with pytest.raises(AttributeError):
-        ARParams().temperature = 1.0  # type: ignore[misc]
-
-
 def test_request_values():
     a, b = Request("echo", "hi"), Request("echo", "hi")
     assert a.request_id != b.request_id and len(a.request_id) == 16 and a.arrival_time > 0
@@ -122,9 +117,6 @@ def test_trace_helpers():
     assert format_trace({}) == ""
 
 
-def test_error_hierarchy():
-    assert issubclass(InvalidParameter, UserError) and issubclass(GraphError, UserError)
-    assert issubclass(UserError, OmniError) and issubclass(RequestError, OmniError)
-    assert not issubclass(RequestError, UserError)
+def test_graph_error_names_the_rule_and_its_nodes():
     error = GraphError("cycle", ["a", "b"], "the graph has a cycle through a, b")
     assert error.nodes == ("a", "b") and "cycle" in str(error)

@@ -1,19 +1,14 @@
 """Tiny Qwen2 checkpoints built locally once per session (never a hub). The session cache dir (omni_cache)
-comes from the kernel's pytest plugin, omni_kernel.testing."""
+comes from the kernel's fixtures (omni_kernel.testing), which the repository's root conftest.py opts into."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)
 
