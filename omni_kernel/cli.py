@@ -1,4 +1,4 @@
-"""The `omni` command line."""
+"""The `omni` command line. `omni run`'s model and request flags come from the installed node types."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ from . import __version__
 from .errors import OmniError, UserError
 from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
 from .files import write_json
-from .params import ARParams, DiffusionParams
-from .planner import PipelineRegistry, Planner
-from .plugins import load_host
-from .request import Request
-from .stage_scheduler import StageScheduler, raise_for
+from .flags import Flag, collect, values
+from .planner import GraphBuilder, Planner
+from .plugins import BUILTIN_COMMANDS, load_host
+from .stage_scheduler import StageScheduler
 from .trace import format_trace, jsonable
-
-CONFIG_OPTIONS = ("ar_model", "model", "vae_dtype", "disable_cpu_offload")
-REQUEST_OPTIONS = ("stream", "output", "profile")
 
 
 class UserFacingError(click.ClickException):
@@ -32,11 +28,25 @@ class RequestFailedError(click.ClickException):
 
 
 class OmniGroup(click.Group):
-    """The group, plus the commands that plugins register."""
+    """The group, `omni run` built from the node types, and the commands that plugins register."""
 
-    def main(self, *args, **kwargs):
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         _setup_logging()  # before any plugin loads, so a broken plugin's warning reads "omni: ..." once
-        return super().main(*args, **kwargs)
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:  # one line, not click's usage block
+            hint = f"; see `{exc.ctx.command_path} --help`" if exc.ctx else ""
+            click.echo(f"Error: {' '.join(exc.format_message().split()).rstrip('.')}{hint}", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            exc.show()
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
     def _host(self, ctx: click.Context):
         ctx.ensure_object(dict)
@@ -45,9 +55,11 @@ class OmniGroup(click.Group):
         return ctx.obj["host"]
 
     def list_commands(self, ctx):
-        return sorted(set(super().list_commands(ctx)) | set(self._host(ctx).registry.commands))
+        return sorted(set(super().list_commands(ctx)) | {"run"} | set(self._host(ctx).registry.commands))
 
     def get_command(self, ctx, name):
+        if name == "run":
+            return _run_command(self._host(ctx).registry)
         command = super().get_command(ctx, name)
         if command is None and name in self._host(ctx).registry.commands:
             command = self._host(ctx).registry.commands[name].item
@@ -85,52 +97,66 @@ def main(ctx: click.Context) -> None:
     ctx.ensure_object(dict)
 
 
-@main.command()
-@click.option("--pipeline", required=True, help="Pipeline to run (see `omni pipelines`).")
-@click.option("--prompt", required=True, help="The user's prompt.")
-@click.option("--stream", is_flag=True, default=None, help="Print text as it is generated.")
-@click.option("--ar-model", type=click.Path(), help="Local causal-LM directory (default: a tiny demo model).")
-@click.option("--model", type=click.Path(), help="Local diffusion model directory (default: a tiny demo model).")
-@click.option("--image", type=click.Path(), help="Input image for image-to-video.")
-@click.option("--preset", help="Diffusion preset (quality, balanced, fast, smoke).")
-@click.option("--height", type=int, help="Video height in pixels (overrides the preset).")
-@click.option("--width", type=int, help="Video width in pixels (overrides the preset).")
-@click.option("--num-frames", type=int, help="Number of frames (overrides the preset).")
-@click.option("--steps", type=int, help="Denoise steps (overrides the preset).")
-@click.option("--guidance-scale", type=float, help="Classifier-free guidance scale (overrides the preset).")
-@click.option("--output", type=click.Path(), help="Output file (e.g. out.mp4).")
-@click.option("--profile", is_flag=True, default=None, help="Record per-phase times and a Chrome trace.")
-@click.option("--disable-cpu-offload", is_flag=True, default=None, help="Keep the whole model on the GPU.")
-@click.option("--vae-dtype", type=click.Choice(["fp32", "bf16", "fp16"]), help="VAE dtype.")
-@click.option("--seed", type=int, help="Random seed for sampling and noise.")
-@click.option("--trace-json", type=click.Path(), help="Write the finished request's trace to PATH as JSON.")
-@click.option("--json", "as_json", is_flag=True, default=None, help="Print the finished request as one JSON object.")
-@click.pass_context
-def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **options) -> None:
-    """Run one request through a pipeline and print its output and trace."""
-    options["json"] = as_json
+def _run_command(registry) -> click.Command:
+    flags = collect(registry)
+    options = [
+        click.Option(["--pipeline"], required=True, help="Pipeline to run (see `omni pipelines`)."),
+        click.Option(["--prompt"], required=True, help="The user's prompt."),
+        click.Option(["--image"], type=click.Path(), help="Input image, for pipelines that take one."),
+    ]
+    for flag in flags:
+        help = f"{flag.info.help[:1].upper()}{flag.info.help[1:]} [{', '.join(flag.plugins)}]"
+        if flag.info.type is bool:
+            options.append(click.Option([flag.flag, flag.dest], is_flag=True, default=None, help=help))
+        else:
+            kind = click.Choice(flag.info.choices) if flag.info.choices else flag.info.type
+            options.append(click.Option([flag.flag, flag.dest], type=kind, help=help, multiple=flag.info.multiple,
+                                        default=None))
+    options += [
+        click.Option(["-o", "--option", "request_pairs"], multiple=True, metavar="KEY=VALUE",
+                     help="A request parameter of the pipeline's nodes (repeatable), e.g. -o max_tokens=64."),
+        click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
+                     help="A model-level setting of the pipeline's nodes (repeatable), e.g. -c ar_dtype=bf16."),
+        click.Option(["--trace-json"], type=click.Path(), help="Write the finished request's trace to PATH as JSON."),
+        click.Option(["--json", "as_json"], is_flag=True, help="Print the finished request as one JSON object."),
+    ]
+    by_dest = {f.dest: f for f in flags}
+
+    @click.pass_context
+    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, **given):
+        chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
+        _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json)
+
+    return click.Command("run", callback=run, params=options,
+                         help="Run one request through a pipeline and print its output and trace.\n\n"
+                              "Flags name the plugin that declares them; `-o`/`-c` reach every request "
+                              "parameter and config key of the pipeline's node types (docs/plugins.md).")
+
+
+def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,
+         trace_json, as_json: bool) -> None:
     host = ctx.obj.get("host") or load_host()
     try:
         plan = Planner(host.registry).plan(pipeline)
-        PipelineRegistry(host.registry).validate(plan)  # a missing plugin's message beats "does not use --image"
-        used = host.registry.options_of(plan)
-        unused = sorted(k for k, v in options.items() if v is not None and k not in used)
-        if unused:
-            flags = ", ".join("--" + k.replace("_", "-") for k in unused)
-            raise UserError(f"pipeline {pipeline!r} does not use {flags}")
-        request = Request(pipeline, prompt, image=options["image"], params=_params(options),
-                          options={k: options[k] for k in REQUEST_OPTIONS if options[k] is not None})
-        config = {k: options[k] for k in CONFIG_OPTIONS if options[k] is not None}
-        scheduler = StageScheduler(PipelineRegistry(host.registry).build(plan, config))
-        result, streamed = _drive(scheduler, request, stream=bool(options["stream"]) and not as_json)
+        builder = GraphBuilder(host.registry)
+        builder.validate(plan)  # "install omni-wan" says more than "does not use --image"
+        if image is not None and not any("image" in t.inputs for t in host.registry.node_types_of(plan).values()):
+            raise UserError(f"pipeline {pipeline!r} does not use --image")
+        given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
+        scheduler = StageScheduler(builder.build(plan, given["config"]))
+        from .request import Request
+
+        request = Request(pipeline, prompt, image=image, params=given["params"])
+        stream = bool(given["params"].get("stream")) and not as_json
+        result, streamed = _drive(scheduler, request, stream)
     except UserError as exc:
         raise UserFacingError(_one_line(exc)) from None
     except OmniError as exc:
         raise RequestFailedError(_one_line(exc)) from None
     except KeyboardInterrupt:
         raise RequestFailedError("interrupted; the request was aborted and no partial output was kept") from None
-    if options["trace_json"]:
-        write_json(options["trace_json"], jsonable(dict(result.trace)))
+    if trace_json:
+        write_json(trace_json, jsonable(dict(result.trace)))
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
@@ -141,15 +167,7 @@ def run(ctx: click.Context, pipeline: str, prompt: str, as_json: bool | None, **
     click.echo(format_trace(result.trace), err=True)
 
 
-def _params(options) -> dict:
-    seed = options["seed"]
-    return {"ar": ARParams(seed=seed),
-            "diffusion": DiffusionParams(preset=options["preset"], height=options["height"], width=options["width"],
-                                         num_frames=options["num_frames"], num_inference_steps=options["steps"],
-                                         guidance_scale=options["guidance_scale"], seed=seed)}
-
-
-def _drive(scheduler: StageScheduler, request: Request, stream: bool):
+def _drive(scheduler: StageScheduler, request, stream: bool):
     """Run the request; return its result and whether the final node's text was streamed to stdout."""
     progress = sys.stderr.isatty()
     final = scheduler.graph.final
@@ -172,7 +190,7 @@ def _drive(scheduler: StageScheduler, request: Request, stream: bool):
         elif isinstance(event, RequestFailed):
             if final in streamed:
                 click.echo()
-            raise raise_for(event)
+            raise event.exception()
     raise OmniError("the request ended without a result")
 
 
@@ -210,6 +228,11 @@ def pipelines(ctx: click.Context) -> None:
         plan = registered.item
         click.echo(f"{name} (from {registered.plugin})" + (f": {plan.description}" if plan.description else ""))
         for node in plan.nodes:
-            click.echo(f"  node {node.id}: {node.type}" + (" [final]" if node.final else ""))
+            node_type = host.registry.node_types.get(node.type)
+            about = f" - {node_type.item.description}" if node_type and node_type.item.description else ""
+            click.echo(f"  node {node.id}: {node.type}" + (" [final]" if node.final else "") + about)
         for edge in plan.edges:
             click.echo(f"  edge {edge.source} -> {edge.target} via {edge.connector}")
+
+
+assert BUILTIN_COMMANDS == {"run", "plugins", "pipelines"}, "plugins.BUILTIN_COMMANDS names the group's commands"

@@ -52,10 +52,10 @@ class IdentityRunner:
 class EchoStage(Stage):
     def __init__(self, node: NodeSpec, engine: Engine):
         super().__init__(node, "ar", engine)
-        self.texts: dict[str, tuple[StageInput, list[str], float]] = {}
+        self.texts: dict[str, tuple[StageInput, list[str], list[float]]] = {}  # item, pieces, [start, first]
 
     def process(self, item: StageInput) -> StageInput:
-        if not item.prompt.strip():
+        if not item.prompt:
             raise InvalidParameter("prompt", "must not be empty")
         words = _WORD.findall(item.prompt)
         params = item.params or ARParams()
@@ -63,34 +63,35 @@ class EchoStage(Stage):
         return attrs.evolve(item, processed=Words(words, budget))
 
     def add_request(self, item: StageInput) -> None:
-        self.texts[item.request_id] = (item, [], time.perf_counter())
+        self.texts[item.request_id] = (item, [], [time.perf_counter()])
         super().add_request(item)
 
     def postprocess(self, outputs) -> list:
         events = []
         for out in outputs:
             if out.error is None:
-                item, pieces, start = self.texts[out.request_id]
+                item, pieces, times = self.texts[out.request_id]
                 pieces.append(out.result)
+                times.append(time.perf_counter())
                 events.append(TokenDelta(out.request_id, self.node_id, out.result))
                 if out.finished:
-                    events.append(StageFinished(out.request_id, self.node_id, self._output(item, pieces, start)))
+                    events.append(StageFinished(out.request_id, self.node_id, self._output(item, pieces, times)))
             if out.error is not None or out.finished:
                 self.texts.pop(out.request_id, None)
-        return events + [e for e in super().postprocess([o for o in outputs if o.error is not None])]
+        return events + super().postprocess([o for o in outputs if o.error is not None])
 
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self.texts.pop(request_id, None)
 
-    def _output(self, item: StageInput, pieces: list[str], start: float) -> StageOutput:
+    def _output(self, item: StageInput, pieces: list[str], times: list[float]) -> StageOutput:
         words = item.processed.words
         stop = "eos" if len(pieces) == len(words) else "max_tokens"
         params = item.params or ARParams()
         trace = {"ar.input_tokens": len(words), "ar.output_tokens": len(pieces), "ar.generated_tokens": len(pieces),
                  "ar.stop_reason": stop, "ar.streaming": params.stream, "ar.prompt_mode": "raw",
                  "ar.kv_cache": False, "ar.kv_cache_backend": "none",
-                 "ar.elapsed_ms": round((time.perf_counter() - start) * 1000, 3)}
+                 "ar.ttft_ms": round((times[1] - times[0]) * 1000, 3)}
         return StageOutput(item.request_id, self.node_id, text="".join(pieces), stop_reason=stop, trace=trace)
 
 

@@ -19,7 +19,7 @@ class Scheduler(Protocol):
     def add(self, item: StageInput) -> None: ...
     def schedule(self) -> Any:
         """A SchedulerOutput (falsy when nothing runs this step)."""
-    def update(self, batch: Any, results: Mapping[str, Any], step_ms: float) -> list:
+    def update(self, batch: Any, results: Mapping[str, Any], step_ms: float = 0.0) -> list:
         """Advance what ran; return a RequestOutput per request that got a result (`finished` set when done).
         A request absent from `results` failed: nothing of its step may be kept."""
     def abort(self, request_id: str) -> None: ...

@@ -1,4 +1,4 @@
-"""Small fake stages for kernel tests: the real Stage/Engine/scheduler/ModelRunner over scripted executors."""
+"""Small fake stages for kernel tests: the real Stage/Engine/StepScheduler over a scripted model runner."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from omni_kernel.events import StageFinished, TokenDelta
 from omni_kernel.graph import NodeSpec
 from omni_kernel.registry import NodeType, Registry
 from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.runner import ModelRunner
-from omni_kernel.scheduler import RequestScheduler, StepScheduler
+from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
 
 
@@ -29,63 +28,92 @@ def default_steps(node_id: str, item: StageInput) -> int:
     return 1 + (len(item.prompt) + ord(node_id[0])) % 3
 
 
-class ScriptedExecutor:
-    """Finishes a request after `steps` steps, streaming `node<prompt>` in pieces; logs what it is asked.
+class ScriptedRunner:
+    """Step k of a request returns piece k of `node<prompt>`; logs what it is asked.
 
-    `fail_add(item)` / `fail_execute(item)` decide which requests raise, to test per-request failures.
+    `fail_add(item)` / `fail_run(item)` decide which requests raise, to test per-request failures; with
+    `alone=True` a run failure is returned for that request only instead of raised for the batch.
     """
 
-    def __init__(self, node_id: str, log: list, steps=default_steps, fail_add=None, fail_execute=None):
+    def __init__(self, node_id: str, log: list, steps, fail_add=None, fail_run=None, alone=False):
         self.node_id = node_id
         self.log = log
         self.steps = steps
         self.fail_add = fail_add or (lambda item: None)
-        self.fail_execute = fail_execute or (lambda item: None)
-        self.live: dict[str, list] = {}
+        self.fail_run = fail_run or (lambda item: None)
+        self.alone = alone
+        self.live: dict[str, StageInput] = {}
 
     def add_request(self, item: StageInput) -> None:
         error = self.fail_add(item)
         if error is not None:
             raise error
         self.log.append(("add", self.node_id, item.request_id))
-        self.live[item.request_id] = [item, chunks(stage_text(self.node_id, item.prompt),
-                                                   self.steps(self.node_id, item)), 0]
+        self.live[item.request_id] = item
 
-    def execute(self, batch) -> list:
-        events = []
-        for rid in batch.request_ids:
-            item, pieces, done = self.live[rid]
-            error = self.fail_execute(item)
-            if error is not None:
+    def run(self, batch) -> dict:
+        results = {}
+        for rid, step in zip(batch.request_ids, batch.steps):
+            item = self.live[rid]
+            error = self.fail_run(item)
+            if error is not None and not self.alone:
                 raise error
             self.log.append(("step", self.node_id, rid))
-            events.append(TokenDelta(rid, self.node_id, pieces[done]))
-            self.live[rid][2] = done = done + 1
-            if done == len(pieces):
-                self.log.append(("finish", self.node_id, rid))
-                events.append(StageFinished(rid, self.node_id, StageOutput(
-                    rid, self.node_id, text="".join(pieces), stop_reason="done",
-                    trace={f"{self.node_id}.steps": done, f"{self.node_id}.prompt": item.prompt})))
-        return events
+            results[rid] = error or chunks(stage_text(self.node_id, item.prompt), self.steps(self.node_id, item))[step]
+        return results
 
     def free(self, request_id: str) -> None:
         if self.live.pop(request_id, None) is not None:
             self.log.append(("free", self.node_id, request_id))
 
 
-def fake_stage(node: NodeSpec, kind: str, log: list, step_wise: bool = False, **executor_kwargs) -> Stage:
-    executor = ScriptedExecutor(node.id, log, **executor_kwargs)
-    scheduler = StepScheduler(max_batch=1) if step_wise else RequestScheduler(max_num_seqs=2)
-    return Stage(node, kind, Engine(scheduler, ModelRunner(executor, node.id)))
+class ScriptedStage(Stage):
+    """Streams each step's piece; on finish, the whole text with a trace."""
+
+    def __init__(self, node: NodeSpec, kind: str, engine: Engine, log: list):
+        super().__init__(node, kind, engine)
+        self.log = log
+        self.items: dict[str, StageInput] = {}
+        self.done: dict[str, int] = {}
+
+    def add_request(self, item: StageInput) -> None:
+        self.items[item.request_id] = item
+        super().add_request(item)
+
+    def postprocess(self, outputs) -> list:
+        failed = [o for o in outputs if o.error is not None]
+        for out in failed:
+            self.items.pop(out.request_id, None)
+            self.done.pop(out.request_id, None)
+        events = super().postprocess(failed)
+        for out in (o for o in outputs if o.error is None):
+            rid = out.request_id
+            events.append(TokenDelta(rid, self.node_id, out.result))
+            self.done[rid] = self.done.get(rid, 0) + 1
+            if out.finished:
+                self.log.append(("finish", self.node_id, rid))
+                steps, prompt = self.done.pop(rid), self.items.pop(rid).prompt
+                events.append(StageFinished(rid, self.node_id, StageOutput(
+                    rid, self.node_id, text=stage_text(self.node_id, prompt), stop_reason="done",
+                    trace={f"{self.node_id}.steps": steps, f"{self.node_id}.prompt": prompt})))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self.done.pop(request_id, None)
+        self.items.pop(request_id, None)
+
+
+def fake_stage(node: NodeSpec, kind: str, log: list, max_batch: int = 2, steps=default_steps,
+               **runner_kwargs) -> Stage:
+    runner = ScriptedRunner(node.id, log, steps, **runner_kwargs)
+    scheduler = StepScheduler(max_batch=max_batch, num_steps=lambda item: steps(node.id, item))
+    return ScriptedStage(node, kind, Engine(scheduler, runner), log)
 
 
 def holds(stage: Stage, request_id: str) -> bool:
-    """Whether any layer of the stage still keeps the request."""
-    engine = stage.engine
-    sched = engine.scheduler
-    queued = [*getattr(sched, "waiting", ()), *getattr(sched, "running", ()), *getattr(sched, "queue", ())]
-    return (any(i.request_id == request_id for i in queued) or request_id in engine.runner.executor.live
-            or any(e.request_id == request_id for e in engine.pending))
+    """Whether the stage (its engine or its runner) still keeps the request."""
+    return request_id in stage.request_ids() or request_id in stage.engine.runner.live
 
 
 @attrs.frozen
@@ -101,7 +129,6 @@ class TagConnector:
         if self.fail_on is not None and self.fail_on in request.prompt:
             raise ValueError(f"cannot convert {request.prompt!r}")
         return StageInput(request.request_id, f"{self.name}[{output.text}]", image=request.image,
-                          params=request.params.get(self.target_kind), options=request.options,
                           trace={f"connector.{output.node_id}.{self.name}": True})
 
 
@@ -110,8 +137,8 @@ def registry_with(node_kinds: dict[str, str], connectors, log: list, **stage_kwa
     registry = Registry()
     for name, kind in node_kinds.items():
         registry.add_node_type(NodeType(name, kind, lambda node, config, k=kind: fake_stage(node, k, log,
-                                                                                              **stage_kwargs)),
-                               "tests")
+                                                                                              **stage_kwargs),
+                                        inputs={"image"}), "tests")
     for connector in connectors:
         registry.add_connector(connector, "tests")
     return registry

@@ -5,14 +5,11 @@ import random
 
 import pytest
 
-from omni_kernel.ar_scheduler import ARScheduler
+from omni_kernel.ar_scheduler import ARPrompt, ARScheduler
 from omni_kernel.engine import Engine
-from omni_kernel.events import StageFinished
-from omni_kernel.identity import IdentityARExecutor
+from omni_kernel.errors import EngineDead
 from omni_kernel.kv_blocks import BlockManager
-from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.runner import ModelRunner, RunnerOutput
-from omni_kernel.scheduler import RequestScheduler
+from omni_kernel.request import StageInput
 
 
 def next_token(context) -> int:
@@ -26,44 +23,32 @@ def solo(prompt, max_tokens):
     return tokens[len(prompt):]
 
 
-class FakeExecutor:
-    """Holds per-request prompts and a max_tokens budget; finishes a request when its budget is spent."""
+class FakeRunner:
+    """Writes each chunk's tokens into a fake slot pool through its block table and samples a token that
+    depends on the whole context it reads back; never decides when a request is finished."""
 
     def __init__(self, block_size):
         self.block_size = block_size
         self.pool: dict[int, tuple[int, int]] = {}
-        self.prompts: dict[str, list[int]] = {}
-        self.budgets: dict[str, int] = {}
-        self.outputs: dict[str, list[int]] = {}
         self.steps: list = []
 
     def add_request(self, item):
-        self.prompts[item.request_id] = item.options["prompt_token_ids"]
-        self.budgets[item.request_id] = item.options["max_tokens"]
-        self.outputs[item.request_id] = []
+        pass
 
     def slot(self, table, pos):
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def execute(self, batch):
+    def run(self, batch):
         self.steps.append(batch)
-        events, results = [], {}
+        results = {}
         for chunk in batch.chunks:
             for i, tok in enumerate(chunk.token_ids):
                 self.pool[self.slot(chunk.block_table, chunk.start + i)] = (chunk.start + i, tok)
-            if not chunk.samples:
-                continue
-            context = [self.pool[self.slot(chunk.block_table, p)] for p in range(chunk.context_len)]
-            assert [p for p, _ in context] == list(range(chunk.context_len))
-            rid = chunk.request_id
-            expected = self.prompts[rid] + self.outputs[rid]
-            assert [t for _, t in context] == expected
-            token = next_token(expected)
-            self.outputs[rid].append(token)
-            results[rid] = token
-            if len(self.outputs[rid]) == self.budgets[rid]:
-                events.append(StageFinished(rid, "ar", StageOutput(rid, "ar", data=self.outputs[rid])))
-        return RunnerOutput(events, results)
+            if chunk.samples:
+                context = [self.pool[self.slot(chunk.block_table, p)] for p in range(chunk.context_len)]
+                assert [p for p, _ in context] == list(range(chunk.context_len))
+                results[chunk.request_id] = next_token([t for _, t in context])
+        return results
 
     def free(self, request_id):
         pass
@@ -71,23 +56,30 @@ class FakeExecutor:
 
 def make_engine(num_blocks=64, block_size=4, budget=32, max_seqs=8):
     bm = BlockManager(num_blocks, block_size)
-    executor = FakeExecutor(block_size)
+    runner = FakeRunner(block_size)
     scheduler = ARScheduler(bm, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
-    return Engine(scheduler, ModelRunner(executor, "ar")), scheduler, executor, bm
+    return Engine(scheduler, runner), scheduler, runner, bm
 
 
 def item(rid, prompt, max_tokens):
-    return StageInput(rid, "p", options={"prompt_token_ids": prompt, "max_tokens": max_tokens})
+    return StageInput(rid, "p", processed=ARPrompt(prompt, max_tokens))
 
 
-def run_all(engine, limit=10_000):
-    finished = {}
+def run_all(engine, limit=10_000, stats=None, tokens=None):
+    """Each finished request's generated tokens (and, into `stats`, its trace counters); `tokens` holds what
+    earlier steps already generated."""
+    tokens, finished = {} if tokens is None else tokens, {}
     for _ in range(limit):
         if not engine.has_unfinished():
             return finished
-        for event in engine.step():
-            if isinstance(event, StageFinished):
-                finished[event.request_id] = event.output.data
+        for out in engine.step():
+            assert out.error is None, out.error
+            tokens.setdefault(out.request_id, []).append(out.result)
+            if out.finished:
+                assert out.finished == "max_tokens"
+                finished[out.request_id] = tokens.pop(out.request_id)
+                if stats is not None:
+                    stats[out.request_id] = out.stats
     raise AssertionError("engine did not finish")
 
 
@@ -98,46 +90,46 @@ def random_requests(n, seed=0, max_prompt=40, max_out=12):
 
 
 def test_budget_max_seqs_and_exact_outputs():
-    engine, scheduler, executor, bm = make_engine(budget=24, max_seqs=5)
+    engine, scheduler, runner, bm = make_engine(budget=24, max_seqs=5)
     reqs = random_requests(12)
     for rid, prompt, m in reqs:
         engine.add_request(item(rid, prompt, m))
     finished = run_all(engine)
     assert finished == {rid: solo(p, m) for rid, p, m in reqs}
-    assert all(b.num_tokens <= 24 and len(b.chunks) <= 5 for b in executor.steps)
+    assert all(b.num_tokens <= 24 and len(b.chunks) <= 5 for b in runner.steps)
     assert bm.num_used == 0 and not scheduler.sequences
 
 
 def test_long_prompt_is_prefilled_in_chunks_and_samples_once():
-    engine, _, executor, _ = make_engine(budget=16)
+    engine, _, runner, _ = make_engine(budget=16)
     engine.add_request(item("long", list(range(50)), 2))
     run_all(engine)
-    chunks = [b.chunks[0] for b in executor.steps]
+    chunks = [b.chunks[0] for b in runner.steps]
     assert [c.num_tokens for c in chunks] == [16, 16, 16, 2, 1]
     assert [c.samples for c in chunks] == [False, False, False, True, True]
     assert [c.start for c in chunks] == [0, 16, 32, 48, 50]
 
 
 def test_decodes_come_first_under_a_tight_budget():
-    engine, _, executor, _ = make_engine(budget=8, max_seqs=8)
+    engine, _, runner, _ = make_engine(budget=8, max_seqs=8)
     for i in range(3):
         engine.add_request(item(f"d{i}", [i + 1], 20))
     engine.step()  # three one-token prompts
     engine.add_request(item("big", list(range(30)), 1))
     engine.step()
-    batch = executor.steps[-1]
+    batch = runner.steps[-1]
     assert [c.request_id for c in batch.chunks] == ["d0", "d1", "d2", "big"]
     assert [c.num_tokens for c in batch.chunks] == [1, 1, 1, 5]
 
 
 def test_preemption_by_recompute_keeps_outputs_exact():
-    engine, scheduler, executor, bm = make_engine(num_blocks=16, block_size=4, budget=32, max_seqs=8)
+    engine, scheduler, runner, bm = make_engine(num_blocks=16, block_size=4, budget=32, max_seqs=8)
     reqs = random_requests(10, seed=3, max_prompt=20, max_out=24)
     for rid, prompt, m in reqs:
         engine.add_request(item(rid, prompt, m))
     finished = run_all(engine)
     assert scheduler.num_preemptions > 0
-    assert any(b.preempted for b in executor.steps)
+    assert any(b.preempted for b in runner.steps)
     assert finished == {rid: solo(p, m) for rid, p, m in reqs}
     assert bm.num_used == 0
 
@@ -145,30 +137,33 @@ def test_preemption_by_recompute_keeps_outputs_exact():
 def test_requests_arriving_while_others_decode():
     engine, _, _, bm = make_engine(num_blocks=24, budget=16, max_seqs=4)
     reqs = random_requests(9, seed=5)
-    finished = {}
+    finished, tokens = {}, {}
     pending = list(reqs)
     while pending or engine.has_unfinished():
         if pending:
             rid, prompt, m = pending.pop(0)
             engine.add_request(item(rid, prompt, m))
-        for event in engine.step():
-            if isinstance(event, StageFinished):
-                finished[event.request_id] = event.output.data
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.result)
+            if out.finished:
+                finished[out.request_id] = tokens.pop(out.request_id)
     assert finished == {rid: solo(p, m) for rid, p, m in reqs}
     assert bm.num_used == 0
 
 
 def test_abort_frees_every_block_and_spares_the_others():
-    engine, scheduler, executor, bm = make_engine(budget=32)
+    engine, scheduler, runner, bm = make_engine(budget=32)
     reqs = random_requests(6, seed=7, max_out=30)
     for rid, prompt, m in reqs:
         engine.add_request(item(rid, prompt, max(m, 10)))
+    tokens = {}
     for _ in range(4):
-        engine.step()
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).append(out.result)
     engine.abort("r1")
     engine.abort("r4")
     assert "r1" not in bm.tables and "r4" not in bm.tables
-    finished = run_all(engine)
+    finished = run_all(engine, tokens=tokens)
     assert set(finished) == {"r0", "r2", "r3", "r5"}
     for rid, prompt, m in reqs:
         if rid in finished:
@@ -177,50 +172,62 @@ def test_abort_frees_every_block_and_spares_the_others():
 
 
 def test_shared_prefix_hits_are_counted_and_outputs_unchanged():
-    engine, scheduler, executor, bm = make_engine(num_blocks=64, block_size=4, budget=64)
+    engine, scheduler, runner, bm = make_engine(num_blocks=64, block_size=4, budget=64)
     system = [1, 2, 3, 4] * 6
     engine.add_request(item("first", system + [9], 3))
     run_all(engine)
     engine.add_request(item("second", system + [8, 7], 3))
-    finished = run_all(engine)
-    first_chunk = [c for b in executor.steps for c in b.chunks if c.request_id == "second"][0]
-    assert first_chunk.cached_tokens == 24 and first_chunk.start == 24
+    stats = {}
+    finished = run_all(engine, stats=stats)
+    first_chunk = [c for b in runner.steps for c in b.chunks if c.request_id == "second"][0]
+    assert first_chunk.start == 24 and stats["second"]["prefix_cache_hit_tokens"] == 24
     assert finished["second"] == solo(system + [8, 7], 3)
     assert bm.hit_tokens == 24
 
 
 def test_a_request_done_in_its_first_step_still_feeds_the_prefix_cache():
-    engine, _, executor, bm = make_engine(num_blocks=64, block_size=4, budget=64)
+    engine, _, runner, bm = make_engine(num_blocks=64, block_size=4, budget=64)
     engine.add_request(item("a", list(range(20)), 1))
     run_all(engine)
     engine.add_request(item("b", list(range(20)) + [5], 1))
-    run_all(engine)
-    assert executor.steps[-1].chunks[0].cached_tokens == 20
+    stats = {}
+    run_all(engine, stats=stats)
+    assert stats["b"]["prefix_cache_hit_tokens"] == 20 and runner.steps[-1].chunks[0].start == 20
 
 
 def test_a_failed_step_commits_nothing():
     bm = BlockManager(16, 4)
     scheduler = ARScheduler(bm, max_num_batched_tokens=64)
     scheduler.add(item("a", list(range(12)), 1))
-    scheduler.schedule()
-    scheduler.update(["a"])  # the whole step failed: no results
+    batch = scheduler.schedule()
+    scheduler.abort("a")  # the engine aborts a request whose step failed before it updates
+    assert scheduler.update(batch, {}) == []
     assert bm.num_used == 0 and bm.num_cached == 0 and not bm.by_hash
 
 
-def test_missing_prompt_ids_and_pool_too_small_are_reported():
+def test_the_scheduler_decides_eos_budget_and_context_window():
+    def finish(prompt, max_tokens=None, ignore_eos=False, eos=(), window=None, steps=50):
+        scheduler = ARScheduler(BlockManager(64, 4), eos_token_ids=eos, context_window=window)
+        engine = Engine(scheduler, FakeRunner(4))
+        engine.add_request(StageInput("r", "p", processed=ARPrompt(prompt, max_tokens, ignore_eos)))
+        outs = [o for _ in range(steps) for o in engine.step()]
+        return [o.finished for o in outs if o.finished], sum(1 for o in outs), outs[-1].stats
+    first = solo([1, 2, 3], 1)[0]
+    assert finish([1, 2, 3], eos={first})[:2] == (["eos"], 1)
+    assert finish([1, 2, 3], max_tokens=1, eos={first}, ignore_eos=True)[:2] == (["max_tokens"], 1)
+    assert finish([1, 2, 3], max_tokens=4, window=5)[:2] == (["context_window"], 2)
+    assert finish([1, 2, 3], max_tokens=2, window=5)[:2] == (["max_tokens"], 2)  # a tie: the budget wins
+    reasons, count, stats = finish([1, 2, 3], max_tokens=5)
+    assert reasons == ["max_tokens"] and count == 5
+    assert (stats["input_tokens"], stats["generated_tokens"], stats["decode_model_calls"]) == (3, 5, 4)
+
+
+def test_an_unprocessed_input_and_a_pool_too_small_are_reported():
     scheduler = ARScheduler(BlockManager(2, 2))
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError, match="ARPrompt"):
         scheduler.add(StageInput("x", "p"))
     engine, *_ = make_engine(num_blocks=2, block_size=2, budget=8)
     engine.add_request(item("huge", [1, 2, 3], 5))
-    with pytest.raises(RuntimeError):
-        run_all(engine)
-
-
-def test_request_scheduler_engine_still_works_with_plain_event_lists():
-    engine = Engine(RequestScheduler(), ModelRunner(IdentityARExecutor("echo"), "echo"))
-    engine.add_request(StageInput("a", "one two three"))
-    events = []
-    while engine.has_unfinished():
-        events += engine.step()
-    assert isinstance(events[-1], StageFinished) and events[-1].output.text == "one two three"
+    outs = [o for _ in range(10) for o in engine.step()]
+    assert [type(o.error) for o in outs if o.error] == [EngineDead] and "KV pool" in str(outs[-1].error)
+    assert not engine.has_unfinished()

@@ -6,12 +6,11 @@ import pytest
 
 from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text
 from omni_kernel import Omni
-from omni_kernel.errors import InputError, RequestAborted, RequestError, UserError
+from omni_kernel.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
 from omni_kernel.events import RequestFailed, RequestFinished, StageFinished, TokenDelta
 from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
 from omni_kernel.identity import KernelPlugin
-from omni_kernel.params import ARParams
-from omni_kernel.planner import PipelineRegistry
+from omni_kernel.planner import GraphBuilder
 from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 from omni_kernel.stage import Stage
@@ -30,7 +29,7 @@ def kernel_host() -> PluginHost:
 def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> StageScheduler:
     registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
                              [] if log is None else log, **stage_kwargs)
-    return StageScheduler(PipelineRegistry(registry).build(TWO_NODES))
+    return StageScheduler(GraphBuilder(registry).build(TWO_NODES))
 
 
 def drain(scheduler: StageScheduler, limit: int = 200) -> list:
@@ -68,7 +67,7 @@ def test_streamed_deltas_concatenate_to_the_final_text():
 
 
 def test_max_tokens_budget_stops_early():
-    result = Omni("echo", host=kernel_host()).generate("one two three four", ar=ARParams(max_tokens=2))
+    result = Omni("echo", host=kernel_host()).generate("one two three four", max_tokens=2)
     assert (result.text, result.output.stop_reason, result.trace["ar.output_tokens"]) == ("one two", "max_tokens", 2)
 
 
@@ -115,7 +114,7 @@ def test_abort_at_any_step_frees_the_request_in_every_stage(abort_after, victim)
     if already_done:
         assert not [e for e in after if e.request_id == victim]
     else:
-        assert [e for e in after if e.request_id == victim] == [RequestFailed(victim, None, "aborted")]
+        assert [e for e in after if e.request_id == victim] == [RequestFailed(victim, None, "aborted", "aborted")]
         assert ("finish", "b", victim) not in log
     for rid in set(prompts) - {victim}:
         result = outcome(before + after, rid).result
@@ -131,38 +130,35 @@ def test_closing_a_stream_early_aborts_its_request():
     rid = first.request_id
     stream.close()
     stage = omni.graph.stages["echo"]
-    assert rid not in omni.scheduler.in_flight and not holds_echo(stage, rid)
+    assert rid not in omni.scheduler.in_flight and rid not in stage.request_ids()
+    assert rid not in stage.engine.runner.words and rid not in stage.texts
     assert not omni.has_unfinished()
-
-
-def holds_echo(stage, rid) -> bool:
-    sched = stage.engine.scheduler
-    return rid in stage.engine.runner.executor.sequences or any(
-        i.request_id == rid for i in [*sched.waiting, *sched.running])
 
 
 # ---- failures stay with their request ----------------------------------------------------------------------
 
-def test_executor_refusing_one_request_at_add_fails_only_that_request():
+def test_runner_refusing_one_request_at_add_fails_only_that_request():
     scheduler = two_node_scheduler(fail_add=bad_prompt("bad"))
     for rid, prompt in {"ok1": "fine", "bad": "bad one", "ok2": "also fine"}.items():
         scheduler.submit(Request("two", prompt, request_id=rid))
     events = drain(scheduler)
     failed = outcome(events, "bad")
     assert isinstance(failed, RequestFailed) and failed.node_id == "a" and failed.user_error
-    assert "contains bad" in failed.error
+    assert (failed.kind, failed.field) == ("invalid_parameter", "prompt") and "contains bad" in failed.error
+    assert isinstance(failed.exception(), InvalidParameter) and failed.exception().field == "prompt"
     for rid in ("ok1", "ok2"):
         assert isinstance(outcome(events, rid), RequestFinished)
 
 
-def test_executor_raising_during_a_step_fails_only_its_batch():
+def test_runner_raising_during_a_step_fails_only_its_batch():
     log: list = []
-    scheduler = two_node_scheduler(log, step_wise=True, fail_execute=bad_prompt("boom", RuntimeError("kaput")))
+    scheduler = two_node_scheduler(log, max_batch=1, fail_run=bad_prompt("boom", RuntimeError("kaput")))
     for rid, prompt in {"ok1": "fine", "boom": "boom", "ok2": "also fine"}.items():
         scheduler.submit(Request("two", prompt, request_id=rid))
     events = drain(scheduler)
     failed = outcome(events, "boom")
     assert isinstance(failed, RequestFailed) and not failed.user_error and failed.error == "RuntimeError: kaput"
+    assert failed.kind == "runtime" and type(failed.exception()) is RequestError
     assert ("free", "a", "boom") in log and ("add", "b", "boom") not in log
     for rid in ("ok1", "ok2"):
         assert isinstance(outcome(events, rid), RequestFinished)
@@ -176,7 +172,7 @@ def test_connector_raising_fails_only_that_request():
     events = drain(scheduler)
     failed = outcome(events, "bad")
     assert isinstance(failed, RequestFailed) and failed.node_id == "b"
-    assert failed.error.startswith("connector to_text: cannot convert")
+    assert failed.error.startswith("ValueError: cannot convert")
     assert [type(e) for e in events if e.request_id == "bad"][-2:] == [StageFinished, RequestFailed]
     for rid in ("ok1", "ok2"):
         assert isinstance(outcome(events, rid), RequestFinished)
@@ -184,35 +180,136 @@ def test_connector_raising_fails_only_that_request():
 
 
 class PickyStage(Stage):
-    def check(self, request):
-        if request.image is not None:
-            raise InputError(f"node {self.node_id} takes no image")
+    """Processes inputs once (counted); `check` refuses early for downstream nodes."""
 
-    def prepare(self, item):
+    def __init__(self, node, kind, engine):
+        super().__init__(node, kind, engine)
+        self.processed: list[str] = []
+
+    def check(self, item):
+        if "never" in item.prompt:
+            raise InputError(f"node {self.node_id} can never serve {item.prompt!r}")
+
+    def process(self, item):
+        self.processed.append(item.prompt)
         if "explode" in item.prompt:
             raise KeyError("explode")
         return item
 
 
-def test_stage_check_refuses_before_anything_runs_and_prepare_failures_stay_local():
+def picky_scheduler() -> StageScheduler:
+    scheduler = two_node_scheduler()
+    for node_id, stage in scheduler.graph.stages.items():
+        picky = PickyStage(stage.node, stage.kind, stage.engine)
+        picky.postprocess = stage.postprocess
+        picky.add_request = stage.add_request
+        scheduler.graph.stages[node_id] = picky
+    return scheduler
+
+
+def test_inputs_are_processed_once_entry_at_submit_downstream_at_hand_off():
+    scheduler = picky_scheduler()
+    a, b = scheduler.graph.stages["a"], scheduler.graph.stages["b"]
+    scheduler.submit(Request("two", "fine", request_id="ok"))
+    assert (a.processed, b.processed) == (["fine"], [])
+    events = drain(scheduler)
+    assert b.processed == [f"to_text[{stage_text('a', 'fine')}]"] and a.processed == ["fine"]
+    assert isinstance(outcome(events, "ok"), RequestFinished)
+
+
+def test_process_and_check_errors_are_synchronous_at_submit():
+    scheduler = picky_scheduler()
+    with pytest.raises(KeyError, match="explode"):
+        scheduler.submit(Request("two", "explode now"))
+    with pytest.raises(InputError, match="can never serve"):  # node b's check, before node a runs
+        scheduler.submit(Request("two", "never mind"))
+    assert not scheduler.in_flight and not scheduler.has_unfinished()
+
+
+def test_a_failed_hand_off_fails_that_request_only():
+    scheduler = picky_scheduler()
+    scheduler.graph.connectors[("a", "b")] = TagConnector("explode", "ar", "text")
+    scheduler.submit(Request("two", "fine", request_id="r"))
+    failed = outcome(drain(scheduler), "r")
+    assert isinstance(failed, RequestFailed) and failed.node_id == "b" and failed.error == "KeyError: 'explode'"
+
+
+def test_unknown_request_parameters_and_inputs_are_refused_by_name():
     omni = Omni("echo", host=kernel_host())
-    stage = omni.graph.stages["echo"]
-    omni.graph.stages["echo"] = PickyStage(stage.node, stage.kind, stage.engine)
-    with pytest.raises(InputError, match="takes no image"):
-        omni.submit(omni.request("x", image="cat.png"))
-    assert not omni.scheduler.in_flight
-    omni.submit(omni.request("fine words", request_id="ok"))
-    omni.submit(omni.request("explode now", request_id="bad"))
-    events = drain(omni.scheduler)
-    assert outcome(events, "bad").error == "KeyError: 'explode'"
-    assert outcome(events, "ok").result.text == "fine words"
+    with pytest.raises(InvalidParameter, match="has no request parameter 'max_tokns'; valid request parameters: "
+                                               "ignore_eos, max_tokens") as info:
+        omni.generate("x", max_tokns=3)
+    assert info.value.field == "max_tokns"
+    with pytest.raises(InvalidParameter, match="takes no input image"):
+        omni.generate("x", image="cat.png")
+    with pytest.raises(InvalidParameter, match="temperature"):
+        omni.generate("x", temperature="hot")
+    with pytest.raises(InvalidParameter, match="has no config key 'ar_kv_memroy'"):
+        Omni("echo", host=kernel_host(), ar_kv_memroy=1)
+    assert not omni.has_unfinished()
+
+
+class BrokenScheduler:
+    """Delegates to a real scheduler until told to break."""
+
+    def __init__(self, inner):
+        self.inner, self.broken = inner, False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def schedule(self):
+        if self.broken:
+            raise RuntimeError("scheduler state corrupted")
+        return self.inner.schedule()
+
+
+def test_a_scheduler_exception_marks_the_engine_dead_and_fails_what_it_holds():
+    scheduler = two_node_scheduler()
+    stage_b = scheduler.graph.stages["b"]
+    stage_b.engine.scheduler = BrokenScheduler(stage_b.engine.scheduler)
+    for rid in ("r1", "r2"):
+        scheduler.submit(Request("two", "some words", request_id=rid))
+    events = []
+    while not stage_b.request_ids():
+        events += scheduler.step()
+    stage_b.engine.scheduler.broken = True
+    events += drain(scheduler)
+    for rid in ("r1", "r2"):
+        failed = outcome(events, rid)
+        assert isinstance(failed, RequestFailed) and failed.kind == "engine_dead" and failed.node_id == "b"
+        assert isinstance(failed.exception(), EngineDead) and "scheduler state corrupted" in failed.error
+    scheduler.submit(Request("two", "late", request_id="late"))  # stage a still works; b refuses at once
+    late = outcome(drain(scheduler), "late")
+    assert late.kind == "engine_dead" and not scheduler.has_unfinished()
+
+
+def test_a_stage_whose_step_raises_fails_its_requests_and_the_loop_goes_on():
+    scheduler = two_node_scheduler()
+    stage_a = scheduler.graph.stages["a"]
+    stage_a.postprocess = lambda outputs: 1 / 0
+    scheduler.submit(Request("two", "x", request_id="r"))
+    failed = outcome(drain(scheduler), "r")
+    assert failed.kind == "runtime" and "ZeroDivisionError" in failed.error
+    assert not holds(stage_a, "r")
+
+
+def test_a_request_that_fails_alone_in_a_batch_does_not_take_its_neighbours():
+    log: list = []
+    scheduler = two_node_scheduler(log, max_batch=4, alone=True, fail_run=bad_prompt("nan", ValueError("nan")))
+    for rid, prompt in {"ok1": "fine", "nan": "nan here", "ok2": "also fine"}.items():
+        scheduler.submit(Request("two", prompt, request_id=rid))
+    events = drain(scheduler)
+    assert outcome(events, "nan").error == "ValueError: nan"
+    for rid in ("ok1", "ok2"):
+        assert isinstance(outcome(events, rid), RequestFinished)
 
 
 def test_generate_raises_user_errors_as_user_errors_and_others_as_request_errors():
     omni = Omni("echo", host=kernel_host())
     with pytest.raises(UserError, match="must not be empty"):
         omni.generate("")
-    scheduler = two_node_scheduler(fail_execute=bad_prompt("boom", RuntimeError("kaput")))
+    scheduler = two_node_scheduler(fail_run=bad_prompt("boom", RuntimeError("kaput")))
     with pytest.raises(RequestError, match="kaput") as info:
         scheduler.generate(Request("two", "boom"))
     assert not isinstance(info.value, UserError)
@@ -243,5 +340,5 @@ def test_aborted_generate_raises_request_aborted():
     stream = scheduler.generate_stream(Request("two", "x", request_id="gone"))
     next(stream)
     scheduler.abort("gone")
-    assert [e for e in stream] == [RequestFailed("gone", None, "aborted")]
-    assert isinstance(raise_for(RequestFailed("gone", None, "aborted")), RequestAborted)
+    assert [e for e in stream] == [RequestFailed("gone", None, "aborted", "aborted")]
+    assert isinstance(raise_for(RequestFailed("gone", None, "aborted", "aborted")), RequestAborted)

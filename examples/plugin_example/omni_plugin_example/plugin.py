@@ -9,9 +9,9 @@ import attrs
 
 from omni_kernel import EdgeSpec, InputError, NodeSpec, NodeType, PipelinePlan, StageInput, hookimpl
 
-from .upper import build_upper_stage
+from .upper import UpperConfig, UpperParams, build_upper_stage
 
-UPPER_NODE = NodeType("text.upper", "text", build_upper_stage, options={"stream"},
+UPPER_NODE = NodeType("text.upper", "text", build_upper_stage, config=UpperConfig, params=UpperParams,
                       description="upper-cases text a few characters per step (no model)")
 
 
@@ -26,8 +26,7 @@ class ARToTextConnector:
     def convert(self, output, request) -> StageInput:
         if output.text is None:
             raise InputError(f"{self.name}: node {output.node_id} produced no text")
-        return StageInput(request.request_id, output.text, params=request.params.get(self.target_kind),
-                          options=request.options, trace={"ar_to_text.chars": len(output.text)})
+        return StageInput(request.request_id, output.text, trace={"ar_to_text.chars": len(output.text)})
 
 
 ECHO_UPPER = PipelinePlan(

@@ -61,3 +61,14 @@ def test_omni_run_streams_the_final_stage_to_stdout(host, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.stdout == "HÉLLO\n"
     assert json.loads(trace.read_text(encoding="utf-8"))["upper.chars"] == 5
+
+
+def test_its_own_flag_and_config_key_reach_the_stage(host):
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo_upper", "--prompt", "hi", "--shout",
+                                       "-c", "upper_max_batch=2"], obj={"host": host})
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "HI!\n"
+    help = " ".join(CliRunner().invoke(main, ["run", "--help"], obj={"host": host}).stdout.split())
+    assert "--shout End the upper-cased text with '!' [omni_plugin_example]" in help
+    with pytest.raises(UserError, match="upper_max_batch"):
+        Omni("echo_upper", host=host, upper_max_batch=0)
