@@ -70,6 +70,5 @@ def test_diffusion_scheduler_names_the_phases_and_batches_only_one_phase():
     assert phases == [("prepare", ("a", "b", "c"), (0, 0, 0), []),
                       ("denoise", ("a", "b", "c"), (1, 1, 1), []),
                       ("denoise", ("a", "b"), (2, 2), []),  # c is at its decode step: a different phase
-                      ("decode", ("a", "b"), (3, 3), []),
-                      ("export", ("a", "b"), (4, 4), ["a", "b"]),
-                      ("decode", ("c",), (2,), []), ("export", ("c",), (3,), ["c"])]
+                      ("decode", ("a", "b", "c"), (3, 3, 2), []),  # and c waited one step to rejoin them
+                      ("export", ("a", "b", "c"), (4, 4, 3), ["a", "b", "c"])]
