@@ -158,21 +158,26 @@ class ARScheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ARSchedulerOutput:
-        budget = self.max_num_batched_tokens
+        """Decodes first, then running prompts in chunks, then new prompts while blocks and budget last."""
         picked: list[tuple[ARSequence, int]] = []
         preempted: list[str] = []
-        decodes = [s for s in self.running if s.num_pending == 1]
-        prefills = [s for s in self.running if s.num_pending > 1]
-        for seq in decodes:
+        budget = self._schedule_decodes(self.max_num_batched_tokens, picked, preempted)
+        budget = self._schedule_prefills(budget, picked, preempted)
+        if not preempted:  # admitting while others were just preempted would only preempt them again
+            self._admit(budget, picked)
+        return self._output(picked, preempted)
+
+    def _schedule_decodes(self, budget: int, picked: list, preempted: list[str]) -> int:
+        for seq in [s for s in self.running if s.num_pending == 1]:
             if budget == 0:
                 break
-            if seq not in self.running:
+            if seq.request_id in preempted:
                 continue  # preempted for an earlier sequence in this loop
             while not self.blocks.can_append(seq.request_id, seq.num_computed + 1):
                 victim = self._victim(seq, picked)
                 if victim is seq and len(self.running) == 1:
                     raise RuntimeError("the KV pool cannot hold a single sequence; check prompt + max_tokens "
-                                       "against capacity_tokens before adding")
+                                       "against the pool's capacity before adding")
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
@@ -181,8 +186,11 @@ class ARScheduler:
                 self.blocks.append_slots(seq.request_id, seq.num_computed + 1)
                 picked.append((seq, 1))
                 budget -= 1
-        for seq in prefills:
-            if budget == 0 or seq not in self.running:
+        return budget
+
+    def _schedule_prefills(self, budget: int, picked: list, preempted: list[str]) -> int:
+        for seq in [s for s in self.running if s.num_pending > 1]:
+            if budget == 0 or seq.request_id in preempted:
                 continue
             while self._room(seq) <= 0 and (victim := self._victim(seq, picked)) is not seq:
                 self._preempt(victim)
@@ -192,24 +200,27 @@ class ARScheduler:
                 self.blocks.append_slots(seq.request_id, seq.num_computed + n)
                 picked.append((seq, n))
                 budget -= n
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        return budget
+
+    def _admit(self, budget: int, picked: list) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = len(self.blocks.match_prefix(seq.token_ids)) * self.blocks.block_size
+            blocks = self.blocks.match_prefix(seq.token_ids)  # walked once per admission attempt
+            hits = len(blocks) * self.blocks.block_size
             n = min(len(seq.token_ids) - hits, budget)
-            if not self.blocks.can_allocate(seq.token_ids, hits + n):
+            if not self.blocks.can_allocate(seq.token_ids, hits + n, blocks):
                 if self.running:
-                    break
+                    return
                 n = min(n, self.blocks.num_free * self.blocks.block_size - hits)  # alone: start with what fits
-                if n <= 0 or not self.blocks.can_allocate(seq.token_ids, hits + n):
-                    break
+                if n <= 0 or not self.blocks.can_allocate(seq.token_ids, hits + n, blocks):
+                    return
             self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.request_id, seq.token_ids, hits + n)
+            seq.num_computed = self.blocks.allocate(seq.request_id, seq.token_ids, hits + n, blocks)
             if seq.prefix_hit_tokens < 0:
                 seq.prefix_hit_tokens = seq.num_computed
             self.running.append(seq)
             picked.append((seq, n))
             budget -= n
-        return self._output(picked, preempted)
 
     def update(self, batch: ARSchedulerOutput, results: Mapping[str, Any],
                step_ms: float = 0.0) -> list[RequestOutput]:

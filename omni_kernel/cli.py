@@ -14,7 +14,7 @@ from .events import RequestFailed, RequestFinished, StageFinished, StageProgress
 from .files import write_json
 from .flags import Flag, collect, values
 from .planner import GraphBuilder, Planner
-from .plugins import BUILTIN_COMMANDS, load_host
+from .plugins import load_host
 from .stage_scheduler import StageScheduler
 from .trace import format_trace, jsonable
 
@@ -51,7 +51,7 @@ class OmniGroup(click.Group):
     def _host(self, ctx: click.Context):
         ctx.ensure_object(dict)
         if "host" not in ctx.obj:
-            ctx.obj["host"] = load_host()
+            ctx.obj["host"] = load_host(reserved_commands={"run", *super().list_commands(ctx)})
         return ctx.obj["host"]
 
     def list_commands(self, ctx):
@@ -234,5 +234,3 @@ def pipelines(ctx: click.Context) -> None:
         for edge in plan.edges:
             click.echo(f"  edge {edge.source} -> {edge.target} via {edge.connector}")
 
-
-assert BUILTIN_COMMANDS == {"run", "plugins", "pipelines"}, "plugins.BUILTIN_COMMANDS names the group's commands"

@@ -21,7 +21,7 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; outputs get the usual file mode
+        os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600; outputs get the usual file mode
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -36,7 +36,10 @@ def write_json(path: str | Path, body: Any, indent: int | None = 2) -> Path:
     return Path(path)
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+UMASK = _read_umask()  # read once at import: os.umask can only be read by setting it, a race under threads

@@ -45,9 +45,6 @@ class BlockManager:
         self.by_hash: dict[int, int] = {}
         self.tables: dict[str, Table] = {}
         self.hit_tokens = 0
-        self.queried_tokens = 0
-
-    # Accounting.
 
     @property
     def num_blocks(self) -> int:
@@ -71,8 +68,6 @@ class BlockManager:
     def table(self, seq_id: str) -> list[int]:
         return self.tables[seq_id].blocks
 
-    # Prefix matching.
-
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Block ids holding the longest cached run of full leading blocks. At least one token is left out so
         the caller always computes the last one (its logits are needed)."""
@@ -88,22 +83,21 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    # Allocation.
-
-    def can_allocate(self, token_ids: Sequence[int], num_tokens: int) -> bool:
-        """Whether a new sequence can get blocks for its first `num_tokens` tokens (prefix hits included)."""
-        hits = self.match_prefix(token_ids)[: self.blocks_for(num_tokens)]
+    def can_allocate(self, token_ids: Sequence[int], num_tokens: int, hits: list[int] | None = None) -> bool:
+        """Whether a new sequence can get blocks for its first `num_tokens` tokens (prefix hits included);
+        `hits` is `match_prefix(token_ids)` when the caller already has it."""
+        hits = (self.match_prefix(token_ids) if hits is None else hits)[: self.blocks_for(num_tokens)]
         taken_from_free = sum(self.blocks[b].ref_count == 0 for b in hits)
         return self.blocks_for(num_tokens) - len(hits) + taken_from_free <= self.num_free
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> int:
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int, hits: list[int] | None = None) -> int:
         """Give a new sequence a table covering `num_tokens` tokens; return how many leading tokens are
         already computed (prefix-cache hits)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        if not self.can_allocate(token_ids, num_tokens):
+        hits = (self.match_prefix(token_ids) if hits is None else hits)[: self.blocks_for(num_tokens)]
+        if not self.can_allocate(token_ids, num_tokens, hits):
             raise MemoryError("not enough free KV blocks")
-        hits = self.match_prefix(token_ids)[: self.blocks_for(num_tokens)]
         table = Table()
         for block_id in hits:
             block = self.blocks[block_id]
@@ -116,7 +110,6 @@ class BlockManager:
         self._grow(table, num_tokens)
         cached_tokens = len(hits) * self.block_size
         self.hit_tokens += cached_tokens
-        self.queried_tokens += len(token_ids)
         return cached_tokens
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
@@ -165,8 +158,6 @@ class BlockManager:
                 block.hash, block.tokens = parent, tokens
                 self.by_hash[parent] = block.block_id
 
-    # Release.
-
     def free(self, seq_id: str) -> None:
         """Drop the sequence's references at once. Tail blocks are freed first so they are evicted first."""
         table = self.tables.pop(seq_id, None)
@@ -182,12 +173,8 @@ class BlockManager:
                     self.cached[block_id] = None
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached free block (e.g. between benchmark phases)."""
+        """Forget every cached free block (e.g. so benchmark phases start cold)."""
         while self.cached:
             block_id, _ = self.cached.popitem(last=False)
             self._forget(self.blocks[block_id])
             self.empty.append(block_id)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

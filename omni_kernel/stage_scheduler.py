@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter, RequestAborted, RequestError
+from .errors import InvalidParameter, RequestAborted
 from .events import RequestFailed, RequestFinished, StageFailed, StageFinished
 from .graph import StageGraph
 from .params import split
@@ -174,7 +174,3 @@ class StageScheduler:
                 raise event.exception()
         raise RequestAborted("aborted")
 
-
-def raise_for(event: RequestFailed) -> RequestError | Exception:
-    """The typed exception a failed request's event stands for."""
-    return event.exception()

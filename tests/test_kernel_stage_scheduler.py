@@ -14,7 +14,7 @@ from omni_kernel.planner import GraphBuilder
 from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 from omni_kernel.stage import Stage
-from omni_kernel.stage_scheduler import StageScheduler, raise_for
+from omni_kernel.stage_scheduler import StageScheduler
 
 TWO_NODES = PipelinePlan("two", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
                          [EdgeSpec("a", "b", "to_text")])
@@ -341,4 +341,4 @@ def test_aborted_generate_raises_request_aborted():
     next(stream)
     scheduler.abort("gone")
     assert [e for e in stream] == [RequestFailed("gone", None, "aborted", "aborted")]
-    assert isinstance(raise_for(RequestFailed("gone", None, "aborted", "aborted")), RequestAborted)
+    assert isinstance(RequestFailed("gone", None, "aborted", "aborted").exception(), RequestAborted)
