@@ -23,6 +23,10 @@ def _as_dict(value) -> dict[str, Any]:
 def _require_prompt(instance, attribute, value) -> None:
     if not isinstance(value, str):
         raise InvalidParameter("prompt", "must be text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: invalid UTF-8 bytes in argv arrive as these
+        raise InvalidParameter("prompt", "is not valid UTF-8 text") from None
 
 
 @attrs.frozen

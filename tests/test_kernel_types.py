@@ -112,6 +112,8 @@ def test_request_values():
         Request("echo", None)  # type: ignore[arg-type]
     with pytest.raises(InvalidParameter, match="prompt"):
         Request("echo", b"bytes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidParameter, match="not valid UTF-8"):
+        Request("echo", "bad \udcff byte")
 
 
 def test_request_result_json_for_text_and_path():
