@@ -43,7 +43,7 @@ def main() -> None:
 
     import numpy as np
     import torch
-    from omni_kernel import DiffusionParams, Omni
+    from omni_kernel import Omni
     from omni_wan.demo import build_tiny_checkpoint
     from omni_wan.images import open_image
     from omni_wan.loader import quiet_libraries
@@ -59,9 +59,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="omni-wan-bench-") as tmp:
         work = Path(tmp)
         model = build_tiny_checkpoint(work / "model", dims=BENCH_DIMS)
-        params = DiffusionParams(height=args.height, width=args.width, num_frames=args.num_frames,
-                                 num_inference_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed)
-        omni = Omni("wan_i2v", model=str(model))
+        params = dict(height=args.height, width=args.width, num_frames=args.num_frames,
+                      num_inference_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed)
+        omni = Omni("wan_i2v", model=str(model), device="cpu")
         cache = omni.host.pm.get_plugin("omni_wan").stages.cache
         with quiet_libraries():
             pipe = WanImageToVideoPipeline.from_pretrained(str(model), use_safetensors=True)
@@ -71,7 +71,7 @@ def main() -> None:
         def runtime(i: int):
             cache.clear()
             start = time.perf_counter()
-            result = omni.generate(prompt, image=str(IMAGE), diffusion=params, output=str(work / f"rt{i}.mp4"),
+            result = omni.generate(prompt, image=str(IMAGE), **params, output=str(work / f"rt{i}.mp4"),
                                    return_frames=True)
             return time.perf_counter() - start, result
 

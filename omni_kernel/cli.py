@@ -127,10 +127,31 @@ def _run_command(registry) -> click.Command:
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
         _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json)
 
-    return click.Command("run", callback=run, params=options,
+    return RunCommand("run", callback=run, params=options,
                          help="Run one request through a pipeline and print its output and trace.\n\n"
                               "Flags name the plugin that declares them; `-o`/`-c` reach every request "
                               "parameter and config key of the pipeline's node types (docs/plugins.md).")
+
+
+class RunCommand(click.Command):
+    """`omni run`: a flag of a node type that is not installed says which plugin to install."""
+
+    def parse_args(self, ctx, args):
+        args, given = list(args), args  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, given)
+        except click.NoSuchOption:
+            name = next((a.split("=", 1)[1] for a in args if a.startswith("--pipeline=")), None)
+            if name is None and "--pipeline" in args[:-1]:
+                name = args[args.index("--pipeline") + 1]
+            registry = (ctx.find_object(dict) or {}).get("host", None)
+            registry = (registry or load_host()).registry
+            if name in registry.pipelines:
+                try:
+                    GraphBuilder(registry).validate(registry.pipelines[name].item)
+                except UserError as exc:
+                    raise UserFacingError(_one_line(exc)) from None
+            raise
 
 
 def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,

@@ -20,7 +20,8 @@ def merge_prompt(prompt: str, guidance: str | None) -> str:
 
 @attrs.frozen
 class ARToDiffusionConnector:
-    """Turns an `ar.prompt_bridge` output into the diffusion stage's input. It converts and nothing else."""
+    """Turns an `ar.prompt_bridge` output into the diffusion stage's input. It converts and nothing else: the
+    StageScheduler gives the input the diffusion node's own params."""
 
     name: str = "ar_to_diffusion"
     source_kind: str = "ar"
@@ -44,5 +45,4 @@ class ARToDiffusionConnector:
             "diffusion.ar_guidance_prompt": guidance.text,
             "diffusion.prompt": prompt,
         }
-        return StageInput(request_id=request.request_id, prompt=prompt, image=request.image,
-                          params=request.params.get("diffusion"), options=request.options, trace=trace)
+        return StageInput(request_id=request.request_id, prompt=prompt, image=request.image, trace=trace)

@@ -1,13 +1,18 @@
-"""Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no plugin."""
+"""Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no plugin.
+
+They keep the production contracts: the kernel's Engine and schedulers (the Wan one is a max_batch=1
+DiffusionScheduler, as in omni_wan), runners that read `batch.request_ids` and return one result per request,
+and stages that turn RequestOutputs into events.
+"""
 
 import attrs
 
 from omni_bridge.plugin import BridgePlugin
-from omni_kernel import NodeType, StageFinished, StageOutput, StageProgress, TokenDelta, hookimpl
+from omni_kernel import ARParams, NodeType, StageOutput, StageProgress, TokenDelta, hookimpl, option
 from omni_kernel.engine import Engine
+from omni_kernel.params import integer
 from omni_kernel.plugins import PluginHost
-from omni_kernel.runner import ModelRunner
-from omni_kernel.scheduler import RequestScheduler, StepScheduler
+from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
 from omni_kernel.stage import Stage
 
 # What the fake AR stage "writes" for a prompt: (text, stop_reason).
@@ -18,7 +23,29 @@ REPLIES = {
 }
 
 
-class FakeARExecutor:
+@attrs.frozen
+class FakeARConfig:
+    ar_model: str | None = option(None, help="AR model directory", flag="--ar-model")
+
+
+@attrs.frozen
+class FakeWanConfig:
+    model: str | None = option(None, help="diffusion model directory", flag="--model")
+
+
+@attrs.frozen
+class FakeWanParams:
+    """The WanParams fields these tests use, declared the same way."""
+
+    preset: str | None = option(None, help="diffusion preset", flag="--preset")
+    num_inference_steps: int = option(2, help="denoise steps", type=int, flag="--steps", validator=integer(1))
+    seed: int | None = option(None, help="random seed", type=int, flag="--seed", validator=integer(0))
+    output: str | None = option(None, help="output file", flag="--output")
+
+
+class FakeARRunner:
+    """One step writes the whole reply."""
+
     def __init__(self, node_id):
         self.node_id = node_id
         self.items = {}
@@ -26,42 +53,60 @@ class FakeARExecutor:
     def add_request(self, item):
         self.items[item.request_id] = item
 
-    def execute(self, batch):
-        events = []
+    def run(self, batch):
+        results = {}
         for rid in batch.request_ids:
             text, stop = REPLIES[self.items[rid].prompt]
-            output = StageOutput(rid, self.node_id, text=text, stop_reason=stop, contract="supplemental_guidance",
-                                 trace={"ar.stop_reason": stop, "ar.output_tokens": len(text.split())})
-            events += [TokenDelta(rid, self.node_id, text), StageFinished(rid, self.node_id, output)]
-        return events
+            results[rid] = StageOutput(rid, self.node_id, text=text, stop_reason=stop,
+                                       contract="supplemental_guidance",
+                                       trace={"ar.stop_reason": stop, "ar.output_tokens": len(text.split())})
+        return results
 
     def free(self, request_id):
         self.items.pop(request_id, None)
 
 
+class FakeARStage(Stage):
+    def postprocess(self, outputs):
+        deltas = [TokenDelta(o.request_id, self.node_id, o.result.text) for o in outputs if o.error is None]
+        return deltas + super().postprocess(outputs)
+
+
 @attrs.define
-class FakeWanExecutor:
+class FakeWanRunner:
+    """Phases as the real WanRunner sees them: prepare, one denoise step per engine step, decode, export."""
+
     node_id: str
-    received: dict = attrs.Factory(dict)
-    steps: dict = attrs.Factory(dict)
+    items: dict = attrs.Factory(dict)  # the requests it holds
+    received: dict = attrs.Factory(dict)  # every input it was given, kept for the tests
+    phases: list = attrs.Factory(list)  # (request id, phase, step) of every step run
 
     def add_request(self, item):
-        self.received[item.request_id] = item
-        self.steps[item.request_id] = 0
+        self.items[item.request_id] = self.received[item.request_id] = item
 
-    def execute(self, batch):
-        events = []
-        for item in batch.items:
-            self.steps[item.request_id] += 1
-            events.append(StageProgress(item.request_id, self.node_id, self.steps[item.request_id], 2))
-            if self.steps[item.request_id] == 2:
-                output = StageOutput(item.request_id, self.node_id, path=item.options.get("output", "video.mp4"),
-                                     trace={"diffusion.num_inference_steps": 2})
-                events.append(StageFinished(item.request_id, self.node_id, output))
-        return events
+    def run(self, batch):
+        results = {}
+        for rid, step in zip(batch.request_ids, batch.steps):
+            self.phases.append((rid, batch.phase, step))
+            params = self.items[rid].params
+            if batch.phase in ("prepare", "denoise"):
+                results[rid] = (step, params.num_inference_steps)  # (denoise steps done, total)
+            elif batch.phase == "decode":
+                results[rid] = None
+            else:
+                results[rid] = StageOutput(rid, self.node_id, path=params.output or "video.mp4",
+                                           trace={"diffusion.num_inference_steps": params.num_inference_steps})
+        return results
 
     def free(self, request_id):
-        self.steps.pop(request_id, None)
+        self.items.pop(request_id, None)
+
+
+class FakeWanStage(Stage):
+    def postprocess(self, outputs):
+        progress = [StageProgress(o.request_id, self.node_id, *o.result, "denoise") for o in outputs
+                    if o.error is None and isinstance(o.result, tuple)]
+        return progress + super().postprocess(outputs)
 
 
 class FakeModels:
@@ -69,20 +114,21 @@ class FakeModels:
 
     def __init__(self, only=("ar.prompt_bridge", "diffusion.wan22_i2v")):
         self.only = only
-        self.wan = FakeWanExecutor("video")
+        self.wan = FakeWanRunner("video")
 
     def _ar(self, node, config):
-        return Stage(node, "ar", Engine(RequestScheduler(), ModelRunner(FakeARExecutor(node.id), node.id)))
+        return FakeARStage(node, "ar", Engine(StepScheduler(max_batch=16), FakeARRunner(node.id)))
 
     def _wan(self, node, config):
         self.wan.node_id = node.id
-        return Stage(node, "diffusion", Engine(StepScheduler(max_batch=4), ModelRunner(self.wan, node.id)))
+        scheduler = DiffusionScheduler(max_batch=1, num_steps=lambda item: item.params.num_inference_steps)
+        return FakeWanStage(node, "diffusion", Engine(scheduler, self.wan))
 
     @hookimpl
     def omni_register_node_types(self, register):
-        types = [NodeType("ar.prompt_bridge", "ar", self._ar, options={"stream", "ar_model"}),
-                 NodeType("diffusion.wan22_i2v", "diffusion", self._wan,
-                          options={"model", "image", "preset", "steps", "output"})]
+        types = [NodeType("ar.prompt_bridge", "ar", self._ar, config=FakeARConfig, params=ARParams),
+                 NodeType("diffusion.wan22_i2v", "diffusion", self._wan, config=FakeWanConfig, params=FakeWanParams,
+                          inputs={"image"})]
         for node_type in types:
             if node_type.name in self.only:
                 register(node_type)

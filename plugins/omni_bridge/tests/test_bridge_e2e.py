@@ -139,7 +139,30 @@ def omni(cache):
     from omni_kernel import Omni
 
     torch.set_num_threads(1)  # the same thread count as the subprocesses, so greedy tokens agree with them
-    return Omni("qwen_to_wan_i2v")
+    return Omni("qwen_to_wan_i2v", device="cpu")
+
+
+def test_the_image_is_decoded_once_with_the_wan_node_downstream(omni, tmp_path, monkeypatch):
+    """At submit the Wan node only checks the image's header; its pixels are decoded once, at the hand-off."""
+    from PIL import ImageFile
+
+    from omni_kernel import RequestFinished
+
+    decodes = []
+    real = ImageFile.ImageFile.load
+
+    def counting(self):
+        if self.tile:  # pixels still to read: a real decode, not a no-op re-load
+            decodes.append(self.filename)
+        return real(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", counting)
+    rid = omni.submit(omni.request(PROMPT, image=str(IMAGE), max_tokens=4, output=str(tmp_path / "once.mp4")))
+    assert decodes == []
+    finished = []
+    while omni.has_unfinished():
+        finished += [e for e in omni.step() if isinstance(e, RequestFinished)]
+    assert [e.request_id for e in finished] == [rid] and decodes == [str(IMAGE)]
 
 
 GOOD_REPLY = ('Sure! ```json\n{"guidance": "slow dolly-in,\\n soft lumière at dawn", "negative_prompt": "blur"}\n```')
@@ -147,7 +170,7 @@ GOOD_REPLY = ('Sure! ```json\n{"guidance": "slow dolly-in,\\n soft lumière at d
 
 def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, monkeypatch):
     """The demo Qwen writes noise, so its reply is forced: `Sampler.sample` is replaced to return, one per
-    call, the demo tokenizer's ids of GOOD_REPLY and then <|im_end|>. Everything else is real: the Qwen2 model
+    step, the demo tokenizer's ids of GOOD_REPLY and then <|im_end|>. Everything else is real: the Qwen2 model
     still runs prefill and every decode step, the executor detokenizes, streams and stops on EOS, the connector
     parses and merges, and the Wan2.2 stage encodes the merged prompt and writes the MP4."""
     from transformers import AutoTokenizer
@@ -160,9 +183,10 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     script = tokenizer.encode(GOOD_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     assert tokenizer.decode(script[:-1], clean_up_tokenization_spaces=False) == GOOD_REPLY
 
-    def forced(self, logits):
-        self.forced = getattr(self, "forced", -1) + 1
-        return script[self.forced]
+    tokens = iter(script)
+
+    def forced(self, logits, rows):
+        return [next(tokens) for _ in rows]
 
     monkeypatch.setattr(sampling.Sampler, "sample", forced)
     video = tmp_path / "fox.mp4"
@@ -202,6 +226,8 @@ def test_example_runs_with_no_arguments(script, cache, tmp_path):
     assert f"wrote {video}" in proc.stdout
     assert read_video(video).shape == (9, 128, 128, 3)
     assert trace["diffusion.output"] == str(video)
+    if script == "wan_i2v":
+        assert not [k for k in trace if k.startswith(("diffusion.bridge", "diffusion.source"))]  # no bridge
     if script == "qwen_to_wan_i2v":
         assert_bridge_trace(trace, "A lighthouse on a rocky coast at dusk, waves rolling in")
         assert proc.stdout.startswith("guidance from the AR stage: ")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from omni_bridge import FALLBACK_REASONS, ARToDiffusionConnector, merge_prompt, parse_guidance
-from omni_kernel import DiffusionParams, Request, StageOutput
+from omni_kernel import Request, StageOutput
 
 PROMPT = "A red fox runs through fresh snow"
 TRACE_KEYS = {"diffusion.bridge", "diffusion.source_node", "diffusion.source_request_id", "diffusion.bridge_strategy",
@@ -21,14 +21,12 @@ def convert(text, stop_reason="eos", contract="supplemental_guidance", connector
 
 
 def test_good_json_merges_after_the_users_prompt():
-    params = DiffusionParams(preset="smoke", seed=3)
     item, request = convert('{"guidance": "slow dolly-in, soft morning light"}', image="fox.png",
-                            params={"diffusion": params, "ar": None}, options={"output": "fox.mp4"})
+                            params={"preset": "smoke", "seed": 3, "output": "fox.mp4"})
     assert item.prompt == f"{PROMPT}\n\nSupplemental guidance: slow dolly-in, soft morning light"
     assert item.request_id == request.request_id
     assert item.image == "fox.png"
-    assert item.params is params
-    assert item.options == {"output": "fox.mp4"}
+    assert item.params is None  # the StageScheduler gives the diffusion node its own params
     assert set(item.trace) == TRACE_KEYS
     assert item.trace == {
         "diffusion.bridge": "ar_to_diffusion", "diffusion.source_node": "bridge",

@@ -4,7 +4,7 @@ import pytest
 from bridge_fakes import REPLIES, FakeModels, make_host
 
 from omni_bridge.plugin import BridgePlugin
-from omni_kernel import DiffusionParams, GraphError, Omni, RequestFinished
+from omni_kernel import ARParams, GraphError, Omni, RequestFinished, StageProgress
 from omni_kernel.plugins import PluginHost
 
 
@@ -21,13 +21,18 @@ def test_bridge_registers_the_connector_and_the_pipeline_only():
 def test_guidance_is_routed_into_the_diffusion_stage_and_the_trace():
     models = FakeModels()
     omni = Omni("qwen_to_wan_i2v", host=make_host(models))
-    params = DiffusionParams(preset="smoke", seed=7)
-    result = omni.generate("a fox in snow", image="fox.png", diffusion=params, output="fox.mp4")
+    events = list(omni.generate_stream("a fox in snow", image="fox.png", preset="smoke", seed=7, output="fox.mp4"))
+    result = events[-1].result
     assert result.path == "fox.mp4"
     assert result.outputs["bridge"].text.endswith('"slow dolly-in, soft light"}')
     (item,) = models.wan.received.values()
     assert item.prompt == "a fox in snow\n\nSupplemental guidance: slow dolly-in, soft light"
-    assert (item.image, item.params, item.options) == ("fox.png", params, {"output": "fox.mp4"})
+    # one flat set of request parameters: each node gets its own declared fields, --seed reaches both
+    assert (item.image, item.params) == ("fox.png", type(item.params)(preset="smoke", seed=7, output="fox.mp4"))
+    assert omni.graph.node_types["bridge"].params is ARParams
+    assert [(e.node_id, e.step, e.total) for e in events if isinstance(e, StageProgress)] == [
+        ("video", 0, 2), ("video", 1, 2), ("video", 2, 2)]
+    assert not models.wan.items  # freed when finished
     trace = result.trace
     assert trace["ar.stop_reason"] == "eos" and trace["diffusion.num_inference_steps"] == 2
     assert {k: trace[k] for k in item.trace} == dict(item.trace)
@@ -52,6 +57,9 @@ def test_concurrent_requests_each_get_their_own_bridge_outcome():
         finished |= {e.request_id: e.result for e in omni.step() if isinstance(e, RequestFinished)}
     outcome = {prompt: (finished[r.request_id].trace["diffusion.bridge_fallback_reason"],
                         models.wan.received[r.request_id].prompt) for prompt, r in requests.items()}
+    # max_batch=1, as in production: one request's phase per Wan step, the first in the queue to the end
+    rids = [rid for rid, _, _ in models.wan.phases]
+    assert len(rids) == 3 * 5 and all(rids[i] == rids[i - 1] for i in range(1, 15) if i % 5)
     assert outcome == {"a fox in snow": (None, "a fox in snow\n\nSupplemental guidance: slow dolly-in, soft light"),
                        "a cat on a roof": ("truncated", "a cat on a roof"),
                        "a boat at sea": ("invalid_json", "a boat at sea")}

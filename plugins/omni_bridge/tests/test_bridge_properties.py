@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from omni_bridge import FALLBACK_REASONS, ARToDiffusionConnector, merge_prompt
 from omni_bridge.guidance import TRUNCATED_STOP_REASONS
-from omni_kernel import DiffusionParams, Request, StageOutput
+from omni_kernel import Request, StageOutput
 
 CONNECTOR = ARToDiffusionConnector()
 
@@ -31,8 +31,7 @@ contracts = st.sampled_from(["supplemental_guidance", None]) | st.text(max_size=
 
 
 def _request(prompt, image):
-    return Request("qwen_to_wan_i2v", prompt, image=image, params={"diffusion": DiffusionParams(seed=1)},
-                   options={"output": "out.mp4"})
+    return Request("qwen_to_wan_i2v", prompt, image=image, params={"seed": 1, "output": "out.mp4"})
 
 
 @settings(max_examples=300, deadline=None)
@@ -44,8 +43,7 @@ def test_the_connector_never_raises_and_its_trace_agrees(prompt, image, text, st
     trace = item.trace
     assert item.prompt.startswith(prompt)
     assert trace["diffusion.prompt"] == item.prompt
-    assert (item.request_id, item.image, item.params, item.options) == (
-        request.request_id, image, request.params["diffusion"], request.options)
+    assert (item.request_id, item.image, item.params, item.processed) == (request.request_id, image, None, None)
     success, fallback, reason = (trace["diffusion.bridge_parse_success"], trace["diffusion.bridge_fallback"],
                                  trace["diffusion.bridge_fallback_reason"])
     assert success is (not fallback)

@@ -1,9 +1,14 @@
-"""Load and validate the conditioning image: one clear InputError for anything that cannot be used."""
+"""Load and validate the conditioning image: one clear InputError for anything that cannot be used.
+
+`image_size` reads the header only (a downstream node's cheap check at submit); `open_image` decodes, once per
+request, when the request is processed.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from omni_kernel.errors import InputError
@@ -13,9 +18,33 @@ from omni_kernel.errors import InputError
 MAX_PIXELS = 40_000_000
 
 
+def image_size(path: str | Path | None) -> tuple[int, int]:
+    """(width, height) as the file's header states it, without decoding; raises InputError."""
+    with _opened(path) as (img, _):
+        return img.size
+
+
 def open_image(path: str | Path | None):
     """Return the image as an RGB PIL image (EXIF orientation applied), or raise InputError."""
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import ImageOps
+
+    with _opened(path) as (img, _):
+        img.load()  # a decode error here is turned into an InputError by _opened
+        return ImageOps.exif_transpose(img).convert("RGB")
+
+
+def image_digest(image) -> str:
+    """A content hash of the decoded pixels: the same picture in two files shares prepare-cache entries."""
+    h = hashlib.sha256()
+    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
+    h.update(image.tobytes())
+    return h.hexdigest()
+
+
+@contextmanager
+def _opened(path: str | Path | None):
+    """The image file opened lazily (header read, pixels not decoded) and checked for size."""
+    from PIL import Image, UnidentifiedImageError
 
     if path is None or str(path) == "":
         raise InputError("this pipeline needs an input image: pass --image PATH (PNG, JPEG, WebP, ...)")
@@ -35,8 +64,7 @@ def open_image(path: str | Path | None):
                     raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
                 if width * height > MAX_PIXELS:
                     raise _too_large(file, width, height)
-                img.load()
-                rgb = ImageOps.exif_transpose(img).convert("RGB")
+                yield img, file
     except InputError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
@@ -45,15 +73,6 @@ def open_image(path: str | Path | None):
         raise InputError(f"{str(file)!r} is not an image omni can read (PNG, JPEG, WebP, BMP, ...)") from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise InputError(f"image {str(file)!r} cannot be read: {' '.join(str(exc).split())}") from None
-    return rgb
-
-
-def image_digest(image) -> str:
-    """A content hash of the decoded pixels: the same picture in two files shares prepare-cache entries."""
-    h = hashlib.sha256()
-    h.update(f"{image.mode}:{image.width}x{image.height}:".encode())
-    h.update(image.tobytes())
-    return h.hexdigest()
 
 
 def _too_large(file: Path, width: int, height: int) -> InputError:

@@ -20,6 +20,7 @@ log = logging.getLogger("omni")
 @attrs.frozen
 class Loaded:
     model: object
+    key: tuple  # names the loaded model in prepare-cache keys too
     cold: bool
     load_ms: float
 
@@ -34,11 +35,11 @@ class ModelPool:
         with self._lock:
             model = self._models.get(key)
             if model is not None:
-                return Loaded(model, cold=False, load_ms=0.0)
+                return Loaded(model, key, cold=False, load_ms=0.0)
             start = time.perf_counter()
             model = _load(path, placement)
             self._models[key] = model
-            return Loaded(model, cold=True, load_ms=(time.perf_counter() - start) * 1000)
+            return Loaded(model, key, cold=True, load_ms=(time.perf_counter() - start) * 1000)
 
     def clear(self) -> None:
         with self._lock:

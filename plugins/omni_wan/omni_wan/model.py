@@ -16,8 +16,7 @@ import attrs
 import numpy as np
 import torch
 
-from .device import Placement
-from .vae import torch_dtype
+from .device import Placement, torch_dtype
 
 log = logging.getLogger("omni")
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline

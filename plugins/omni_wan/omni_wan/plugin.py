@@ -4,11 +4,10 @@ from omni_kernel import hookimpl
 from omni_kernel.graph import NodeSpec, PipelinePlan
 from omni_kernel.registry import NodeType
 
+from .params import WanConfig, WanParams
 from .stage import WanStages
 
 NODE_TYPE = "diffusion.wan22_i2v"
-OPTIONS = {"model", "image", "preset", "height", "width", "num_frames", "steps", "guidance_scale", "output",
-           "profile", "disable_cpu_offload", "vae_dtype"}
 WAN_PIPELINE = PipelinePlan("wan_i2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan")],
                             description="image + prompt -> MP4 with Wan2.2 TI2V-5B")
 
@@ -19,8 +18,8 @@ class WanPlugin:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType(NODE_TYPE, "diffusion", self.stages.build, options=OPTIONS,
-                          description="Wan2.2 TI2V-5B image-to-video over diffusers, written to MP4"))
+        register(NodeType(NODE_TYPE, "diffusion", self.stages.build, config=WanConfig, params=WanParams,
+                          inputs={"image"}, description="Wan2.2 TI2V-5B image-to-video over diffusers, written to MP4"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

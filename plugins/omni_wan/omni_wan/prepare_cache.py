@@ -12,9 +12,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
+MAX_ENTRIES = 32
+
 
 class PrepareCache:
-    def __init__(self, max_entries: int = 32):
+    def __init__(self, max_entries: int = MAX_ENTRIES):
         self.max_entries = max_entries
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -35,9 +37,6 @@ class PrepareCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def text_key(model_key: Hashable, prompt: str, negative_prompt: str, guidance: bool) -> tuple:

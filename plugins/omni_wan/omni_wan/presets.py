@@ -1,17 +1,22 @@
-"""Presets and the resolution of a request's DiffusionParams into concrete, validated settings."""
+"""Presets and the resolution of a request's WanParams into concrete, validated settings."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import attrs
 from omni_kernel.errors import InvalidParameter
-from omni_kernel.params import DiffusionParams
 
 from .layout import ModelLayout
 
+if TYPE_CHECKING:
+    from .params import WanParams
+
 # Wan2.2's own default negative prompt (its sample_neg_prompt), as the model card's examples pass it.
-DEFAULT_NEGATIVE_PROMPT = ("色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，最差质量，低质量，"
-                           "JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，畸形的，毁容的，"
-                           "形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
+DEFAULT_NEGATIVE_PROMPT = (
+    "色调艳丽，过曝，静态，细节模糊不清，字幕，风格，作品，画作，画面，静止，整体发灰，"
+    "最差质量，低质量，JPEG压缩残留，丑陋的，残缺的，多余的手指，画得不好的手部，画得不好的脸部，"
+    "畸形的，毁容的，形态畸形的肢体，手指融合，静止不动的画面，杂乱的背景，三条腿，背景人很多，倒着走")
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
@@ -56,10 +61,8 @@ class Settings:
                 "diffusion.guidance": self.guidance_scale}
 
 
-def resolve(params: DiffusionParams | None, layout: ModelLayout, image_size: tuple[int, int],
-            default_preset: str) -> Settings:
+def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int], default_preset: str) -> Settings:
     """Fill what the request left open from its preset, orient the preset to the image, and validate."""
-    params = params or DiffusionParams()
     name = params.preset or default_preset
     preset = PRESETS.get(name)
     if preset is None:
@@ -69,12 +72,12 @@ def resolve(params: DiffusionParams | None, layout: ModelLayout, image_size: tup
         height, width = width, height
     settings = Settings(
         preset=name,
-        height=params.height if params.height is not None else height,
-        width=params.width if params.width is not None else width,
-        num_frames=params.num_frames if params.num_frames is not None else preset.num_frames,
-        steps=params.num_inference_steps if params.num_inference_steps is not None else preset.steps,
-        guidance_scale=float(params.guidance_scale if params.guidance_scale is not None else preset.guidance_scale),
-        negative_prompt=params.negative_prompt if params.negative_prompt is not None else DEFAULT_NEGATIVE_PROMPT,
+        height=_given(params.height, height),
+        width=_given(params.width, width),
+        num_frames=_given(params.num_frames, preset.num_frames),
+        steps=_given(params.num_inference_steps, preset.steps),
+        guidance_scale=float(_given(params.guidance_scale, preset.guidance_scale)),
+        negative_prompt=_given(params.negative_prompt, DEFAULT_NEGATIVE_PROMPT),
         seed=params.seed)
     validate(settings, layout)
     return settings
@@ -93,6 +96,10 @@ def validate(settings: Settings, layout: ModelLayout) -> None:
                                              f"{MAX_FRAMES}; nearest valid: {_nearest(frames, t, 1, 1, MAX_FRAMES)}")
     if settings.steps > MAX_STEPS:
         raise InvalidParameter("steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
+
+
+def _given(value, default):
+    return default if value is None else value
 
 
 def _nearest(value: int, step: int, offset: int, low: int, high: int) -> str:

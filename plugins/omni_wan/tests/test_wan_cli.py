@@ -32,30 +32,33 @@ def _png_claiming(width: int, height: int) -> bytes:
             + chunk(b"IEND", b""))
 
 
-def _bad_inputs(tmp_path: Path, model: Path, image: Path) -> dict:
-    (tmp_path / "notes.txt").write_text("not an image")
-    (tmp_path / "empty.png").write_bytes(b"")
-    (tmp_path / "bomb.png").write_bytes(_png_claiming(60_000, 60_000))
-    (tmp_path / "truncated.png").write_bytes(image.read_bytes()[:200])
-    (tmp_path / "wrong_model").mkdir()
-    (tmp_path / "wrong_model" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    m, i = ["--model", str(model)], ["--image", str(image)]
+@pytest.fixture(scope="module")
+def bad_inputs(tiny_model, image_path, tmp_path_factory) -> dict:
+    """Every bad-input case's arguments and expected message; the files are written once for the module."""
+    files = tmp_path_factory.mktemp("bad-inputs")
+    (files / "notes.txt").write_text("not an image")
+    (files / "empty.png").write_bytes(b"")
+    (files / "bomb.png").write_bytes(_png_claiming(60_000, 60_000))
+    (files / "truncated.png").write_bytes(image_path.read_bytes()[:200])
+    (files / "wrong_model").mkdir()
+    (files / "wrong_model" / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    m, i = ["--model", str(tiny_model)], ["--image", str(image_path)]
     return {
         "missing image flag": (m, "needs an input image"),
-        "image does not exist": (m + ["--image", str(tmp_path / "nope.png")], "does not exist"),
-        "image is a directory": (m + ["--image", str(tmp_path)], "is not a file"),
-        "not an image": (m + ["--image", str(tmp_path / "notes.txt")], "is not an image"),
-        "zero-size image": (m + ["--image", str(tmp_path / "empty.png")], "empty (0 bytes)"),
-        "decompression bomb": (m + ["--image", str(tmp_path / "bomb.png")], "MP limit"),
-        "truncated image": (m + ["--image", str(tmp_path / "truncated.png")], "cannot be read"),
+        "image does not exist": (m + ["--image", str(files / "nope.png")], "does not exist"),
+        "image is a directory": (m + ["--image", str(files)], "is not a file"),
+        "not an image": (m + ["--image", str(files / "notes.txt")], "is not an image"),
+        "zero-size image": (m + ["--image", str(files / "empty.png")], "empty (0 bytes)"),
+        "decompression bomb": (m + ["--image", str(files / "bomb.png")], "MP limit"),
+        "truncated image": (m + ["--image", str(files / "truncated.png")], "cannot be read"),
         "height not a multiple of 32": (m + i + ["--height", "100"], "nearest valid: 96 or 128"),
         "width not a multiple of 32": (m + i + ["--width", "70"], "nearest valid: 64 or 96"),
         "frames not 4k+1": (m + i + ["--num-frames", "10"], "nearest valid: 9 or 13"),
         "size too large": (m + i + ["--width", "8192"], "nearest valid: 4096"),
         "unknown preset": (m + i + ["--preset", "ultra"], "choose one of quality, balanced, fast, smoke"),
-        "missing model dir": (["--model", str(tmp_path / "no_model")] + i, "does not exist"),
-        "wrong model dir": (["--model", str(tmp_path / "wrong_model")] + i, "not a Wan2.2-TI2V-5B-Diffusers"),
-        "model path is a file": (["--model", str(tmp_path / "notes.txt")] + i, "is not a directory"),
+        "missing model dir": (["--model", str(files / "no_model")] + i, "does not exist"),
+        "wrong model dir": (["--model", str(files / "wrong_model")] + i, "not a Wan2.2-TI2V-5B-Diffusers"),
+        "model path is a file": (["--model", str(files / "notes.txt")] + i, "is not a directory"),
     }
 
 
@@ -66,8 +69,8 @@ CASES = ["missing image flag", "image does not exist", "image is a directory", "
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_one_line_exit_2_and_no_file(case, tiny_model, image_path, tmp_path):
-    args, expected = _bad_inputs(tmp_path, tiny_model, image_path)[case]
+def test_bad_input_is_one_line_exit_2_and_no_file(case, bad_inputs, tmp_path):
+    args, expected = bad_inputs[case]
     result, out = _run(tmp_path, *args)
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
@@ -82,6 +85,14 @@ def test_output_that_is_not_mp4_is_refused(tiny_model, image_path, tmp_path):
                                        "--image", str(image_path), "--output", str(tmp_path / "v.gif")])
     assert result.exit_code == 2 and "must end in .mp4" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_output_that_is_a_directory_is_refused(tiny_model, image_path, tmp_path):
+    (tmp_path / "clips.mp4").mkdir()
+    result = CliRunner().invoke(main, ["run", "--pipeline", "wan_i2v", "--prompt", "x", "--model", str(tiny_model),
+                                       "--image", str(image_path), "--output", str(tmp_path / "clips.mp4")])
+    assert result.exit_code == 2 and "is a directory; name a file such as" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["clips.mp4"] and not any((tmp_path / "clips.mp4").iterdir())
 
 
 def test_cli_run_writes_mp4_and_trace(tiny_model, image_path, tmp_path):

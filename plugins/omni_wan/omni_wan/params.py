@@ -1,0 +1,66 @@
+"""What `diffusion.wan22_i2v` declares: its config (model-level, one per stage) and its request parameters.
+
+Request values left as None are filled from the preset when the request is processed (presets.resolve).
+Config keys share one flat namespace with the other nodes of a pipeline (the Qwen node's are `ar_`-prefixed).
+"""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+from omni_kernel.errors import InvalidParameter
+from omni_kernel.params import MAX_SEED, boolean, integer, number, option, text
+
+from .presets import PRESETS
+
+VAE_DTYPES = ("fp32", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _path(value):
+    """A pathlib.Path is as good as its text; anything else is left for the `text` validator to refuse."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _preset(instance, attribute, value) -> None:
+    if value is not None and value not in PRESETS:
+        raise InvalidParameter("preset", f"{value!r} is not a preset; choose one of {', '.join(PRESETS)}")
+
+
+@attrs.frozen
+class WanConfig:
+    model: str | None = option(None, help="local diffusion model directory (default: a tiny demo model)",
+                               flag="--model", converter=_path, validator=text)
+    vae_dtype: str | None = option(None, help="VAE dtype (default: fp32 on a CPU or a GPU of 40 GiB or more, "
+                                              "else bf16)", flag="--vae-dtype", choices=VAE_DTYPES)
+    disable_cpu_offload: bool = option(False, help="keep the whole diffusion model on the GPU", type=bool,
+                                       flag="--disable-cpu-offload", validator=boolean)
+    device: str = option("auto", help="where the diffusion model runs (auto: CUDA when available)",
+                         choices=DEVICES)
+
+
+@attrs.frozen
+class WanParams:
+    preset: str | None = option(None, help=f"diffusion preset ({', '.join(PRESETS)})", flag="--preset",
+                                validator=_preset)
+    height: int | None = option(None, help="video height in pixels (overrides the preset)", type=int,
+                                flag="--height", validator=integer(1))
+    width: int | None = option(None, help="video width in pixels (overrides the preset)", type=int,
+                               flag="--width", validator=integer(1))
+    num_frames: int | None = option(None, help="number of frames (overrides the preset)", type=int,
+                                    flag="--num-frames", validator=integer(1))
+    num_inference_steps: int | None = option(None, help="denoise steps (overrides the preset)", type=int,
+                                             flag="--steps", validator=integer(1))
+    guidance_scale: float | None = option(None, help="classifier-free guidance scale (overrides the preset)",
+                                          type=float, flag="--guidance-scale", validator=number(minimum=0))
+    # The AR params declare the same field and flag: one --seed reaches both stages of qwen_to_wan_i2v.
+    seed: int | None = option(None, help="random seed for sampling and noise", type=int, flag="--seed",
+                              validator=integer(0, MAX_SEED))
+    negative_prompt: str | None = option(None, help="negative prompt (default: Wan2.2's own)", validator=text)
+    output: str | None = option(None, help="output file (e.g. out.mp4; default: ./omni_<request id>.mp4)",
+                                flag="--output", converter=_path, validator=text)
+    profile: bool = option(False, help="record per-phase times and a Chrome trace", type=bool, flag="--profile",
+                           validator=boolean)
+    return_frames: bool = option(False, help="also return the frames as an array (StageOutput.data)", type=bool,
+                                 validator=boolean)

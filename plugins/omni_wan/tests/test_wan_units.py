@@ -1,0 +1,106 @@
+"""The Wan node's parts without a model: declared params and config, presets, placement, the prepare cache."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from omni_kernel.errors import InvalidParameter
+from omni_kernel.params import ARParams, options_of
+from omni_wan.device import place
+from omni_wan.layout import ModelLayout
+from omni_wan.params import WanConfig, WanParams
+from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
+from omni_wan.presets import PRESETS, resolve
+
+LAYOUT = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
+
+
+def test_every_flag_of_the_old_cli_is_declared_with_its_type():
+    flags = {info.flag: (name, info.type) for cls in (WanConfig, WanParams)
+             for name, info in options_of(cls).items() if info.flag}
+    assert flags == {"--model": ("model", str), "--vae-dtype": ("vae_dtype", str),
+                     "--disable-cpu-offload": ("disable_cpu_offload", bool), "--preset": ("preset", str),
+                     "--height": ("height", int), "--width": ("width", int), "--num-frames": ("num_frames", int),
+                     "--steps": ("num_inference_steps", int), "--guidance-scale": ("guidance_scale", float),
+                     "--seed": ("seed", int), "--output": ("output", str), "--profile": ("profile", bool)}
+    assert options_of(WanConfig)["vae_dtype"].choices == ("fp32", "bf16", "fp16")
+
+
+def test_seed_is_declared_like_the_ar_seed_so_one_flag_reaches_both():
+    wan, ar = options_of(WanParams)["seed"], options_of(ARParams)["seed"]
+    assert (wan.flag, wan.type) == (ar.flag, ar.type) == ("--seed", int)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"preset": "ultra"}, "choose one of quality, balanced, fast, smoke"),
+    ({"height": 0}, "invalid height"), ({"num_inference_steps": 2.5}, "invalid num_inference_steps"),
+    ({"guidance_scale": -1}, "invalid guidance_scale"), ({"seed": -1}, "invalid seed"),
+    ({"profile": "yes"}, "invalid profile"), ({"output": 3}, "invalid output")])
+def test_bad_params_name_the_field(values, message):
+    with pytest.raises(InvalidParameter, match=message):
+        WanParams(**values)
+
+
+@pytest.mark.parametrize(("values", "message"), [({"vae_dtype": "fp8"}, "is not one of fp32, bf16, fp16"),
+                                                 ({"device": "tpu"}, "is not one of auto, cpu, cuda")])
+def test_bad_config_names_the_value(values, message):
+    with pytest.raises(InvalidParameter, match=message):
+        WanConfig(**values)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"height": 100}, "nearest valid: 96 or 128"), ({"width": 70}, "nearest valid: 64 or 96"),
+    ({"num_frames": 10}, "nearest valid: 9 or 13"), ({"width": 8192}, "nearest valid: 4096"),
+    ({"num_inference_steps": 1001}, "over the limit of 1000")])
+def test_settings_that_the_model_cannot_render_are_refused_with_the_nearest_valid(values, message):
+    with pytest.raises(InvalidParameter, match=message):
+        resolve(WanParams(**values), LAYOUT, (1280, 720), "smoke")
+
+
+def test_a_portrait_image_turns_the_preset_size_to_portrait():
+    fast = PRESETS["fast"]
+    landscape = resolve(WanParams(preset="fast"), LAYOUT, (1280, 720), "smoke")
+    portrait = resolve(WanParams(preset="fast"), LAYOUT, (720, 1280), "smoke")
+    assert (landscape.height, landscape.width) == (fast.height, fast.width) == (352, 640)
+    assert (portrait.height, portrait.width) == (640, 352)
+    explicit = resolve(WanParams(preset="fast", height=64, width=96), LAYOUT, (720, 1280), "smoke")
+    assert (explicit.height, explicit.width) == (64, 96)  # given sizes are taken as they are
+
+
+def test_prepare_cache_evicts_the_least_recently_used_entry():
+    cache = PrepareCache()
+    for key in range(MAX_ENTRIES):
+        assert cache.get_or_compute(key, lambda k=key: f"v{k}") == (f"v{key}", False)
+    assert cache.get_or_compute(0, lambda: "recomputed") == ("v0", True)  # 0 is now the most recently used
+    cache.get_or_compute("new", lambda: "n")  # one over the limit: evicts 1, the least recently used
+    assert cache.get_or_compute(0, lambda: "recomputed") == ("v0", True)
+    assert cache.get_or_compute(1, lambda: "recomputed") == ("recomputed", False)
+    assert cache.get_or_compute("new", lambda: "recomputed") == ("n", True)
+
+
+def test_device_cpu_places_everything_on_the_cpu_in_fp32():
+    placement = place(WanConfig(device="cpu", disable_cpu_offload=True))
+    assert attrs.astuple(placement) == ("cpu", "fp32", "fp32", "default for cpu", "not applicable (CPU)")
+    assert place(WanConfig(device="cpu", vae_dtype="bf16")).vae_dtype_reason == "requested"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines: auto must fall back to the CPU")
+def test_device_auto_without_a_gpu_is_the_cpu_and_cuda_is_refused():
+    assert place(WanConfig()).device == "cpu"
+    with pytest.raises(InvalidParameter, match="no CUDA device"):
+        place(WanConfig(device="cuda"))
+
+
+@pytest.mark.parametrize(("memory_gib", "offload", "expected"), [
+    (80, False, ("cuda", "bf16", "fp32", "default for cuda", "model_cpu_offload")),
+    (24, False, ("cuda", "bf16", "bf16", "default for cuda", "model_cpu_offload")),
+    (24, True, ("cuda", "bf16", "bf16", "default for cuda", "off"))])
+def test_gpu_placement_offloads_by_default_and_picks_the_vae_dtype_by_memory(monkeypatch, memory_gib, offload,
+                                                                             expected):
+    """The GPU branch of place() with torch's view of the GPU faked, so it runs on any machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: type("Props", (), {"total_memory": memory_gib * 2**30})())
+    for device in ("auto", "cuda"):
+        assert attrs.astuple(place(WanConfig(device=device, disable_cpu_offload=offload))) == expected
