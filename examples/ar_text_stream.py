@@ -8,7 +8,7 @@ import argparse
 import logging
 import sys
 
-from omni_kernel import ARParams, Omni, RequestFailed, RequestFinished, TokenDelta
+from omni_kernel import Omni, RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.trace import format_trace
 
 
@@ -24,8 +24,8 @@ def main() -> int:
     logging.getLogger("omni").setLevel(logging.INFO)  # says when the demo model stands in for real weights
 
     omni = Omni("ar_text", **({"ar_model": args.ar_model} if args.ar_model else {}))
-    ar = ARParams(temperature=args.temperature, seed=args.seed, max_tokens=args.max_tokens)
-    for event in omni.generate_stream(args.prompt, ar=ar, stream=True):
+    params = {"temperature": args.temperature, "seed": args.seed, "max_tokens": args.max_tokens, "stream": True}
+    for event in omni.generate_stream(args.prompt, **params):
         if isinstance(event, TokenDelta):
             print(event.text, end="", flush=True)
         elif isinstance(event, RequestFinished):

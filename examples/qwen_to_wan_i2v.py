@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from omni_kernel import ARParams, DiffusionParams, Omni, RequestFailed, RequestFinished, StageFinished, TokenDelta
+from omni_kernel import Omni, RequestFailed, RequestFinished, StageFinished, TokenDelta
 from omni_kernel.trace import format_trace
 
 IMAGE = Path(__file__).resolve().parent / "assets" / "image.png"
@@ -34,8 +34,9 @@ def main() -> int:
 
     config = {k: v for k, v in (("ar_model", args.ar_model), ("model", args.model)) if v}
     omni = Omni("qwen_to_wan_i2v", **config)
-    events = omni.generate_stream(args.prompt, image=args.image, ar=ARParams(seed=args.seed),
-                                  diffusion=DiffusionParams(preset=args.preset, seed=args.seed), output=args.output)
+    # `seed` reaches both nodes; `preset` and `output` only the Wan node, which declares them
+    events = omni.generate_stream(args.prompt, image=args.image, seed=args.seed, preset=args.preset,
+                                  output=args.output)
     print("guidance from the AR stage: ", end="")
     for event in events:
         if isinstance(event, TokenDelta):

@@ -8,7 +8,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from omni_kernel import DiffusionParams, Omni
+from omni_kernel import Omni
 from omni_kernel.trace import format_trace
 
 IMAGE = Path(__file__).resolve().parent / "assets" / "image.png"
@@ -27,8 +27,7 @@ def main() -> None:
     logging.getLogger("omni").setLevel(logging.INFO)
 
     omni = Omni("wan_i2v", **({"model": args.model} if args.model else {}))
-    result = omni.generate(args.prompt, image=args.image, diffusion=DiffusionParams(preset=args.preset, seed=args.seed),
-                           output=args.output)
+    result = omni.generate(args.prompt, image=args.image, preset=args.preset, seed=args.seed, output=args.output)
     print(f"wrote {result.path}")
     print(format_trace(result.trace))
 
