@@ -50,3 +50,10 @@ def test_the_installed_omni_script_says_it_in_one_line():
 def test_the_plugin_module_imports_no_torch():
     code = "import sys, omni_bridge.plugin; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_docs_show_the_message_the_cli_prints():
+    docs = Path(__file__).resolve().parents[3] / "docs" / "bridge.md"
+    documented = next(line for line in docs.read_text(encoding="utf-8").splitlines() if line.startswith("Error: "))
+    result = CliRunner().invoke(main, ARGS, env={"OMNI_PLUGINS": "omni_bridge"})
+    assert _error_line(result) == documented
