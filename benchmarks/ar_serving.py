@@ -7,8 +7,8 @@ KV backend), and measures, in one process on that one loaded model: (a) HF `gene
 continuous batching (the manager behind `generate_batch`, with per-request max_new_tokens), (d) this runtime
 through Omni.submit/step. Then TTFT of a shared-prefix workload with and without prefix caching, the
 runtime's whole decode-only step (StageScheduler down to the model) at batch 32 against a bare HF forward on a
-contiguous cache, and one request alone. Prompts are token ids (request option prompt_token_ids); EOS is
-ignored everywhere (request option ignore_eos). The last line printed is one JSON object.
+contiguous cache, and one request alone. Prompts are token ids (request parameter prompt_token_ids); EOS is
+ignored everywhere (request parameter ignore_eos). The last line printed is one JSON object.
 
     .venv/bin/python benchmarks/ar_serving.py --quick
 """
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from omni_kernel import ARParams, Omni, RequestFailed, RequestFinished  # noqa: E402
+from omni_kernel import Omni, RequestFailed, RequestFinished  # noqa: E402
 from omni_kernel.paths import cache_dir  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
 
@@ -135,18 +135,24 @@ class Runtime:
         self.host, self.path = load_host(), path
 
     def omni(self, kv_memory: str = "1GiB", caching: bool = True, budget: int = 512, seqs: int = 64) -> Omni:
-        return Omni("ar_text", host=self.host, ar_model=str(self.path), ar_dtype="bf16", ar_kv_backend="paged",
-                    ar_kv_memory=kv_memory, ar_prefix_caching=caching, ar_max_num_batched_tokens=budget,
-                    ar_max_num_seqs=seqs)
+        return Omni("ar_text", host=self.host, ar_model=str(self.path), ar_dtype="bf16", ar_device="cpu",
+                    ar_kv_backend="paged", ar_kv_memory=kv_memory, ar_prefix_caching=caching,
+                    ar_max_num_batched_tokens=budget, ar_max_num_seqs=seqs)
 
 
 def submit(omni: Omni, rid: str, prompt: list[int], max_tokens: int) -> None:
-    omni.submit(omni.request("", ar=ARParams(max_tokens=max_tokens), request_id=rid, prompt_token_ids=prompt,
-                             ignore_eos=True))
+    omni.submit(omni.request("", request_id=rid, max_tokens=max_tokens, prompt_token_ids=prompt, ignore_eos=True))
 
 
 def engine_of(omni: Omni):
     return omni.graph.stages["generate"].engine
+
+
+def hf_model_of(omni: Omni):
+    """The transformers model under the stage: the plugin's QwenStages owns it (one per path, dtype, device)."""
+    stages = omni.graph.node_types["generate"].factory.__self__
+    (lm,) = stages.models.values()
+    return lm.model
 
 
 def drain(omni: Omni, on_step=None) -> list[dict]:
@@ -165,7 +171,7 @@ def drain(omni: Omni, on_step=None) -> list[dict]:
 def run_runtime(runtime: Runtime, reqs, budget: int):
     omni = runtime.omni(budget=budget)
     scheduler = engine_of(omni).scheduler
-    executor = engine_of(omni).runner.executor
+    runner = engine_of(omni).runner
     kv = {"reserved": 0, "stored": 0}
 
     def account():
@@ -177,8 +183,8 @@ def run_runtime(runtime: Runtime, reqs, budget: int):
         submit(omni, f"q{i}", prompt, m)
     traces = drain(omni, account)
     elapsed = time.perf_counter() - start
-    sizes = [n for n, _, _ in executor.step_log]
-    forward_s = sum(ms for _, _, ms in executor.step_log) / 1000
+    sizes = [n for n, _, _ in runner.step_log]
+    forward_s = sum(ms for _, _, ms in runner.step_log) / 1000
     return {"tok_s": sum(t["ar.output_tokens"] for t in traces) / elapsed, "ttfts": [t["ar.ttft_ms"] for t in traces],
             "kv_ratio": kv["reserved"] / max(kv["stored"], 1), "steps": len(sizes),
             "mean_batch": statistics.mean(sizes), "preemptions": scheduler.num_preemptions,
@@ -275,7 +281,7 @@ def main() -> None:
     path = ensure_checkpoint(args.layers)
     runtime = Runtime(path)
     warm_omni = runtime.omni(kv_memory="64MiB")  # loads the model once for every Omni of this host
-    model = engine_of(warm_omni).runner.executor.pipeline.model
+    model = hf_model_of(warm_omni)
     say(f"checkpoint ready and loaded in {time.perf_counter() - t0:.1f}s: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {model.dtype}, "
         f"{torch.get_num_threads()} threads")
@@ -295,7 +301,8 @@ def main() -> None:
                    runtime_mean_batch=run["mean_batch"], runtime_preemptions=run["preemptions"],
                    runtime_forward_share=run["forward_share"])
     say(f"runtime: {run['tok_s']:.1f} tok/s, {run['steps']} steps, mean batch {run['mean_batch']:.1f}, "
-        f"{run['forward_share']:.0%} of the time in model forwards ({time.perf_counter() - stage:.0f}s)")
+        f"{run['forward_share']:.0%} of the time in the model runner, forward + sampling "
+        f"({time.perf_counter() - stage:.0f}s)")
 
     stage = time.perf_counter()
     figures["hf_sequential_tok_s"] = hf_sequential(model, reqs[:2 if quick else 4])

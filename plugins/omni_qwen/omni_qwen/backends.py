@@ -1,5 +1,5 @@
-"""The two KV backends behind ARExecutor. Both consume the ARScheduler's chunks (prefill chunks and decodes
-of many requests) and return the logits of the chunks that sample; the executor never sees which one runs.
+"""The two KV backends behind ARModelRunner. Both consume the ARScheduler's chunks (prefill chunks and decodes
+of many requests) and return the logits of the chunks that sample; the runner never sees which one runs.
 
 - PagedBackend: the runtime owns K/V in a preallocated KVPool of blocks; ONE PagedQwen2 forward per engine
   step covers every scheduled chunk. The scheduler's BlockManager is the pool's real allocator.
@@ -9,7 +9,6 @@ of many requests) and return the logits of the chunks that sample; the executor 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Protocol
 
 import torch
@@ -31,7 +30,7 @@ class ARBackend(Protocol):
         """Compute every chunk of the step; return the request ids of the sampling chunks and their
         next-token logits, one row each."""
 
-    def finalize(self, request_id: str) -> None:
+    def free(self, request_id: str) -> None:
         """Drop everything the backend holds for the request."""
 
 
@@ -39,9 +38,9 @@ class DynamicCacheBackend:
     kv_trace = {"kv_cache": True, "kv_cache_type": "DynamicCache", "kv_cache_backend": "dynamic_cache",
                 "kv_cache_source": "transformers", "runtime_kv_manager": False}
 
-    def __init__(self, pipeline):
-        self.model = pipeline.model
-        self.device = pipeline.device
+    def __init__(self, lm):
+        self.model = lm.model
+        self.device = lm.device
         self.caches: dict[str, DynamicCache] = {}
 
     @torch.inference_mode()
@@ -62,7 +61,7 @@ class DynamicCacheBackend:
                 rows.append(out.logits[0, -1])
         return tuple(ids), torch.stack(rows) if rows else torch.empty(0)
 
-    def finalize(self, request_id: str) -> None:
+    def free(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
 
 
@@ -78,15 +77,5 @@ class PagedBackend:
         step = build_step(batch.chunks, batch.block_size, self.model.dtype, self.pool.device)
         return step.sample_ids, self.model.forward(step, self.pool)
 
-    def finalize(self, request_id: str) -> None:
+    def free(self, request_id: str) -> None:
         """Nothing: the request's blocks belong to the scheduler's BlockManager, which frees them."""
-
-
-_paged_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def paged_model(model) -> PagedQwen2:
-    """The PagedQwen2 over a loaded HF model, built once (it merges the model's q/k/v and gate/up weights)."""
-    if model not in _paged_models:
-        _paged_models[model] = PagedQwen2(model)
-    return _paged_models[model]

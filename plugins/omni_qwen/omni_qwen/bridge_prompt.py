@@ -2,21 +2,19 @@
 
 The node asks the model for exactly one JSON object; the omni_bridge connector parses it:
 
-    {"guidance": "<one to three sentences of extra visual detail>", "negative_prompt": "<things to avoid>"}
+    {"guidance": "<one to three sentences of extra visual detail>"}
 
-`guidance` is required (a non-empty string); `negative_prompt` is optional (a string, may be empty).
+`guidance` is required (a non-empty string). The connector ignores any other key, so the instruction asks for
+nothing else: every token spent on it would come out of the node's small token budget.
 """
 
 CONTRACT = "supplemental_guidance"
-REQUIRED_FIELDS = ("guidance",)
-OPTIONAL_FIELDS = ("negative_prompt",)
 
 BRIDGE_INSTRUCTION = (
     "You help a video model (Wan2.2 image-to-video) render a user's video prompt. Do not repeat or rewrite "
     "the prompt. Add concrete visual detail that the prompt leaves open: motion, camera movement, lighting, "
     "atmosphere and style. Answer with one JSON object and nothing else, in exactly this form:\n"
-    '{"guidance": "one to three short sentences of visual detail", '
-    '"negative_prompt": "comma-separated things to avoid, or an empty string"}\n\n'
+    '{"guidance": "one to three short sentences of visual detail"}\n\n'
     "Video prompt: "
 )
 

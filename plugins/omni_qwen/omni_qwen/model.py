@@ -1,8 +1,8 @@
-"""TransformersARPipeline: a local causal-LM directory loaded with transformers, and its model calls.
+"""CausalLM: a local causal-LM directory loaded with transformers: the model, its tokenizer and its limits.
 
 Loading follows a real checkpoint's path exactly (AutoTokenizer / AutoModelForCausalLM, safetensors only,
-trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls themselves
-belong to the KV backends (backends.py): the paged one or one DynamicCache per request.
+trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls belong to
+the KV backends (backends.py); tokenizing a prompt to the stage's input processor (inputs.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,18 @@ def resolve_dtype(name: str | None) -> torch.dtype | None:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(name: str | None) -> str:
+    if name is None:
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise InvalidParameter("ar_device", f"{name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidParameter("ar_device", f"{name!r} asks for CUDA but no CUDA device is available")
+    return name
 
 
 @contextlib.contextmanager
@@ -73,7 +85,7 @@ def check_model_dir(path: Path, trust_remote_code: bool = False):
     return config
 
 
-class TransformersARPipeline:
+class CausalLM:
     def __init__(self, model, tokenizer, path: Path, device: str, load_ms: float = 0.0):
         self.model = model
         self.tokenizer = tokenizer
@@ -83,11 +95,11 @@ class TransformersARPipeline:
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | None = None, device: str | None = None,
-             trust_remote_code: bool = False) -> TransformersARPipeline:
+             trust_remote_code: bool = False) -> CausalLM:
         path = Path(path).expanduser().resolve()
         torch_dtype = resolve_dtype(dtype)
         check_model_dir(path, trust_remote_code)
-        device = device or default_device()
+        device = resolve_device(device)
         start = time.perf_counter()
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer (none of "
@@ -109,8 +121,6 @@ class TransformersARPipeline:
         model = model.to(device).eval()
         return cls(model, tokenizer, path, device, (time.perf_counter() - start) * 1000)
 
-    # What the executor needs to know about the model.
-
     @property
     def dtype(self) -> str:
         return str(self.model.dtype).removeprefix("torch.")
@@ -131,18 +141,6 @@ class TransformersARPipeline:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def encode_prompt(self, text: str, chat: bool = True) -> tuple[list[int], str]:
-        """Token ids of `text` as one user message through the chat template, or raw text when there is none."""
-        if chat and self.has_chat_template:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-            return list(ids), "chat_template"
-        return list(self.tokenizer.encode(text)), "raw"
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

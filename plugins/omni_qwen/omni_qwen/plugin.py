@@ -2,6 +2,7 @@
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 
+from .config import QwenConfig, QwenParams
 from .stage import QwenStages
 
 AR_TEXT = PipelinePlan(
@@ -15,12 +16,13 @@ class QwenPlugin:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("ar.text_generation", "ar", self.stages.text_generation, options={"stream", "ar_model"},
-                          description="the prompt as one user message through the chat template; "
-                                      "stops at EOS or the context window"))
-        register(NodeType("ar.prompt_bridge", "ar", self.stages.prompt_bridge, options={"stream", "ar_model"},
-                          description="asks the model for JSON supplemental guidance for a Wan video prompt "
-                                      "(contract supplemental_guidance, internal token budget)"))
+        register(NodeType("ar.text_generation", "ar", self.stages.text_generation, config=QwenConfig,
+                          params=QwenParams, description="the prompt as one user message through the chat "
+                                                         "template; stops at EOS or the context window"))
+        register(NodeType("ar.prompt_bridge", "ar", self.stages.prompt_bridge, config=QwenConfig,
+                          params=QwenParams, description="asks the model for JSON supplemental guidance for a "
+                                                         "Wan video prompt (contract supplemental_guidance, "
+                                                         "internal token budget)"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

@@ -1,43 +1,77 @@
-"""Per-request token sampling: greedy by default; temperature / top-k / top-p with a seeded generator."""
+"""Token sampling for one engine step, batched over its requests.
+
+Greedy rows take one fp32 argmax (as HF's greedy; fp32 is also 3x faster than bf16 on CPU). Sampled rows
+apply their own temperature / top-k / top-p together, then draw from each request's own CPU generator, so a
+seed reproduces a request's tokens whatever else runs in the same step and whichever device computed the
+logits. Every token reaches the host in one transfer.
+"""
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 
+import attrs
 import torch
 
+from omni_kernel.errors import InvalidParameter
 from omni_kernel.params import ARParams
 
 
+@attrs.frozen(eq=False)
+class Sampling:
+    """One request's sampling parameters and, unless greedy, its seeded generator."""
+
+    params: ARParams
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def of(cls, params: ARParams) -> Sampling:
+        if params.greedy:
+            return cls(params)
+        generator = torch.Generator(device="cpu")
+        generator.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
+        return cls(params, generator)
+
+
+def probabilities(logits: torch.Tensor, params: Sequence[ARParams]) -> torch.Tensor:
+    """Row i's next-token distribution under params[i]: temperature, then top-k, then top-p (fp32, vocab order)."""
+    vocab = logits.shape[-1]
+    logits = logits.float() / torch.tensor([[p.temperature] for p in params], dtype=torch.float32)
+    ranked, order = logits.sort(dim=-1, descending=True)
+    top_k = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab] for p in params])
+    ranked = ranked.masked_fill(ranked < ranked.gather(1, top_k - 1), float("-inf"))
+    probs = ranked.softmax(dim=-1)
+    # Drop a token when the ones ranked above it already reach top_p; the best token always stays.
+    top_p = torch.tensor([[p.top_p if p.top_p < 1 else float("inf")] for p in params])
+    ranked = ranked.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+    return torch.empty_like(ranked).scatter_(1, order, ranked).softmax(dim=-1)
+
+
 class Sampler:
-    """Samples one request's tokens. Draws come from its own CPU generator, so a seed reproduces them
-    whatever else runs in the same step and whichever device computed the logits."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[Sampling]) -> list[int | Exception]:
+        """A token per logits row, or the exception of a row that cannot be sampled (it fails alone)."""
+        if not rows:
+            return []
+        logits = logits.float()
+        tokens = logits.argmax(dim=-1)
+        drawn = [i for i, row in enumerate(rows) if row.generator is not None]
+        errors: dict[int, Exception] = {}
+        if drawn:
+            picked = logits[drawn].cpu()
+            probs = probabilities(picked, [rows[i].params for i in drawn])
+            draws = torch.zeros(len(drawn), dtype=torch.long)
+            for j, i in enumerate(drawn):
+                try:
+                    draws[j] = torch.multinomial(probs[j], 1, generator=rows[i].generator)[0]
+                except RuntimeError as exc:
+                    errors[i] = _sampling_error(picked[j], rows[i].params, exc)
+            tokens[drawn] = draws.to(tokens.device)
+        return [errors.get(i, token) for i, token in enumerate(tokens.tolist())]
 
-    def __init__(self, params: ARParams):
-        self.params = params
-        self.seed = None
-        self.generator = None
-        if not params.greedy:
-            self.seed = params.seed if params.seed is not None else secrets.randbits(63)
-            self.generator = torch.Generator(device="cpu")
-            self.generator.manual_seed(self.seed)
 
-    def sample(self, logits: torch.Tensor) -> int:
-        if self.generator is None:
-            return int(torch.argmax(logits.float()).item())  # as HF's greedy; fp32 argmax is also 3x faster on CPU
-        probs = self.probabilities(logits.float().cpu())
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
-
-    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
-        p = self.params
-        logits = logits / p.temperature
-        if p.top_k > 0 and p.top_k < logits.numel():
-            kth = torch.topk(logits, p.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(logits, descending=True)
-            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-            # Drop a token when the ones ranked above it already reach top_p; the best token always stays.
-            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p
-            logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        return torch.softmax(logits, dim=-1)
+def _sampling_error(logits: torch.Tensor, params: ARParams, exc: RuntimeError) -> Exception:
+    if torch.isfinite(logits).all():
+        return InvalidParameter("temperature", f"{params.temperature!r} leaves no valid distribution to sample "
+                                               "from (use 0 for greedy)")
+    return RuntimeError(f"the model's logits hold NaN or inf ({' '.join(str(exc).split())})")

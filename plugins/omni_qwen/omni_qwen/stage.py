@@ -1,109 +1,125 @@
-"""The ar.text_generation and ar.prompt_bridge nodes: their policies, their Stage and their factories."""
+"""ARStage (the ar.text_generation and ar.prompt_bridge nodes) and QwenStages, the factories that build them
+and own the loaded models. No torch at import: models load when a stage is built."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from omni_kernel.engine import Engine
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.graph import NodeSpec
-from omni_kernel.request import Request
+from omni_kernel.request import StageInput
+from omni_kernel.scheduler import RequestOutput
 from omni_kernel.stage import Stage
 
 from .bridge_prompt import CONTRACT, bridge_prompt
-from .serving import ServingConfig
+from .config import PROMPT_BRIDGE_POLICY, TEXT_GENERATION_POLICY, ARNodeSettings, QwenConfig, node_policy
+from .inputs import ARInputProcessor
+from .outputs import AROutputProcessor
 
 log = logging.getLogger("omni")
 
-# Node policy keys and their defaults. max_tokens is the node's token budget (None: EOS or context window);
-# max_num_seqs None leaves it to the run's config (ar_max_num_seqs, default 64).
-TEXT_GENERATION_POLICY = {"max_tokens": None, "chat": True, "max_num_seqs": None}
-PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None}
-
-
-def node_policy(node: NodeSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(node.policy) - set(defaults))
-    if unknown:
-        raise InvalidParameter(f"policy of node {node.id}", f"unknown key(s) {', '.join(unknown)}; "
-                               f"known: {', '.join(sorted(defaults))}")
-    policy = {**defaults, **node.policy}
-    budget = policy["max_tokens"]
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1):
-        raise InvalidParameter(f"policy max_tokens of node {node.id}", f"{budget!r} is not an integer >= 1")
-    seqs = policy["max_num_seqs"]
-    if seqs is not None and (not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1):
-        raise InvalidParameter(f"policy max_num_seqs of node {node.id}", f"{seqs!r} is not an integer >= 1")
-    return policy
-
 
 class ARStage(Stage):
-    """An AR node: refuses a prompt the model cannot take, or one that can never fit the KV pool, before
-    anything runs."""
+    """An AR node. `process` tokenizes and checks a request once; the engine's scheduler stops it at EOS, its
+    budget or the context window; `postprocess` streams its text and stops it on a stop string."""
 
-    def __init__(self, node: NodeSpec, engine: Engine, executor):
+    def __init__(self, node: NodeSpec, engine: Engine, inputs: ARInputProcessor, outputs: AROutputProcessor,
+                 summary: str):
         super().__init__(node, "ar", engine)
-        self.executor = executor
-        self.announced = False  # the engine's one-line summary is logged at the first request
+        self.inputs = inputs
+        self.outputs = outputs
+        self.summary = summary  # the KV pool and limits in one line, logged when the first request arrives
 
-    def check(self, request: Request) -> None:
-        self.executor.check(request.prompt, request.options, request.params.get(self.kind))
+    def process(self, item: StageInput) -> StageInput:
+        return self.inputs.process(item)
 
-    def add_request(self, item) -> None:
-        if not self.announced:
-            log.info("%s", self.executor.summary)
-            self.announced = True
+    def add_request(self, item: StageInput) -> None:
+        if self.summary:
+            log.info("%s", self.summary)
+            self.summary = ""
+        self.outputs.add(item)
         super().add_request(item)
+
+    def postprocess(self, outputs: list[RequestOutput]) -> list:
+        events: list = []
+        for out in outputs:
+            rid = out.request_id
+            if out.error is not None:
+                self.outputs.drop(rid)
+                events.append(StageFailed.of(rid, self.node_id, out.error))
+                continue
+            delta, reason = self.outputs.add_token(rid, out.result, out.finished)
+            if delta is not None:
+                events.append(delta)
+            if reason is None:
+                continue
+            stats = out.stats
+            if out.finished is None:  # a stop string: the scheduler still holds the request
+                stats = self.engine.scheduler.stats(rid)
+                self.engine.abort(rid)
+            events.append(StageFinished(rid, self.node_id, self.outputs.finish(rid, reason, stats)))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self.outputs.drop(request_id)
 
 
 class QwenStages:
-    """Builds the AR stages. Owns the loaded models, one per (path, dtype, device), so a graph with several AR
-    nodes (or several graphs of one host) loads each model once and keeps it loaded."""
+    """Builds the AR stages. Owns the loaded models, one per (path, dtype, device, trust_remote_code), and the
+    paged forward over each, so a graph with several AR nodes (or several graphs of one host) loads each model
+    once and keeps it loaded."""
 
     def __init__(self):
-        self.pipelines: dict[tuple, Any] = {}
+        self.models: dict[tuple, Any] = {}
+        self.paged_models: dict[tuple, Any] = {}
 
-    def text_generation(self, node: NodeSpec, config: Mapping[str, Any]) -> ARStage:
+    def text_generation(self, node: NodeSpec, config: QwenConfig | None) -> ARStage:
         policy = node_policy(node, TEXT_GENERATION_POLICY)
-        from .sequence import ARNodeSettings
+        settings = ARNodeSettings(chat=policy["chat"], max_tokens=policy["max_tokens"],
+                                  max_num_seqs=policy["max_num_seqs"])
+        return self._build(node, config or QwenConfig(), settings)
 
-        settings = ARNodeSettings(chat=policy["chat"], max_tokens=policy["max_tokens"])
-        return self._build(node, config, policy, settings)
-
-    def prompt_bridge(self, node: NodeSpec, config: Mapping[str, Any]) -> ARStage:
+    def prompt_bridge(self, node: NodeSpec, config: QwenConfig | None) -> ARStage:
         policy = node_policy(node, PROMPT_BRIDGE_POLICY)
-        from .sequence import ARNodeSettings
-
         settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, max_tokens=policy["max_tokens"],
-                                  contract=CONTRACT, prompt_label="bridge_")
-        return self._build(node, config, policy, settings)
+                                  max_num_seqs=policy["max_num_seqs"], contract=CONTRACT, prompt_label="bridge_")
+        return self._build(node, config or QwenConfig(), settings)
 
-    def _build(self, node: NodeSpec, config: Mapping[str, Any], policy, settings) -> ARStage:
-        serving = ServingConfig.from_config(config, policy["max_num_seqs"])  # refused before any model loads
-        pipeline = self.pipeline(config)
-        from .engine import build_ar_engine
+    def _build(self, node: NodeSpec, config: QwenConfig, settings: ARNodeSettings) -> ARStage:
+        from .build import build_stage
 
-        engine, executor = build_ar_engine(node.id, pipeline, settings, serving)
-        return ARStage(node, engine, executor)
+        key = self._key(config)
+        return build_stage(node, self.model(key), settings, config, lambda: self.paged_model(key))
 
-    def pipeline(self, config: Mapping[str, Any]):
-        """The loaded model for this run's config (ar_model, ar_dtype, ar_device, ar_trust_remote_code)."""
-        from .model import TransformersARPipeline, default_device, resolve_dtype
+    def _key(self, config: QwenConfig) -> tuple:
+        from .model import resolve_device
 
-        path = config.get("ar_model")
+        path = config.ar_model
         if path is None:
             from .demo import ensure_demo_checkpoint
 
             path = ensure_demo_checkpoint()
             log.info("using a random-weight demo model at %s; pass --ar-model DIR for real weights", path)
-        dtype = config.get("ar_dtype")
-        resolve_dtype(dtype)
-        device = config.get("ar_device") or default_device()
-        trust = bool(config.get("ar_trust_remote_code", False))
-        key = (str(Path(path).expanduser().resolve()), dtype, device, trust)
-        if key not in self.pipelines:
-            self.pipelines[key] = TransformersARPipeline.load(path, dtype=dtype, device=device,
-                                                              trust_remote_code=trust)
-        return self.pipelines[key]
+        return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device),
+                config.ar_trust_remote_code)
+
+    def model(self, key: tuple):
+        """The loaded CausalLM for a (path, dtype, device, trust_remote_code) key."""
+        if key not in self.models:
+            from .model import CausalLM
+
+            path, dtype, device, trust = key
+            self.models[key] = CausalLM.load(path, dtype=dtype, device=device, trust_remote_code=trust)
+        return self.models[key]
+
+    def paged_model(self, key: tuple):
+        """The PagedQwen2 over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
+        if key not in self.paged_models:
+            from .paged.qwen2 import PagedQwen2
+
+            self.paged_models[key] = PagedQwen2(self.model(key).model)
+        return self.paged_models[key]

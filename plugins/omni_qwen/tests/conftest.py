@@ -3,6 +3,7 @@ comes from the kernel's fixtures (omni_kernel.testing), which the repository's r
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -73,13 +74,18 @@ def copy_with_eos(src: Path, dst: Path, eos_ids: list[int]) -> Path:
     return dst
 
 
-def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None) -> list[int]:
-    """transformers' own greedy `generate`, the reference the runtime must match token for token."""
+@functools.lru_cache(maxsize=4)
+def hf_model(model_dir: Path, dtype=None):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).eval()
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                         repetition_penalty=1.0, temperature=None, top_p=None, top_k=None)
+    return AutoModelForCausalLM.from_pretrained(model_dir, **({"dtype": dtype} if dtype else {})).eval()
+
+
+def hf_greedy(model_dir: Path, prompt_ids: list[int], max_new_tokens: int, dtype=None) -> list[int]:
+    """transformers' own greedy `generate` on CPU, the reference the runtime must match token for token."""
+    out = hf_model(Path(model_dir), dtype).generate(torch.tensor([list(prompt_ids)]), do_sample=False,
+                                                    max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+                                                    temperature=None, top_p=None, top_k=None)
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -103,15 +109,15 @@ def host():
 
 @pytest.fixture(scope="session")
 def run_plan(host):
-    """Build a one-node plan of an omni_qwen node type and run a request through the StageScheduler."""
+    """Build a one-node plan of an omni_qwen node type (on CPU) and run a request through the StageScheduler."""
     from omni_kernel import NodeSpec, PipelinePlan, Request
-    from omni_kernel.planner import PipelineRegistry
+    from omni_kernel.planner import GraphBuilder
     from omni_kernel.stage_scheduler import StageScheduler
 
-    def run(node_type: str, prompt: str, config: dict, policy=None, ar=None, stream=False, events=None):
+    def run(node_type: str, prompt: str, config: dict, policy=None, events=None, **params):
         plan = PipelinePlan("test_" + node_type, [NodeSpec("n", node_type, policy=policy or {}, final=True)])
-        scheduler = StageScheduler(PipelineRegistry(host.registry).build(plan, config))
-        request = Request(plan.name, prompt, params={"ar": ar} if ar else {}, options={"stream": stream})
+        scheduler = StageScheduler(GraphBuilder(host.registry).build(plan, {"ar_device": "cpu", **config}))
+        request = Request(plan.name, prompt, params=params)
         if events is None:
             return scheduler.generate(request)
         for event in scheduler.generate_stream(request):

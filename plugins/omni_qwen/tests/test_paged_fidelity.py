@@ -1,5 +1,5 @@
 """Both KV backends against HF `generate`, through the real ar_text stage (Omni -> StageScheduler -> Stage ->
-Engine(ARScheduler) -> ARExecutor -> backend): each request's greedy output, served concurrently, equals
+Engine(ARScheduler) -> ARModelRunner -> backend): each request's greedy output, served concurrently, equals
 `generate` for that request alone, token for token (fp32); also with preemption, late arrivals and aborts."""
 
 import random
@@ -7,9 +7,11 @@ import random
 import pytest
 import torch
 
-from omni_kernel import ARParams, Omni, RequestFailed, RequestFinished, StageFailed
+from omni_kernel import Omni, RequestFailed, RequestFinished, StageFailed
+from omni_kernel.ar_scheduler import ARPrompt
 from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
+from omni_qwen.config import QwenParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -46,7 +48,7 @@ def reference(ckpt):
 @pytest.fixture
 def make_omni(host, ckpt):
     def make(backend, blocks=512, budget=128, **config):
-        return Omni("ar_text", host=host, ar_model=str(ckpt), ar_kv_backend=backend,
+        return Omni("ar_text", host=host, ar_model=str(ckpt), ar_device="cpu", ar_kv_backend=backend,
                     ar_kv_memory=blocks * BLOCK_BYTES, ar_max_num_batched_tokens=budget, **config)
 
     return make
@@ -61,13 +63,13 @@ def requests(n=18, seed=0):
 
 
 def submit(omni, rid, prompt, max_tokens, **params):
-    omni.submit(omni.request("", ar=ARParams(max_tokens=max_tokens, **params), request_id=rid,
-                             prompt_token_ids=prompt, ignore_eos=True))
+    omni.submit(omni.request("", request_id=rid, max_tokens=max_tokens, prompt_token_ids=prompt, ignore_eos=True,
+                             **params))
 
 
 def parts(omni):
     stage = omni.graph.stages["generate"]
-    return stage, stage.engine.scheduler, stage.executor
+    return stage, stage.engine.scheduler, stage.engine.runner
 
 
 def drain(omni, arrivals=(), every=1):
@@ -86,9 +88,11 @@ def drain(omni, arrivals=(), every=1):
 
 
 def assert_all_freed(omni):
-    _, scheduler, executor = parts(omni)
-    assert scheduler.blocks.num_used == 0 and not scheduler.sequences and not executor.sequences
-    assert not getattr(executor.backend, "caches", {})
+    stage, scheduler, runner = parts(omni)
+    assert scheduler.blocks.num_used == 0 and not scheduler.blocks.tables and not scheduler.sequences
+    assert not runner.requests and not stage.outputs.requests
+    if runner.backend.kv_trace["kv_cache_backend"] == "dynamic_cache":
+        assert not runner.backend.caches
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -98,7 +102,7 @@ def test_concurrent_requests_equal_generate_alone(make_omni, reference, backend)
     for rid, prompt, m in reqs:
         submit(omni, rid, prompt, m)
     finished = drain(omni)
-    _, _, executor = parts(omni)
+    _, _, runner = parts(omni)
     for rid, prompt, m in reqs:
         assert finished[rid].data["token_ids"] == reference(prompt, m), rid
         trace = finished[rid].trace
@@ -106,8 +110,8 @@ def test_concurrent_requests_equal_generate_alone(make_omni, reference, backend)
         assert trace["ar.prompt_mode"] == "token_ids" and trace["ar.input_tokens"] == len(prompt)
         assert trace["ar.prefill_steps"] >= -(-len(prompt) // 128)  # chunks of at most the step budget
         assert trace["ar.prefill_tokens"] == len(prompt)
-    assert max(n for n, _, _ in executor.step_log) > 8  # really batched
-    assert max(t for _, t, _ in executor.step_log) <= 128
+    assert max(n for n, _, _ in runner.step_log) > 8  # really batched
+    assert max(t for _, t, _ in runner.step_log) <= 128
     assert_all_freed(omni)
 
 
@@ -139,7 +143,7 @@ def test_requests_arriving_while_others_decode(make_omni, reference, backend):
 def test_aborted_requests_free_blocks_and_spare_the_others(make_omni, reference, backend):
     reqs = requests(16, seed=3)
     omni = make_omni(backend, blocks=64)
-    _, scheduler, executor = parts(omni)
+    stage, scheduler, runner = parts(omni)
     for rid, prompt, m in reqs:
         submit(omni, rid, prompt, m + 8)
     for _ in range(5):
@@ -147,7 +151,8 @@ def test_aborted_requests_free_blocks_and_spare_the_others(make_omni, reference,
     doomed = [s.request_id for s in scheduler.running][:2] + [s.request_id for s in scheduler.waiting][:1]
     for rid in doomed:
         omni.abort(rid)
-        assert rid not in scheduler.blocks.tables and rid not in executor.sequences
+        assert rid not in scheduler.blocks.tables and rid not in runner.requests and rid not in stage.outputs.requests
+        assert rid not in getattr(runner.backend, "caches", {})
     finished = drain(omni)
     assert not set(doomed) & set(finished)
     for rid, prompt, m in reqs:
@@ -206,14 +211,14 @@ def test_bf16_logits_follow_hf(make_omni, ckpt):
     assert int(logits.argmax()) == int(ref.argmax())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_request_that_never_fits_fails_alone(make_omni, reference, backend):
-    omni = make_omni(backend, blocks=4)  # 64 tokens
+def test_request_that_never_fits_fails_alone(make_omni, reference):
+    omni = make_omni("paged", blocks=4)  # 64 tokens
     with pytest.raises(InputError, match="KV pool holds 64 tokens"):
         submit(omni, "big", list(range(60)), 10)
     stage = parts(omni)[0]
-    stage.add_request(StageInput("big2", "", params=ARParams(max_tokens=10),
-                                 options={"prompt_token_ids": list(range(60))}))
+    # An input that skipped `process` is still refused by the runner: alone, and without stalling the engine.
+    params = QwenParams(max_tokens=10)
+    stage.add_request(StageInput("big2", "", params=params, processed=ARPrompt(range(60), 10)))
     assert any(isinstance(e, StageFailed) and e.user_error and "raise ar_kv_memory" in e.error
                for e in stage.step())
     finished = drain(omni, [("ok", list(range(40)), 8)])
@@ -225,8 +230,23 @@ def test_request_that_never_fits_fails_alone(make_omni, reference, backend):
     ({"ar_kv_backend": "vllm"}, "ar_kv_backend"), ({"ar_kv_memory": "lots"}, "ar_kv_memory"),
     ({"ar_kv_memory": 0}, "ar_kv_memory"), ({"ar_kv_memory": 100}, "ar_kv_memory"),
     ({"ar_max_num_seqs": 0}, "ar_max_num_seqs"), ({"ar_max_num_batched_tokens": "8"}, "ar_max_num_batched_tokens"),
-    ({"ar_prefix_caching": "yes"}, "ar_prefix_caching"),
+    ({"ar_prefix_caching": "yes"}, "ar_prefix_caching"), ({"ar_device": "tpu-9"}, "ar_device"),
+    ({"ar_trust_remote_code": "no"}, "ar_trust_remote_code"), ({"ar_model": 3}, "ar_model"),
 ])
 def test_bad_serving_config_is_refused(host, ckpt, config, field):
     with pytest.raises(InvalidParameter, match=field):
-        Omni("ar_text", host=host, ar_model=str(ckpt), **config)
+        Omni("ar_text", host=host, **{"ar_model": str(ckpt), **config})
+
+
+def test_misspelled_config_key_is_refused_naming_the_valid_ones(host, ckpt):
+    with pytest.raises(InvalidParameter, match="ar_kv_memroy") as info:
+        Omni("ar_text", host=host, ar_model=str(ckpt), ar_kv_memroy="1MiB")
+    assert "ar_kv_memory" in str(info.value) and "ar_trust_remote_code" in str(info.value)
+    assert info.value.field == "ar_kv_memroy"
+
+
+def test_device_and_remote_code_keys_are_accepted(make_omni):
+    omni = make_omni("paged", ar_trust_remote_code=True)
+    assert omni.graph.stages["generate"].engine.runner.backend.pool.device.type == "cpu"
+    out = drain(omni, [("r", [5, 6, 7], 3)])["r"]
+    assert len(out.data["token_ids"]) == 3

@@ -13,7 +13,7 @@ PROMPT = "生成1000字的文本，描述一所学校"
 
 
 def omni(*args):
-    result = CliRunner().invoke(main, ["run", "--pipeline", "ar_text", *args])
+    result = CliRunner().invoke(main, ["run", "--pipeline", "ar_text", "-c", "ar_device=cpu", *args])
     return result
 
 
@@ -56,10 +56,10 @@ def test_real_qwen25_layout(qwen25_dir, hf_greedy):
 
 
 def test_ar_dtype_override(tiny_ckpt, host):
-    from omni_kernel import ARParams, Omni
+    from omni_kernel import Omni
 
-    result = Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="bf16").generate(
-        "hi", ar=ARParams(max_tokens=3))
+    result = Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="bf16", ar_device="cpu").generate(
+        "hi", max_tokens=3)
     assert result.trace["ar.dtype"] == "bfloat16"
 
 
@@ -103,7 +103,9 @@ def test_bad_model_dir_is_one_line_exit_2(bad_dirs, name, message):
     (["--prompt", "school " * 300], "context window is 256 tokens"),
     (["--prompt", "hi", "--image", "x.png"], "does not use --image"),
     (["--prompt", "hi", "--ar-dtype", "fp32"], "No such option"),
-    (["--prompt", "hi", "--max-tokens", "5"], "No such option"),
+    (["--prompt", "hi", "--top-k", "5"], "No such option"),
+    (["--prompt", "hi", "-c", "ar_kv_memroy=1MiB"], "has no config key 'ar_kv_memroy'"),
+    (["--prompt", "hi", "-o", "strem=true"], "has no request parameter 'strem'"),
 ])
 def test_bad_request_is_one_line_exit_2(tiny_ckpt, args, message):
     result = omni("--ar-model", str(tiny_ckpt), *args)

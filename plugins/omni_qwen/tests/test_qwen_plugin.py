@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from omni_kernel import NodeSpec, PipelinePlan
-from omni_kernel.planner import PipelineRegistry
+from omni_kernel.params import options_of
+from omni_kernel.planner import GraphBuilder
+from omni_qwen.config import QwenConfig, QwenParams
 
 
 def test_entry_module_imports_no_torch():
@@ -22,14 +24,22 @@ def test_registers_nodes_and_pipeline(host):
     text = registry.node_types["ar.text_generation"].item
     bridge = registry.node_types["ar.prompt_bridge"].item
     assert (text.kind, bridge.kind) == ("ar", "ar")
-    assert text.options == {"stream", "ar_model"} and bridge.options == {"stream", "ar_model"}
-    assert registry.options_of(registry.pipelines["ar_text"].item) >= {"stream", "ar_model", "prompt", "seed"}
+    assert (text.config, text.params) == (bridge.config, bridge.params) == (QwenConfig, QwenParams)
+    config, params = options_of(QwenConfig), options_of(QwenParams)
+    assert all(name.startswith("ar_") for name in config)  # one flat config namespace with other plugins
+    assert config["ar_model"].flag == "--ar-model" and config["ar_kv_backend"].choices == ("paged", "dynamic_cache")
+    assert [n for n, info in config.items() if info.flag] == ["ar_model"]
+    assert {"stream", "max_tokens", "stop", "seed", "ignore_eos", "prompt_token_ids"} <= set(params)
+    assert params["prompt_token_ids"].flag is None and params["prompt_token_ids"].multiple
 
 
 def test_model_loads_once_per_path(host, tiny_ckpt):
     plan = PipelinePlan("two", [NodeSpec("a", "ar.prompt_bridge"), NodeSpec("b", "ar.text_generation", final=True)])
-    graph = PipelineRegistry(host.registry).build(plan, {"ar_model": str(tiny_ckpt)})
-    assert graph.stages["a"].executor.pipeline is graph.stages["b"].executor.pipeline
+    graph = GraphBuilder(host.registry).build(plan, {"ar_model": str(tiny_ckpt), "ar_device": "cpu"})
+    a, b = graph.stages["a"], graph.stages["b"]
+    assert a.inputs.tokenizer is b.inputs.tokenizer
+    assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedQwen2, owned by the plugin
+    assert a.engine.runner.backend.pool is not b.engine.runner.backend.pool  # each stage its own KV pool
 
 
 def test_demo_checkpoint_is_built_once(omni_cache):

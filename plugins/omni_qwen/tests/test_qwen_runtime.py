@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_kernel import ARParams, Omni, RequestFinished, StageFinished, TokenDelta
-from omni_kernel.errors import InputError
+from omni_kernel import Omni, RequestFailed, RequestFinished, StageFinished, TokenDelta
+from omni_kernel.errors import InputError, InvalidParameter
 
 PROMPTS = ["Tell me about the school by the river.", "生成一段文字，描述一所学校的春天", "emoji 🦊🎉 and café ñ",
            "x"]
@@ -19,19 +19,34 @@ KV_TRACE = {"paged": (True, "PagedKVPool", "paged", "runtime", True),
             "dynamic_cache": (True, "DynamicCache", "dynamic_cache", "transformers", False)}
 
 
+def make_omni(host, ckpt, backend="paged", **config):
+    return Omni("ar_text", host=host, ar_model=str(ckpt), ar_device="cpu", ar_kv_backend=backend, **config)
+
+
 @pytest.fixture(scope="module", params=list(KV_TRACE))
 def omni(tiny_ckpt, host, request):
-    return Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_kv_backend=request.param)
+    """Both KV backends: for tests whose outcome depends on the model calls."""
+    return make_omni(host, tiny_ckpt, request.param)
+
+
+@pytest.fixture(scope="module")
+def paged(tiny_ckpt, host):
+    """One backend: for tests of input and output processing, which no backend touches."""
+    return make_omni(host, tiny_ckpt)
+
+
+def tokenizer_of(omni):
+    return omni.graph.stages["generate"].inputs.tokenizer
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_equals_transformers_generate(omni, tiny_ckpt, hf_greedy, prompt):
-    result = omni.generate(prompt, ar=ARParams(max_tokens=40))
+    result = omni.generate(prompt, max_tokens=40)
     out = result.output
     expected = hf_greedy(tiny_ckpt, out.data["prompt_token_ids"], 40)
     assert out.data["token_ids"] == expected
     assert len(set(expected)) > 10, "greedy output should not be a trivial repetition"
-    tokenizer = omni.graph.stages["generate"].executor.pipeline.tokenizer
+    tokenizer = tokenizer_of(omni)
     assert out.text == tokenizer.decode(expected, skip_special_tokens=True)
     chat = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                          return_dict=False)
@@ -39,7 +54,7 @@ def test_greedy_equals_transformers_generate(omni, tiny_ckpt, hf_greedy, prompt)
 
 
 def test_trace_fields_are_true(omni):
-    result = omni.generate("Describe the library.", ar=ARParams(max_tokens=12), stream=True)
+    result = omni.generate("Describe the library.", max_tokens=12, stream=True)
     trace = result.trace
     missing = [f for f in AR_FIELDS if f"ar.{f}" not in trace]
     assert not missing
@@ -52,7 +67,7 @@ def test_trace_fields_are_true(omni):
     assert trace["ar.decode_step_mean_ms"] == pytest.approx(trace["ar.decode_ms"] / trace["ar.decode_model_calls"],
                                                             abs=1e-2)
     assert trace["ar.streaming"] is True
-    backend = omni.graph.stages["generate"].executor.backend.kv_trace["kv_cache_backend"]
+    backend = omni.graph.stages["generate"].engine.runner.backend.kv_trace["kv_cache_backend"]
     assert (trace["ar.kv_cache"], trace["ar.kv_cache_type"], trace["ar.kv_cache_backend"],
             trace["ar.kv_cache_source"], trace["ar.runtime_kv_manager"]) == KV_TRACE[backend]
     assert trace["ar.kv_blocks_used"] == -(-(trace["ar.input_tokens"] + 11) // 16)
@@ -62,24 +77,25 @@ def test_trace_fields_are_true(omni):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[1:3])
-def test_stream_deltas_are_whole_characters_and_concatenate(omni, prompt):
+def test_stream_deltas_are_whole_characters_and_concatenate(paged, prompt):
+    omni = paged
     deltas, result = [], None
-    for event in omni.generate_stream(prompt, ar=ARParams(max_tokens=200), stream=True):
+    for event in omni.generate_stream(prompt, max_tokens=200, stream=True):
         if isinstance(event, TokenDelta):
             deltas.append(event.text)
         elif isinstance(event, RequestFinished):
             result = event.result
     assert "".join(deltas) == result.text
-    tokenizer = omni.graph.stages["generate"].executor.pipeline.tokenizer
+    tokenizer = tokenizer_of(omni)
     ids = result.output.data["token_ids"]
     assert result.text == tokenizer.decode(ids, skip_special_tokens=True)
-    for delta in deltas:
-        assert delta and delta.encode("utf-8").decode("utf-8") == delta
+    assert all(deltas)
+    # Only the final flush may end in a partial character (output cut off by the budget mid-character).
+    assert not any(delta.endswith("\ufffd") for delta in deltas[:-1])
     # Some character of this output took more than one token: its first tokens released nothing.
     from omni_qwen.detokenize import IncrementalDetokenizer
 
-    pipeline = omni.graph.stages["generate"].executor.pipeline
-    detok, held = IncrementalDetokenizer(pipeline.decode), False
+    detok, held = IncrementalDetokenizer(omni.graph.stages["generate"].outputs.decode), False
     assembled = []
     for token in ids:
         piece = detok.add(token)
@@ -89,15 +105,15 @@ def test_stream_deltas_are_whole_characters_and_concatenate(omni, prompt):
     assert assembled, "expected a multi-byte character split across tokens in the output"
 
 
-def test_split_characters_are_held_back(omni):
+def test_split_characters_are_held_back(paged):
     """Feed the detokenizer the tokens of text whose characters this tokenizer splits into bytes."""
     from omni_qwen.detokenize import IncrementalDetokenizer
 
-    pipeline = omni.graph.stages["generate"].executor.pipeline
+    decode = paged.graph.stages["generate"].outputs.decode
     text = "fox 🦊 学校 ünï 𝄞!"
-    ids = pipeline.tokenizer.encode(text)
-    assert any("\ufffd" in pipeline.decode([i]) for i in ids), "expected a character split across tokens"
-    detok = IncrementalDetokenizer(pipeline.decode)
+    ids = tokenizer_of(paged).encode(text)
+    assert any("\ufffd" in decode([i]) for i in ids), "expected a character split across tokens"
+    detok = IncrementalDetokenizer(decode)
     deltas = [detok.add(i) for i in ids] + [detok.flush()]
     assert "" in deltas[:-1]
     assert all("\ufffd" not in d for d in deltas)
@@ -105,7 +121,7 @@ def test_split_characters_are_held_back(omni):
 
 
 def test_stop_eos(tiny_ckpt, tmp_path, host, copy_with_eos, run_plan):
-    first = run_plan("ar.text_generation", "x", {"ar_model": str(tiny_ckpt)}, ar=ARParams(max_tokens=6))
+    first = run_plan("ar.text_generation", "x", {"ar_model": str(tiny_ckpt)}, max_tokens=6)
     ids = first.output.data["token_ids"]
     target = ids[3]
     eos_dir = copy_with_eos(tiny_ckpt, tmp_path / "eos", [target])
@@ -124,18 +140,22 @@ def test_stop_context_window(tiny_ckpt, hf_greedy, run_plan):
     assert out.data["token_ids"] == hf_greedy(tiny_ckpt, out.data["prompt_token_ids"], 256)[:len(out.data["token_ids"])]
 
 
-def test_stop_strings(omni):
-    full = omni.generate("x", ar=ARParams(max_tokens=30)).text
+def test_stop_strings(paged):
+    omni = paged
+    full = omni.generate("x", max_tokens=30).text
     stop = full[8:11]
     cut = full.index(stop)
     deltas, result = [], None
-    for event in omni.generate_stream("x", ar=ARParams(max_tokens=30, stop=(stop,))):
+    for event in omni.generate_stream("x", max_tokens=30, stop=[stop]):
         if isinstance(event, TokenDelta):
             deltas.append(event.text)
         elif isinstance(event, RequestFinished):
             result = event.result
-    assert result.output.stop_reason == "stop"
+    assert result.output.stop_reason == "stop" and result.trace["ar.stop_reason"] == "stop"
     assert result.text == full[:cut] == "".join(deltas)
+    generated = result.trace["ar.generated_tokens"]
+    assert result.trace["ar.output_tokens"] == generated == len(result.output.data["token_ids"]) < 30
+    assert_freed(omni)
 
 
 def test_bridge_token_budget(tiny_ckpt, run_plan):
@@ -157,33 +177,100 @@ def test_bridge_token_budget(tiny_ckpt, run_plan):
 
 def test_seed_reproduces_and_seeds_differ(omni):
     def sample(seed):
-        return omni.generate("Describe the school.", ar=ARParams(temperature=1.0, top_p=0.95, top_k=50, seed=seed,
-                                                                  max_tokens=24))
+        return omni.generate("Describe the school.", temperature=1.0, top_p=0.95, top_k=50, seed=seed, max_tokens=24)
 
     a, b, c = sample(7), sample(7), sample(8)
     assert a.output.data["token_ids"] == b.output.data["token_ids"]
     assert a.output.data["token_ids"] != c.output.data["token_ids"]
     assert a.trace["ar.sampling"] == "sample" and a.trace["ar.seed"] == 7
-    greedy = omni.generate("Describe the school.", ar=ARParams(max_tokens=24))
+    greedy = omni.generate("Describe the school.", max_tokens=24)
     assert greedy.output.data["token_ids"] != a.output.data["token_ids"]
 
 
 def test_concurrent_requests_match_alone(omni):
     prompts = ["one", "学校", "🦊 three"]
-    alone = [omni.generate(p, ar=ARParams(max_tokens=10 + i)).output.data["token_ids"] for i, p in enumerate(prompts)]
-    requests = [omni.request(p, ar=ARParams(max_tokens=10 + i)) for i, p in enumerate(prompts)]
+    alone = [omni.generate(p, max_tokens=10 + i).output.data["token_ids"] for i, p in enumerate(prompts)]
+    requests = [omni.request(p, max_tokens=10 + i) for i, p in enumerate(prompts)]
     finished = {}
     for event in omni.scheduler.run(requests):
         if isinstance(event, RequestFinished):
             finished[event.request_id] = event.result.output.data["token_ids"]
     assert [finished[r.request_id] for r in requests] == alone
+    assert_freed(omni)
+
+
+def assert_freed(omni):
     stage = omni.graph.stages["generate"]
-    assert not stage.executor.sequences and not getattr(stage.executor.backend, "caches", {})
-    assert stage.engine.scheduler.blocks.num_used == 0
+    scheduler, runner = stage.engine.scheduler, stage.engine.runner
+    assert scheduler.blocks.num_used == 0 and not scheduler.blocks.tables and not scheduler.sequences
+    assert not runner.requests and not stage.outputs.requests
+    if runner.backend.kv_trace["kv_cache_backend"] == "dynamic_cache":
+        assert not runner.backend.caches
 
 
-def test_prompt_errors(omni):
+def test_prompt_errors(paged):
+    omni = paged
     with pytest.raises(InputError, match="empty"):
         omni.generate("   ")
     with pytest.raises(InputError, match="context window is 256"):
         omni.generate("school " * 400)
+
+
+class CountingTokenizer:
+    """The stage's tokenizer, counting the calls that turn text into ids."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name):
+        attr = getattr(self.tokenizer, name)
+        if name not in ("encode", "apply_chat_template", "encode_plus", "batch_encode_plus"):
+            return attr
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+def test_each_request_is_tokenized_exactly_once(paged, monkeypatch):
+    inputs = paged.graph.stages["generate"].inputs
+    counter = CountingTokenizer(inputs.tokenizer)
+    monkeypatch.setattr(inputs, "tokenizer", counter)
+    paged.generate("one", max_tokens=3)
+    assert counter.calls == 1
+    paged.generate("two", max_tokens=4, stream=True, stop=["zz"], temperature=0.5, seed=2)
+    list(paged.generate_stream("three", max_tokens=2))
+    assert counter.calls == 3
+
+
+def test_a_request_whose_sampling_breaks_fails_alone(paged):
+    """A temperature this small turns the logits into inf / NaN: that request fails, its batch neighbours
+    (greedy and sampled) yield exactly what they yield alone."""
+    good = [paged.request("one", max_tokens=6), paged.request("two", max_tokens=6, temperature=0.8, seed=3)]
+    alone = [paged.generate(r.prompt, **r.params).output.data["token_ids"] for r in good]
+    bad = paged.request("three", max_tokens=6, temperature=1e-300, seed=1)
+    events = list(paged.scheduler.run([good[0], bad, good[1]]))
+    failed = [e for e in events if isinstance(e, RequestFailed)]
+    assert [(e.request_id, e.kind, e.field) for e in failed] == [(bad.request_id, "invalid_parameter", "temperature")]
+    finished = {e.request_id: e.result.output.data["token_ids"] for e in events if isinstance(e, RequestFinished)}
+    assert [finished[r.request_id] for r in good] == alone
+    assert finished[good[0].request_id] and finished[good[1].request_id]
+    assert_freed(paged)
+    with pytest.raises(InvalidParameter, match="temperature"):
+        paged.generate("three", max_tokens=6, temperature=1e-300)
+
+
+def test_misspelled_request_parameter_is_refused(paged):
+    with pytest.raises(InvalidParameter, match="strem") as info:
+        paged.generate("hi", strem=True)
+    assert "stream" in str(info.value) and "prompt_token_ids" in str(info.value)
+    with pytest.raises(InvalidParameter, match="prompt_token_ids"):
+        paged.generate("", prompt_token_ids=[1, 10**9])
+    with pytest.raises(InvalidParameter, match="prompt_token_ids"):
+        paged.generate("", prompt_token_ids="abc")

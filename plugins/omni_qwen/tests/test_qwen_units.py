@@ -1,4 +1,4 @@
-"""Detokenizer, sampler and policy units."""
+"""Detokenizer, sampler, config and policy units."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from omni_kernel import ARParams
 from omni_kernel.errors import InvalidParameter
+from omni_qwen.config import QwenConfig
 from omni_qwen.detokenize import IncrementalDetokenizer
-from omni_qwen.sampling import Sampler
+from omni_qwen.sampling import Sampler, Sampling, probabilities
 
 
 @pytest.fixture(scope="module")
@@ -26,81 +27,122 @@ def test_any_token_sequence_streams_whole_characters(decode, ids):
     tail = detok.flush()
     assert "".join(deltas) + tail == decode(ids)
     for delta in deltas:
-        delta.encode("utf-8")
         assert not delta.endswith("\ufffd"), "a partial character was released before the end"
+
+
+def sample(params: ARParams, logits: torch.Tensor) -> int:
+    return Sampler().sample(logits[None], [Sampling.of(params)])[0]
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
-    assert Sampler(ARParams()).sample(logits) == 1
-    assert Sampler(ARParams(temperature=1.0, top_k=1, seed=3)).sample(logits) == 1
-    assert Sampler(ARParams(temperature=1.0, top_p=0.01, seed=3)).sample(logits) == 1
+    assert sample(ARParams(), logits) == 1
+    assert sample(ARParams(temperature=1.0, top_k=1, seed=3), logits) == 1
+    assert sample(ARParams(temperature=1.0, top_p=0.01, seed=3), logits) == 1
+    assert sample(ARParams(), logits.to(torch.bfloat16)) == 1
 
 
 def test_top_k_and_top_p_restrict_the_distribution():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = Sampler(ARParams(temperature=1.0, top_k=2, seed=0)).probabilities(logits)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = probabilities(logits, [ARParams(temperature=1.0, top_k=2)])[0]
     assert probs[2] == probs[3] == 0 and probs[:2].sum() == pytest.approx(1)
-    probs = Sampler(ARParams(temperature=1.0, top_p=0.8, seed=0)).probabilities(logits)
+    probs = probabilities(logits, [ARParams(temperature=1.0, top_p=0.8)])[0]
     assert probs[2] == probs[3] == 0 and probs[0] == pytest.approx(0.5 / 0.8)
-    probs = Sampler(ARParams(temperature=1.0, top_p=0.81, seed=0)).probabilities(logits)
+    probs = probabilities(logits, [ARParams(temperature=1.0, top_p=0.81)])[0]
     assert probs[2] > 0 and probs[3] == 0
 
 
-def test_seeded_sampler_reproduces():
-    logits = torch.randn(500, generator=torch.Generator().manual_seed(1))
+def test_rows_of_one_batch_keep_their_own_parameters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(3, 1)
+    params = [ARParams(temperature=1.0, top_k=2), ARParams(temperature=1.0), ARParams(temperature=1.0, top_p=0.8)]
+    batched = probabilities(logits, params)
+    for row, p in enumerate(params):
+        assert torch.equal(batched[row], probabilities(logits[:1], [p])[0])
+    assert batched[1][3] > 0 and batched[0][3] == 0
 
-    def draws(seed):
-        sampler = Sampler(ARParams(temperature=1.5, seed=seed))
-        return [sampler.sample(logits) for _ in range(30)]
 
-    assert draws(5) == draws(5)
+def test_seeded_sampler_reproduces_whatever_runs_beside_it():
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(1))
+
+    def draws(seed, neighbour=None):
+        rows = [Sampling.of(ARParams(temperature=1.5, seed=seed))]
+        if neighbour is not None:
+            rows.append(Sampling.of(neighbour))
+        return [Sampler().sample(logits[:len(rows)], rows)[0] for _ in range(30)]
+
+    assert draws(5) == draws(5) == draws(5, ARParams()) == draws(5, ARParams(temperature=0.7, seed=9))
     assert draws(5) != draws(6)
-    assert Sampler(ARParams(temperature=1.0)).seed is not None
+    assert Sampling.of(ARParams(temperature=1.0)).generator is not None
+    assert Sampling.of(ARParams(seed=4)).generator is None  # greedy ignores the seed
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(2))
+    logits[2, 7] = float("nan")
+    rows = [Sampling.of(ARParams(temperature=1e-300, seed=1)), Sampling.of(ARParams()),
+            Sampling.of(ARParams(temperature=1.0, seed=1))]
+    tokens = Sampler().sample(logits, rows)
+    assert isinstance(tokens[0], InvalidParameter) and tokens[0].field == "temperature"
+    assert tokens[1] == int(logits[1].argmax())
+    assert isinstance(tokens[2], RuntimeError) and "logits hold NaN" in str(tokens[2])
 
 
 def test_node_policy_is_checked():
     from omni_kernel import NodeSpec
-    from omni_qwen.stage import PROMPT_BRIDGE_POLICY, node_policy
+    from omni_qwen.config import PROMPT_BRIDGE_POLICY, node_policy
 
     assert node_policy(NodeSpec("b", "ar.prompt_bridge"), PROMPT_BRIDGE_POLICY)["max_tokens"] == 128
     with pytest.raises(InvalidParameter, match="unknown key"):
         node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"budget": 3}), PROMPT_BRIDGE_POLICY)
     with pytest.raises(InvalidParameter, match="max_tokens"):
         node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"max_tokens": 0}), PROMPT_BRIDGE_POLICY)
+    with pytest.raises(InvalidParameter, match="chat"):
+        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"chat": "no"}), PROMPT_BRIDGE_POLICY)
 
 
-def test_serving_config_reads_sizes_and_defaults():
-    from omni_qwen.serving import DEFAULT_KV_TOKENS, ServingConfig, parse_bytes
+def test_config_reads_sizes_and_defaults():
+    from omni_qwen.config import DEFAULT_KV_TOKENS, DTYPE_NAMES, ARNodeSettings, parse_bytes
+    from omni_qwen.model import DTYPES
+
+    assert tuple(DTYPES) == DTYPE_NAMES  # the torch-free config offers exactly what the loader maps
 
     assert parse_bytes(1234) == 1234 and parse_bytes("256MiB") == 256 * 2**20 and parse_bytes("2 GB") == 2 * 10**9
     assert parse_bytes("1.5kib") == 1536
     for bad in ("", "12 parsecs", "-1", True, 0, 2.5):
         with pytest.raises(InvalidParameter, match="ar_kv_memory"):
             parse_bytes(bad)
-    config = ServingConfig.from_config({}, policy_max_num_seqs=None)
-    assert (config.kv_backend, config.max_num_seqs, config.max_num_batched_tokens, config.prefix_caching) == (
-        None, 64, 512, True)
-    assert config.memory_for(100, 512) == 100 * DEFAULT_KV_TOKENS and config.memory_for(100, 10**6) == 10**8
-    assert ServingConfig.from_config({}, policy_max_num_seqs=4).max_num_seqs == 4
-    assert ServingConfig.from_config({"ar_max_num_seqs": 8}, policy_max_num_seqs=4).max_num_seqs == 8
+    config = QwenConfig()
+    assert (config.ar_kv_backend, config.ar_max_num_batched_tokens, config.ar_prefix_caching) == (None, 512, True)
+    assert config.max_num_seqs_for(ARNodeSettings()) == 64
+    assert config.kv_memory_for(100, 512) == 100 * DEFAULT_KV_TOKENS and config.kv_memory_for(100, 10**6) == 10**8
+    assert QwenConfig(ar_kv_memory="1KiB").ar_kv_memory == 1024
+    assert config.max_num_seqs_for(ARNodeSettings(max_num_seqs=4)) == 4
+    assert QwenConfig(ar_max_num_seqs=8).max_num_seqs_for(ARNodeSettings(max_num_seqs=4)) == 8
+
+
+def test_request_params_declare_prompt_token_ids():
+    from omni_qwen.config import QwenParams
+
+    assert QwenParams(prompt_token_ids=[3, 4]).prompt_token_ids == (3, 4)
+    for bad in ([], "12", [1.5], [True], 7):
+        with pytest.raises(InvalidParameter, match="prompt_token_ids"):
+            QwenParams(prompt_token_ids=bad)
 
 
 def test_backend_choice_falls_back_for_models_the_paged_forward_lacks():
     from types import SimpleNamespace
 
     from omni_kernel.errors import ModelError
-    from omni_qwen.engine import choose_backend
-    from omni_qwen.serving import ServingConfig
+    from omni_qwen.build import choose_backend
 
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))
 
     qwen2, llama = model(model_type="qwen2"), model(model_type="llama")
-    assert choose_backend(ServingConfig(), qwen2) == "paged"
-    assert choose_backend(ServingConfig(kv_backend="dynamic_cache"), qwen2) == "dynamic_cache"
-    assert choose_backend(ServingConfig(), llama) == "dynamic_cache"
-    assert choose_backend(ServingConfig(), model(model_type="qwen2", layer_types=["sliding_attention"])) == \
+    assert choose_backend(QwenConfig(), qwen2) == "paged"
+    assert choose_backend(QwenConfig(ar_kv_backend="dynamic_cache"), qwen2) == "dynamic_cache"
+    assert choose_backend(QwenConfig(), llama) == "dynamic_cache"
+    assert choose_backend(QwenConfig(), model(model_type="qwen2", layer_types=["sliding_attention"])) == \
         "dynamic_cache"
     with pytest.raises(ModelError, match="dynamic_cache"):
-        choose_backend(ServingConfig(kv_backend="paged"), llama)
+        choose_backend(QwenConfig(ar_kv_backend="paged"), llama)

@@ -3,5 +3,5 @@ engine step.
 
 pool.KVPool owns the K/V tensor, batch.build_step turns the scheduler's chunks into the index tensors every
 layer reuses, and qwen2.PagedQwen2 runs the model over them. backends.PagedBackend (one level up) plugs them
-into the shared ARExecutor; engine.build_ar_engine sizes the pool and wires the stage's Engine.
+under the shared ARModelRunner; build.build_stage sizes the pool and wires the stage's Engine.
 """

@@ -74,6 +74,7 @@ def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch
         prefills.append(PrefillSpan(row, chunk.num_tokens, chunk.start,
                                     torch.tensor(chunk.block_table[:used], dtype=torch.long), mask))
         row += chunk.num_tokens
+
     def as_tensor(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 

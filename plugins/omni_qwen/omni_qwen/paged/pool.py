@@ -1,4 +1,4 @@
-"""KVPool: the runtime-owned K/V tensor, preallocated once from a memory budget (engine.build_ar_engine sizes it).
+"""KVPool: the runtime-owned K/V tensor, preallocated once from a memory budget (build.build_stage sizes it).
 
 The BlockManager of the stage's ARScheduler decides which block holds what; the pool only stores.
 """
@@ -28,14 +28,6 @@ class KVPool:
     @property
     def device(self) -> torch.device:
         return self.kv.device
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[index, 0], self.kv[index, 1]

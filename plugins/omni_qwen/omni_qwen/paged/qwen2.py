@@ -54,7 +54,6 @@ class PagedQwen2:
         if reason:
             raise ValueError(f"the paged backend cannot run this model: {reason}")
         inner = model.model
-        self.model, self.config = model, config
         self.dtype = inner.embed_tokens.weight.dtype
         self.device = inner.embed_tokens.weight.device
         self.num_heads = config.num_attention_heads
@@ -67,7 +66,6 @@ class PagedQwen2:
         self.norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.rotary = inner.rotary_emb
-        self.max_positions = config.max_position_embeddings
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # As HF: normalize in fp32, cast back, then scale.

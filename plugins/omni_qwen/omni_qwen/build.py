@@ -1,0 +1,84 @@
+"""build_stage: an AR node's Stage = input processor + Engine(ARScheduler(BlockManager), ARModelRunner(backend))
++ output processor.
+
+Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
+(QwenConfig.kv_memory_for) and the model's K/V bytes per token.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from omni_kernel.ar_scheduler import ARScheduler
+from omni_kernel.engine import Engine
+from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.graph import NodeSpec
+from omni_kernel.kv_blocks import BlockManager
+
+from .backends import DynamicCacheBackend, PagedBackend
+from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
+from .inputs import ARInputProcessor
+from .model import CausalLM
+from .outputs import AROutputProcessor
+from .paged.pool import KVPool
+from .paged.qwen2 import PagedQwen2
+from .runner import ARModelRunner
+from .stage import ARStage
+
+log = logging.getLogger("omni")
+
+
+def choose_backend(config: QwenConfig, model) -> str:
+    reason = PagedQwen2.supports(model.config)
+    if config.ar_kv_backend == "paged" and reason:
+        raise ModelError(f"ar_kv_backend='paged' cannot serve this model: {reason}; "
+                         "use ar_kv_backend='dynamic_cache'")
+    if config.ar_kv_backend is None and reason:
+        log.info("paged KV backend unavailable (%s): using dynamic_cache", reason)
+        return "dynamic_cache"
+    return config.ar_kv_backend or "paged"
+
+
+def kv_bytes_per_token(config, element_size: int) -> int:
+    """K and V of one token across all layers of a transformers decoder config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return text.num_hidden_layers * 2 * kv_heads * head_dim * element_size
+
+
+def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig,
+                paged_model: Callable[[], PagedQwen2]) -> ARStage:
+    """`paged_model()` gives the (shared) PagedQwen2 over `lm`'s weights, built on first use."""
+    model, context_window = lm.model, lm.context_window
+    backend_name = choose_backend(config, model)
+    per_token = kv_bytes_per_token(model.config, torch.empty((), dtype=model.dtype).element_size())
+    memory = config.kv_memory_for(per_token, context_window)
+    num_blocks = memory // (per_token * BLOCK_SIZE)
+    if num_blocks < 1:
+        raise InvalidParameter("ar_kv_memory", f"{memory} bytes hold no block of {BLOCK_SIZE} tokens "
+                                               f"({per_token * BLOCK_SIZE} bytes for this model)")
+    capacity = num_blocks * BLOCK_SIZE
+    if backend_name == "paged":
+        paged = paged_model()
+        backend = PagedBackend(paged, KVPool.for_model(paged, num_blocks, BLOCK_SIZE))
+    else:
+        backend = DynamicCacheBackend(lm)
+    caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
+    max_num_seqs = config.max_num_seqs_for(settings)
+    scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
+                            max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
+    runner = ARModelRunner(backend, context_window, capacity)
+    inputs = ARInputProcessor(lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
+    model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
+                   "context_window": context_window}
+    outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)
+    summary = (
+        f"{node.id}: {backend_name} KV backend, {num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
+        f"({capacity * per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency {capacity / context_window:.1f} "
+        f"requests at the full {context_window}-token context; up to {max_num_seqs} sequences and "
+        f"{config.ar_max_num_batched_tokens} tokens per step; prefix caching {'on' if caching else 'off'}")
+    return ARStage(node, Engine(scheduler, runner), inputs, outputs, summary)

@@ -1,0 +1,131 @@
+"""What the AR node types declare (no torch): the run's config keys, the request parameters and node policies.
+
+QwenConfig holds the model-level keys of every AR node of a run (one flat namespace with the other plugins',
+hence the `ar_` prefix); QwenParams are one request's; a node's policy fixes its ARNodeSettings.
+"""
+
+from __future__ import annotations
+
+import numbers
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from omni_kernel.errors import InvalidParameter
+from omni_kernel.graph import NodeSpec
+from omni_kernel.params import ARParams, boolean, integer, option, text
+
+KV_BACKENDS = ("paged", "dynamic_cache")
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+DEFAULT_KV_TOKENS = 32768
+DEFAULT_MAX_NUM_SEQS = 64
+BLOCK_SIZE = 16
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_bytes(value: Any, field: str = "ar_kv_memory") -> int:
+    """An int of bytes, or text: a number and an optional unit (B, KB, KiB, MB, MiB, GB, GiB; case-insensitive)."""
+    number = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        if match and match.group(2).lower() in UNITS:
+            number = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if number is None or number < 1:
+        raise InvalidParameter(field, f"{value!r} is not a positive size in bytes (e.g. 268435456 or \"256MiB\")")
+    return number
+
+
+def _path(instance, attribute, value) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise InvalidParameter(attribute.name, f"{value!r} is not a path")
+
+
+@attrs.frozen
+class QwenConfig:
+    """Model-level settings of the AR stages of one run (docs/qwen.md, "Serving engine")."""
+
+    ar_model: str | os.PathLike | None = option(None, help="Local causal-LM directory (default: a tiny demo model)",
+                                  flag="--ar-model", validator=_path)
+    ar_dtype: str | None = option(None, help="weights dtype (default: the checkpoint's)", choices=DTYPE_NAMES)
+    ar_device: str | None = option(None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)",
+                                   validator=text)
+    ar_trust_remote_code: bool = option(False, help="allow the model directory's own Python code", type=bool,
+                                        validator=boolean)
+    ar_kv_backend: str | None = option(None, help="KV cache backend (default: paged when the model supports it)",
+                                       choices=KV_BACKENDS)
+    ar_kv_memory: int | None = option(None, help="KV budget: bytes or text like 256MiB (default: room for "
+                                                 f"max(context window, {DEFAULT_KV_TOKENS}) tokens)",
+                                      converter=lambda v: None if v is None else parse_bytes(v))
+    ar_max_num_seqs: int | None = option(None, help="sequences per engine step (default: node policy, else "
+                                                    f"{DEFAULT_MAX_NUM_SEQS})", type=int, validator=integer(1))
+    ar_max_num_batched_tokens: int = option(512, help="tokens per engine step; longer prompts prefill in chunks",
+                                            type=int, validator=integer(1))
+    ar_prefix_caching: bool = option(True, help="reuse the K/V of shared prompt prefixes (paged backend only)",
+                                     type=bool, validator=boolean)
+
+    def kv_memory_for(self, bytes_per_token: int, context_window: int) -> int:
+        return self.ar_kv_memory or bytes_per_token * max(context_window, DEFAULT_KV_TOKENS)
+
+    def max_num_seqs_for(self, settings: ARNodeSettings) -> int:
+        return self.ar_max_num_seqs or settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+
+
+def _token_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        ids = None if isinstance(value, (str, bytes)) else tuple(value)
+    except TypeError:
+        ids = None
+    if ids is None or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        raise InvalidParameter("prompt_token_ids", "must be a list of token ids")
+    if not ids:
+        raise InvalidParameter("prompt_token_ids", "is empty")
+    return tuple(int(i) for i in ids)
+
+
+@attrs.frozen
+class QwenParams(ARParams):
+    """ARParams plus the prompt given as token ids (then the prompt text, chat template and instruction are
+    not used)."""
+
+    prompt_token_ids: tuple[int, ...] | None = option(None, help="the prompt as token ids (repeatable)",
+                                                      type=int, multiple=True, converter=_token_ids)
+
+
+@attrs.frozen
+class ARNodeSettings:
+    """What a node's policy fixes for every request of its stage."""
+
+    chat: bool = True  # the prompt goes in as one user message through the chat template
+    render: Callable[[str], str] | None = None  # the text the model reads for a user's prompt (None: unchanged)
+    max_tokens: int | None = None  # the node's token budget; None: EOS or the context window
+    max_num_seqs: int | None = None  # None: the run's ar_max_num_seqs, else DEFAULT_MAX_NUM_SEQS
+    contract: str | None = None
+    prompt_label: str = ""  # prefixed to ar.prompt_mode (e.g. "bridge_")
+
+
+# Node policy keys and their defaults. max_tokens is the node's token budget (None: EOS or context window).
+TEXT_GENERATION_POLICY = {"max_tokens": None, "chat": True, "max_num_seqs": None}
+PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None}
+
+
+def node_policy(node: NodeSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(node.policy) - set(defaults))
+    if unknown:
+        raise InvalidParameter(f"policy of node {node.id}", f"unknown key(s) {', '.join(unknown)}; "
+                               f"known: {', '.join(sorted(defaults))}")
+    policy = {**defaults, **node.policy}
+    for key in ("max_tokens", "max_num_seqs"):
+        value = policy[key]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise InvalidParameter(f"policy {key} of node {node.id}", f"{value!r} is not an integer >= 1")
+    if not isinstance(policy["chat"], bool):
+        raise InvalidParameter(f"policy chat of node {node.id}", f"{policy['chat']!r} is not True or False")
+    return policy

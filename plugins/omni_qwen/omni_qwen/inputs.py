@@ -1,0 +1,75 @@
+"""ARInputProcessor: what an AR stage makes of a request's input, once, when the request arrives.
+
+It needs the tokenizer and the model's limits, never the model: the prompt becomes token ids (as one user
+message through the chat template, as raw text, or given directly), the request's token budget is fixed and
+checked against the context window and the KV pool, and an unseeded sampled request gets its seed here.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import attrs
+
+from omni_kernel.ar_scheduler import ARPrompt
+from omni_kernel.errors import InputError, InvalidParameter
+from omni_kernel.request import StageInput
+
+from .config import ARNodeSettings, QwenParams
+
+
+def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
+    """Refuse a request whose prompt and budget can never fit the KV pool (it would stall the engine)."""
+    num_prompt = len(prompt.token_ids)
+    needed = num_prompt + min(prompt.max_tokens or context_window, context_window - num_prompt)
+    if capacity_tokens is not None and needed > capacity_tokens:
+        raise InputError(f"the prompt ({num_prompt} tokens) and its token budget need {needed} KV slots but "
+                         f"this stage's KV pool holds {capacity_tokens} tokens: raise ar_kv_memory or lower "
+                         "max_tokens")
+
+
+class ARInputProcessor:
+    def __init__(self, tokenizer, settings: ARNodeSettings, context_window: int, vocab_size: int,
+                 capacity_tokens: int | None = None):
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.context_window = context_window
+        self.vocab_size = vocab_size
+        self.capacity_tokens = capacity_tokens
+
+    def process(self, item: StageInput) -> StageInput:
+        """The input with `processed` set to its ARPrompt and `params.seed` fixed; InputError when it cannot run."""
+        params = item.params if item.params is not None else QwenParams()
+        ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None))
+        budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
+        prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
+        check_fits(prompt, self.context_window, self.capacity_tokens)
+        if not params.greedy and params.seed is None:  # drawn once, so the trace can report it
+            params = attrs.evolve(params, seed=secrets.randbits(63))
+        return attrs.evolve(item, params=params, processed=prompt)
+
+    def encode(self, prompt: str, given: tuple[int, ...] | None = None) -> tuple[list[int], str]:
+        """The prompt's token ids and how they were built (ar.prompt_mode)."""
+        if given is not None:
+            ids, mode = list(given), "token_ids"
+            if any(i < 0 or i >= self.vocab_size for i in ids):
+                raise InvalidParameter("prompt_token_ids",
+                                       f"holds ids outside the vocabulary (0..{self.vocab_size - 1})")
+        else:
+            if not prompt.strip():
+                raise InputError("the prompt is empty")
+            ids, mode = self.tokenize(self.settings.render(prompt) if self.settings.render else prompt)
+            if not ids:
+                raise InputError("the prompt encodes to no tokens")
+        if len(ids) >= self.context_window:
+            raise InputError(f"the prompt is {len(ids)} tokens but the model's context window is "
+                             f"{self.context_window} tokens (room is needed for at least one new token)")
+        return ids, self.settings.prompt_label + mode
+
+    def tokenize(self, text: str) -> tuple[list[int], str]:
+        """`text` as one user message through the chat template, or raw text when there is none."""
+        if self.settings.chat and getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return list(ids), "chat_template"
+        return list(self.tokenizer.encode(text)), "raw"
