@@ -211,23 +211,47 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
 
 # ---- examples/ -------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("script", ["ar_text_stream", "wan_i2v", "qwen_to_wan_i2v"])
-def test_example_runs_with_no_arguments(script, cache, tmp_path):
+EXAMPLES = ["ar_text_stream", "wan_i2v", "qwen_to_wan_i2v"]
+# One interpreter runs every example script (as `python script.py` would, via runpy), so the suite pays for
+# importing torch, transformers and diffusers once; each script's output goes to its own file.
+RUN_EXAMPLES = """
+import contextlib, runpy, sys
+for name, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = [name]
+    with open(out, "w", encoding="utf-8") as f, contextlib.redirect_stdout(f):
+        try:
+            runpy.run_path(name, run_name="__main__")
+        except SystemExit as exit:
+            assert not exit.code, (name, exit.code)
+"""
+
+
+@pytest.fixture(scope="module")
+def example_runs(cache, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """Run from another directory: defaults (image, models) must not depend on the working directory."""
-    proc = run([sys.executable, str(ROOT / "examples" / f"{script}.py")], cache, cwd=tmp_path)
+    cwd = tmp_path_factory.mktemp("examples")
+    args = [a for script in EXAMPLES for a in (str(ROOT / "examples" / f"{script}.py"), str(cwd / f"{script}.txt"))]
+    proc = run([sys.executable, "-c", RUN_EXAMPLES, *args], cache, cwd=cwd)
     assert proc.returncode == 0, proc.stderr
-    trace = parse_trace(proc.stdout)
+    return cwd, {script: (cwd / f"{script}.txt").read_text(encoding="utf-8") for script in EXAMPLES}
+
+
+@pytest.mark.parametrize("script", EXAMPLES)
+def test_example_runs_with_no_arguments(script, example_runs):
+    tmp_path, outputs = example_runs
+    stdout = outputs[script]
+    trace = parse_trace(stdout)
     assert trace["request.pipeline"] == script.removesuffix("_stream")
     if script == "ar_text_stream":
-        text = proc.stdout.split("\nar.context_window ")[0]
+        text = stdout.split("\nar.context_window ")[0]
         assert text.strip() and trace["ar.streaming"] is True and trace["ar.output_tokens"] <= 64
         return
     video = tmp_path / "out" / f"{script}.mp4"
-    assert f"wrote {video}" in proc.stdout
+    assert f"wrote {video}" in stdout
     assert read_video(video).shape == (9, 128, 128, 3)
     assert trace["diffusion.output"] == str(video)
     if script == "wan_i2v":
         assert not [k for k in trace if k.startswith(("diffusion.bridge", "diffusion.source"))]  # no bridge
     if script == "qwen_to_wan_i2v":
         assert_bridge_trace(trace, "A lighthouse on a rocky coast at dusk, waves rolling in")
-        assert proc.stdout.startswith("guidance from the AR stage: ")
+        assert stdout.startswith("guidance from the AR stage: ")
