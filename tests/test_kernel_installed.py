@@ -120,7 +120,9 @@ def test_pip_installed_example_plugin_joins_pipelines_and_runs(installed_example
     assert result.returncode == 0, result.stderr
     assert result.stdout == "HÉLLO WORLD\n"
     assert json.loads((tmp_path / "t.json").read_text(encoding="utf-8"))["upper.chars"] == 11
-    refused = omni("run", "--pipeline", "echo_upper", "--prompt", "x", "--preset", "fast", env_extra=env)
-    assert refused.returncode == 2 and "'echo_upper' does not use --preset" in refused.stderr
+    shout = omni("run", "--pipeline", "echo_upper", "--prompt", "hi", "--shout", env_extra=env)
+    assert shout.returncode == 0 and shout.stdout == "HI!\n", shout.stderr  # the plugin's own flag
+    refused = omni("run", "--pipeline", "echo", "--prompt", "x", "--shout", env_extra=env)
+    assert refused.returncode == 2 and refused.stderr == "Error: pipeline 'echo' does not use --shout\n"
     hidden = omni("pipelines", env_extra={**env, "OMNI_PLUGINS": "none_of_them"})
     assert "echo_upper" not in hidden.stdout and "echo (from omni_kernel)" in hidden.stdout
