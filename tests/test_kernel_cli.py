@@ -217,3 +217,30 @@ def test_broken_plugin_warning_is_printed_once(monkeypatch):
     warnings = [line for line in result.stderr.splitlines() if "broken" in line]
     assert warnings == ["omni: plugin broken 0.0.1 failed to load and was skipped: ImportError: No module named "
                         "'nothing_here'"]
+
+
+def test_ctrl_c_aborts_the_request_and_exits_1(host):
+    stage_types = host.registry.node_types
+
+    class Interrupting:
+        def add_request(self, item):
+            pass
+
+        def run(self, batch):
+            raise KeyboardInterrupt
+
+        def free(self, request_id):
+            freed.append(request_id)
+
+    freed: list[str] = []
+    echo = stage_types["kernel.echo"].item
+
+    def build(node, config):
+        stage = echo.factory(node, config)
+        stage.engine.runner = Interrupting()
+        return stage
+
+    stage_types["kernel.echo"] = attrs.evolve(stage_types["kernel.echo"], item=attrs.evolve(echo, factory=build))
+    line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", "a b"), code=1)
+    assert line == "Error: interrupted; the request was aborted and no partial output was kept"
+    assert len(freed) == 1

@@ -342,3 +342,12 @@ def test_aborted_generate_raises_request_aborted():
     scheduler.abort("gone")
     assert [e for e in stream] == [RequestFailed("gone", None, "aborted", "aborted")]
     assert isinstance(RequestFailed("gone", None, "aborted", "aborted").exception(), RequestAborted)
+
+
+def test_wait_says_whether_a_step_would_make_progress():
+    omni = Omni("echo", host=kernel_host())
+    assert omni.scheduler.wait(0) is False
+    omni.submit(omni.request("a b", request_id="w"))
+    assert omni.scheduler.wait(0) is True
+    drain(omni.scheduler)
+    assert omni.scheduler.wait(0) is False
