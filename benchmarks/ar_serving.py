@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from omni_kernel import Omni, RequestFailed, RequestFinished  # noqa: E402
-from omni_kernel.paths import cache_dir  # noqa: E402
+from omni_kernel.files import cache_dir  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
 
 log = logging.getLogger("omni")

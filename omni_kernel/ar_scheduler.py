@@ -239,7 +239,7 @@ class ARScheduler:
             if chunk.samples and seq.request_id in results:
                 reason = self._stop_reason(seq, seq.token_ids[-1])
                 outputs.append(RequestOutput(seq.request_id, seq.token_ids[-1], reason,
-                                             stats=seq.stats() if reason else None))
+                                             stats=seq.stats() if reason else None, item=seq.item))
                 if reason is not None:
                     self.abort(seq.request_id)
         self.scheduled = ()
@@ -303,5 +303,5 @@ class ARScheduler:
             chunks.append(chunk)
             scheduled.append((seq, chunk))
         self.scheduled = tuple(scheduled)
-        return ARSchedulerOutput([c.request_id for c in chunks], [s.item for s, _ in scheduled], chunks=chunks,
+        return ARSchedulerOutput([c.request_id for c in chunks], chunks=chunks,
                                  block_size=self.blocks.block_size, preempted=preempted)

@@ -23,10 +23,6 @@ class UserFacingError(click.ClickException):
     exit_code = 2
 
 
-class RequestFailedError(click.ClickException):
-    exit_code = 1
-
-
 class OmniGroup(click.Group):
     """The group, `omni run` built from the node types, and the commands that plugins register."""
 
@@ -93,7 +89,6 @@ def _setup_logging() -> None:
 @click.pass_context
 def main(ctx: click.Context) -> None:
     """omni: a plugin-based multimodal inference runtime (AR, diffusion and pipelines of both)."""
-    _setup_logging()
     ctx.ensure_object(dict)
 
 
@@ -141,11 +136,8 @@ class RunCommand(click.Command):
         try:
             return super().parse_args(ctx, given)
         except click.NoSuchOption:
-            name = next((a.split("=", 1)[1] for a in args if a.startswith("--pipeline=")), None)
-            if name is None and "--pipeline" in args[:-1]:
-                name = args[args.index("--pipeline") + 1]
-            registry = (ctx.find_object(dict) or {}).get("host", None)
-            registry = (registry or load_host()).registry
+            name = args[args.index("--pipeline") + 1] if "--pipeline" in args[:-1] else None
+            registry = ctx.find_object(dict)["host"].registry  # OmniGroup loaded the host to build this command
             if name in registry.pipelines:
                 try:
                     GraphBuilder(registry).validate(registry.pipelines[name].item)
@@ -173,9 +165,9 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     except UserError as exc:
         raise UserFacingError(_one_line(exc)) from None
     except OmniError as exc:
-        raise RequestFailedError(_one_line(exc)) from None
+        raise click.ClickException(_one_line(exc)) from None
     except KeyboardInterrupt:
-        raise RequestFailedError("interrupted; the request was aborted and no partial output was kept") from None
+        raise click.ClickException("interrupted; the request was aborted and no partial output was kept") from None
     if trace_json:
         write_json(trace_json, jsonable(dict(result.trace)))
     if as_json:

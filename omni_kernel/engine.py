@@ -89,11 +89,7 @@ class Engine:
         log.error("engine failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
         self.dead = EngineDead(f"the stage's engine failed and takes no more requests "
                                f"({type(exc).__name__}: {' '.join(str(exc).split())})")
-        held = set()
-        try:
-            held = self.scheduler.request_ids()
-        except Exception:  # noqa: BLE001
-            pass
+        held = self.scheduler.request_ids()
         for rid in held:
             self._free(rid)
         return [RequestOutput(rid, error=self.dead) for rid in sorted(held)]

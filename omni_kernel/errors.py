@@ -71,12 +71,13 @@ class EngineDead(RequestError):
     """A stage's engine hit an error that left it inconsistent; it takes no more requests."""
 
 
+KINDS: dict[ErrorKind, type] = {"invalid_parameter": InvalidParameter, "bad_input": InputError, "model": ModelError,
+                                "user": UserError, "engine_dead": EngineDead, "aborted": RequestAborted}
+
+
 def classify(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
     """(kind, one-line message, field) of an exception, for a StageFailed / RequestFailed event."""
-    kinds: list[tuple[type, ErrorKind]] = [(InvalidParameter, "invalid_parameter"), (InputError, "bad_input"),
-                                           (ModelError, "model"), (UserError, "user"), (EngineDead, "engine_dead"),
-                                           (RequestAborted, "aborted")]
-    kind: ErrorKind = next((k for cls, k in kinds if isinstance(exc, cls)), "runtime")
+    kind: ErrorKind = next((k for k, cls in KINDS.items() if isinstance(exc, cls)), "runtime")
     text = " ".join(str(exc).split())
     message = text if kind != "runtime" else f"{type(exc).__name__}: {text}" if text else type(exc).__name__
     return kind, message, getattr(exc, "field", None)
@@ -84,10 +85,8 @@ def classify(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
 
 def rebuild(kind: str, message: str, field: str | None = None) -> OmniError:
     """The typed exception for a failure that crossed the event boundary as (kind, message, field)."""
-    if kind == "invalid_parameter":
-        exc = InvalidParameter(field or "parameter", "")
-        exc.args = (message,)
-        return exc
-    types = {"bad_input": InputError, "model": ModelError, "user": UserError, "engine_dead": EngineDead,
-             "aborted": RequestAborted}
-    return types.get(kind, RequestError)(message)
+    cls = KINDS.get(kind, RequestError)
+    exc = cls.__new__(cls)  # InvalidParameter's __init__ would prefix the message again
+    Exception.__init__(exc, message)
+    exc.field = field  # only InvalidParameter's is read
+    return exc

@@ -1,4 +1,5 @@
-"""Atomic output files: a reader never sees a half-written file, and a failure leaves none behind."""
+"""Files: atomic outputs (a reader never sees a half-written file, a failure leaves none behind) and the cache
+directory where omni keeps what it builds (demo checkpoints)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,10 @@ def _read_umask() -> int:
 
 
 UMASK = _read_umask()  # read once at import: os.umask can only be read by setting it, a race under threads
+
+
+def cache_dir() -> Path:
+    """OMNI_CACHE_DIR, or omni/ under the user's cache directory."""
+    explicit = os.environ.get("OMNI_CACHE_DIR")
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(explicit).expanduser() if explicit else Path(base) / "omni"

@@ -67,8 +67,8 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
     for e in plan.edges:
         if e.source == e.target:
             raise GraphError("self_loop", [e.source], f"node {e.source} has an edge to itself")
-    order = _topological_order(ids, plan.edges)
-    if order is None:
+    order = _kahn(ids, plan.edges)
+    if len(order) != len(ids):
         stuck = sorted(_cycle_nodes(ids, plan.edges))
         raise GraphError("cycle", stuck, f"the graph has a cycle through {', '.join(stuck)}")
     inputs: dict[str, int] = {}
@@ -104,11 +104,6 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
                              f"connector {e.connector!r} joins {conn.source_kind} -> {conn.target_kind}, but edge "
                              f"{e.source} -> {e.target} joins {kinds[e.source]} -> {kinds[e.target]}")
     return order
-
-
-def _topological_order(ids, edges) -> list[str] | None:
-    order = _kahn(ids, edges)
-    return order if len(order) == len(ids) else None
 
 
 def _kahn(ids, edges) -> list[str]:

@@ -7,7 +7,6 @@ model, so the kernel's own tests need no torch.
 from __future__ import annotations
 
 import re
-import time
 
 import attrs
 
@@ -50,54 +49,33 @@ class IdentityRunner:
 
 
 class EchoStage(Stage):
-    def __init__(self, node: NodeSpec, engine: Engine):
-        super().__init__(node, "ar", engine)
-        self.texts: dict[str, tuple[StageInput, list[str], list[float]]] = {}  # item, pieces, [start, first]
-
     def process(self, item: StageInput) -> StageInput:
         if not item.prompt:
             raise InvalidParameter("prompt", "must not be empty")
         words = _WORD.findall(item.prompt)
-        params = item.params or ARParams()
-        budget = min(len(words), params.max_tokens or len(words))
+        budget = min(len(words), item.params.max_tokens or len(words))
         return attrs.evolve(item, processed=Words(words, budget))
 
-    def add_request(self, item: StageInput) -> None:
-        self.texts[item.request_id] = (item, [], [time.perf_counter()])
-        super().add_request(item)
-
     def postprocess(self, outputs) -> list:
-        events = []
-        for out in outputs:
-            if out.error is None:
-                item, pieces, times = self.texts[out.request_id]
-                pieces.append(out.result)
-                times.append(time.perf_counter())
-                events.append(TokenDelta(out.request_id, self.node_id, out.result))
-                if out.finished:
-                    events.append(StageFinished(out.request_id, self.node_id, self._output(item, pieces, times)))
-            if out.error is not None or out.finished:
-                self.texts.pop(out.request_id, None)
-        return events + super().postprocess([o for o in outputs if o.error is not None])
+        events = super().postprocess([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            events.append(TokenDelta(out.request_id, self.node_id, out.result))
+            if out.finished:
+                events.append(StageFinished(out.request_id, self.node_id, self._output(out.item)))
+        return events
 
-    def abort(self, request_id: str) -> None:
-        super().abort(request_id)
-        self.texts.pop(request_id, None)
-
-    def _output(self, item: StageInput, pieces: list[str], times: list[float]) -> StageOutput:
-        words = item.processed.words
-        stop = "eos" if len(pieces) == len(words) else "max_tokens"
-        params = item.params or ARParams()
-        trace = {"ar.input_tokens": len(words), "ar.output_tokens": len(pieces), "ar.generated_tokens": len(pieces),
-                 "ar.stop_reason": stop, "ar.streaming": params.stream, "ar.prompt_mode": "raw",
-                 "ar.kv_cache": False, "ar.kv_cache_backend": "none",
-                 "ar.ttft_ms": round((times[1] - times[0]) * 1000, 3)}
-        return StageOutput(item.request_id, self.node_id, text="".join(pieces), stop_reason=stop, trace=trace)
+    def _output(self, item: StageInput) -> StageOutput:
+        words, num = item.processed.words, item.processed.num_steps
+        stop = "eos" if num == len(words) else "max_tokens"
+        trace = {"ar.input_tokens": len(words), "ar.output_tokens": num, "ar.generated_tokens": num,
+                 "ar.stop_reason": stop, "ar.streaming": item.params.stream, "ar.prompt_mode": "raw",
+                 "ar.kv_cache": False, "ar.kv_cache_backend": "none"}
+        return StageOutput(item.request_id, self.node_id, text="".join(words[:num]), stop_reason=stop, trace=trace)
 
 
 def build_echo_stage(node: NodeSpec, config) -> Stage:
     scheduler = StepScheduler(max_batch=16, num_steps=lambda item: item.processed.num_steps)
-    return EchoStage(node, Engine(scheduler, IdentityRunner()))
+    return EchoStage(node, "ar", Engine(scheduler, IdentityRunner()))
 
 
 ECHO_NODE = NodeType("kernel.echo", "ar", build_echo_stage, params=ARParams,

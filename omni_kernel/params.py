@@ -7,6 +7,7 @@ values to every node of a pipeline and refuses a key that no node declares, nami
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -88,20 +89,17 @@ def _choice(choices):
 
 def integer(minimum: int | None = None, maximum: int | None = None):
     def check(instance, attribute, value):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        if value is not None and not (ok and (minimum is None or value >= minimum)
-                                      and (maximum is None or value <= maximum)):
+        ok = isinstance(value, int) and not isinstance(value, bool) and _within(value, minimum, maximum)
+        if value is not None and not ok:
             raise InvalidParameter(attribute.name, f"{value!r} is not an integer{_range(minimum, maximum)}")
     return check
 
 
 def number(minimum: float | None = None, maximum: float | None = None, above: float | None = None):
+    """A finite int or float in [minimum, maximum]; `above` is a strict lower bound."""
     def check(instance, attribute, value):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-        ok = ok and abs(value) != float("inf")
-        ok = ok and (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
-        ok = ok and (above is None or value > above)
-        if value is not None and not ok:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is not None and not (ok and _within(value, minimum, maximum) and (above is None or value > above)):
             low = f" > {above}" if above is not None else _range(minimum, None)
             raise InvalidParameter(attribute.name, f"{value!r} is not a finite number{low}"
                                                    + (f" <= {maximum}" if maximum is not None else ""))
@@ -116,6 +114,10 @@ def boolean(instance, attribute, value):
 def text(instance, attribute, value):
     if value is not None and not isinstance(value, str):
         raise InvalidParameter(attribute.name, f"{value!r} is not text")
+
+
+def _within(value, minimum, maximum) -> bool:
+    return (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
 
 
 def _range(minimum, maximum) -> str:

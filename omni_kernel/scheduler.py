@@ -22,7 +22,6 @@ class SchedulerOutput:
     """The requests to run in one engine step, in order, with the step index each one is at."""
 
     request_ids: tuple[str, ...] = attrs.field(converter=tuple)
-    items: tuple[StageInput, ...] = attrs.field(default=(), converter=tuple)
     steps: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
     def __bool__(self) -> bool:
@@ -32,13 +31,15 @@ class SchedulerOutput:
 @attrs.frozen
 class RequestOutput:
     """What one request got from one engine step: the model's result for it, and `finished` (the reason)
-    when the scheduler decided it is done, or `error` when it failed."""
+    when the scheduler decided it is done, or `error` when it failed. `item` is the request's (processed)
+    input, so output processing needs no bookkeeping of its own."""
 
     request_id: str
     result: Any = None
     finished: str | None = None
     error: BaseException | None = None
     stats: Mapping[str, Any] | None = None
+    item: StageInput | None = None
 
 
 @attrs.define(eq=False)
@@ -56,10 +57,13 @@ class StepScheduler:
     queue: deque[Job] = attrs.Factory(deque)
 
     def add(self, item: StageInput) -> None:
+        self.queue.append(Job(item, self._total(item)))
+
+    def _total(self, item: StageInput) -> int:
         total = self.num_steps(item)
         if not isinstance(total, int) or total < 1:
             raise ValueError(f"a request needs at least one step, not {total!r}")
-        self.queue.append(Job(item, total))
+        return total
 
     def schedule(self) -> SchedulerOutput:
         if not self.queue:
@@ -80,7 +84,7 @@ class StepScheduler:
             done = job.step >= job.total
             if done:
                 self.queue.remove(job)
-            outputs.append(RequestOutput(rid, results[rid], finished="done" if done else None))
+            outputs.append(RequestOutput(rid, results[rid], "done" if done else None, item=job.item))
         return outputs
 
     def abort(self, request_id: str) -> None:
@@ -96,7 +100,7 @@ class StepScheduler:
         return self.batch_key(job.item)
 
     def _output(self, batch: list[Job]) -> SchedulerOutput:
-        return SchedulerOutput([j.item.request_id for j in batch], [j.item for j in batch], [j.step for j in batch])
+        return SchedulerOutput([j.item.request_id for j in batch], [j.step for j in batch])
 
 
 @attrs.frozen
@@ -116,15 +120,15 @@ class DiffusionScheduler(StepScheduler):
     """`num_steps(item)` is the request's denoise steps; the scheduler adds prepare, decode and export. The
     step index of a denoise phase is `step - 1`."""
 
-    def add(self, item: StageInput) -> None:
+    def _total(self, item: StageInput) -> int:
         denoise = self.num_steps(item)
         if not isinstance(denoise, int) or denoise < 0:
             raise ValueError(f"a diffusion request needs >= 0 denoise steps, not {denoise!r}")
-        self.queue.append(Job(item, denoise + 3))
+        return denoise + 3
 
     def _key(self, job: Job) -> object:
         return phase_of(job.step, job.total), self.batch_key(job.item)
 
     def _output(self, batch: list[Job]) -> DiffusionSchedulerOutput:
-        return DiffusionSchedulerOutput([j.item.request_id for j in batch], [j.item for j in batch],
-                                        [j.step for j in batch], phase=phase_of(batch[0].step, batch[0].total))
+        return DiffusionSchedulerOutput([j.item.request_id for j in batch], [j.step for j in batch],
+                                        phase=phase_of(batch[0].step, batch[0].total))

@@ -94,7 +94,7 @@ def test_run_streams_the_text_and_writes_the_trace(host, tmp_path):
     assert result.stdout == "héllo 世界\n"
     trace = json.loads(trace_path.read_text(encoding="utf-8"))
     assert trace["ar.streaming"] is True and trace["ar.input_tokens"] == 2 and trace["request.pipeline"] == "echo"
-    assert "ar.ttft_ms" in result.stderr and "Traceback" not in result.output
+    assert "ar.output_tokens" in result.stderr and "Traceback" not in result.output
     assert not list(trace_path.parent.glob("*.tmp"))
 
 

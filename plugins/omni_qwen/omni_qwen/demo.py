@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from omni_kernel.errors import ModelError
-from omni_kernel.paths import cache_dir
+from omni_kernel.files import cache_dir
 
 from .bridge_prompt import BRIDGE_INSTRUCTION
 
