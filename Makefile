@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 KERNEL_VENV := .venv-kernel
-PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge
+PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -22,6 +22,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -c constraints.txt -e '.[test]' $(addprefix -e ,$(PLUGINS))
+	$(PIP) install -q -c constraints.txt -e 'plugins/omni_serve[test]'
 	touch $(STAMP)
 
 # Real weights: make demo AR_MODEL=./models/Qwen2.5-0.5B-Instruct MODEL=./models/Wan2.2-TI2V-5B-Diffusers

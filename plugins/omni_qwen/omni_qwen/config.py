@@ -90,13 +90,69 @@ def _token_ids(value: Any) -> tuple[int, ...] | None:
     return tuple(int(i) for i in ids)
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def _messages(value: Any) -> tuple[tuple[str, str], ...] | None:
+    """Chat messages as ((role, content), ...): from pairs, from dicts {"role", "content"} (content a string or
+    a list of text parts {"type": "text", "text": ...}), or from "role: content" strings (`-o messages=...`)."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)):
+        value = (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise InvalidParameter("messages", f"{value!r} is not a list of messages") from None
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            role, sep, content = item.partition(":")
+            if not sep:
+                raise InvalidParameter(f"messages[{i}]", f"{item!r} is not 'role: content'")
+            role, content = role.strip(), content.strip()
+        elif isinstance(item, Mapping):
+            role, content = item.get("role"), _content(i, item.get("content"))
+            extra = sorted(set(item) - {"role", "content", "name"})
+            if extra:
+                raise InvalidParameter(f"messages[{i}].{extra[0]}", "is not supported")
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            role, content = item[0], _content(i, item[1])
+        else:
+            raise InvalidParameter(f"messages[{i}]", f"{item!r} is not a message (role and content)")
+        if role not in CHAT_ROLES:
+            raise InvalidParameter(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise InvalidParameter(f"messages[{i}].content", "must be text")
+        out.append((role, content))
+    if not out:
+        raise InvalidParameter("messages", "is empty")
+    return tuple(out)
+
+
+def _content(index: int, content: Any) -> Any:
+    """A message's content: a string, or a list of text parts joined."""
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidParameter(f"messages[{index}].content[{j}]", "only text parts "
+                                       '({"type": "text", "text": ...}) are supported')
+            texts.append(part["text"])
+        return "".join(texts)
+    return content
+
+
 @attrs.frozen
 class QwenParams(ARParams):
     """ARParams plus the prompt given as token ids (then the prompt text, chat template and instruction are
-    not used)."""
+    not used), or as chat messages rendered with the model's chat template."""
 
     prompt_token_ids: tuple[int, ...] | None = option(None, help="the prompt as token ids (repeatable)",
                                                       type=int, multiple=True, converter=_token_ids)
+    messages: tuple[tuple[str, str], ...] | None = option(
+        None, help="chat messages, 'role: content' (system, user, assistant; repeatable), rendered with the "
+                   "model's chat template instead of the prompt", multiple=True, converter=_messages)
 
 
 @attrs.frozen

@@ -40,7 +40,11 @@ class ARInputProcessor:
     def process(self, item: StageInput) -> StageInput:
         """The input with `processed` set to its ARPrompt and `params.seed` fixed; InputError when it cannot run."""
         params = item.params if item.params is not None else QwenParams()
-        ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None))
+        messages = getattr(params, "messages", None)
+        if messages is not None:
+            ids, mode = self.encode_messages(item.prompt, messages, getattr(params, "prompt_token_ids", None))
+        else:
+            ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None))
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
         check_fits(prompt, self.context_window, self.capacity_tokens)
@@ -65,6 +69,22 @@ class ARInputProcessor:
             raise InputError(f"the prompt is {len(ids)} tokens but the model's context window is "
                              f"{self.context_window} tokens (room is needed for at least one new token)")
         return ids, self.settings.prompt_label + mode
+
+    def encode_messages(self, prompt: str, messages, given) -> tuple[list[int], str]:
+        """Chat messages through the model's chat template (multi-turn, with a system message or not)."""
+        if given is not None or prompt.strip():
+            raise InvalidParameter("messages", "give either messages or a prompt (or prompt_token_ids), not both")
+        if self.settings.render is not None or not self.settings.chat:
+            raise InvalidParameter("messages", "this node writes its own prompt and takes no chat messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InputError("the model has no chat template, so it cannot take chat messages; send a prompt")
+        ids = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
+                                                 add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = list(ids)
+        if len(ids) >= self.context_window:
+            raise InputError(f"the prompt is {len(ids)} tokens but the model's context window is "
+                             f"{self.context_window} tokens (room is needed for at least one new token)")
+        return ids, self.settings.prompt_label + "chat_messages"
 
     def tokenize(self, text: str) -> tuple[list[int], str]:
         """`text` as one user message through the chat template, or raw text when there is none."""

@@ -1,0 +1,223 @@
+"""`omni serve`: the command. Its model flags are the config flags the installed node types declare (the same
+`--ar-model`, `--model`, `--vae-dtype`, `--disable-cpu-offload`, ... as `omni run`) plus `-c key=value`; each
+value goes to every served pipeline whose node types declare it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import threading
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from omni_kernel.errors import GraphError, OmniError, UserError
+from omni_kernel.flags import Flag, collect, declared, values
+from omni_kernel.plugins import load_host
+
+log = logging.getLogger("omni")
+
+
+def _host(ctx: click.Context):
+    obj = ctx.find_object(dict)
+    if obj is not None and obj.get("host") is not None:
+        return obj["host"]
+    host = load_host()
+    if obj is not None:
+        obj["host"] = host
+    return host
+
+
+class ServeCommand(click.Command):
+    """Adds the node types' config flags when the command is parsed or its help is shown."""
+
+    def get_params(self, ctx: click.Context):
+        params = super().get_params(ctx)
+        if not hasattr(ctx, "_omni_flags"):
+            ctx._omni_flags = [f for f in collect(_host(ctx).registry) if f.where == "config"]
+        return params[:-1] + [_option(f) for f in ctx._omni_flags] + params[-1:]  # --help stays last
+
+
+def _option(flag: Flag) -> click.Option:
+    help = f"{flag.info.help[:1].upper()}{flag.info.help[1:]} [{', '.join(flag.plugins)}]"
+    if flag.info.type is bool:
+        return click.Option([flag.flag, flag.dest], is_flag=True, default=None, help=help)
+    kind = click.Choice(flag.info.choices) if flag.info.choices else flag.info.type
+    return click.Option([flag.flag, flag.dest], type=kind, help=help, multiple=flag.info.multiple, default=None)
+
+
+def serve_command() -> click.Command:
+    options = [
+        click.Option(["--pipeline", "pipelines"], multiple=True,
+                     help="Pipeline to serve (repeatable; default: every installed pipeline that builds)."),
+        click.Option(["--host"], default="127.0.0.1", show_default=True, help="Address to bind."),
+        click.Option(["--port"], default=8000, show_default=True, type=int, help="Port to bind (0: any free)."),
+        click.Option(["--api-key"], default=None, envvar="OMNI_API_KEY",
+                     help="Require `Authorization: Bearer KEY` on every /v1 route (or OMNI_API_KEY)."),
+        click.Option(["--served-model-name", "aliases"], multiple=True, metavar="NAME[=PIPELINE]",
+                     help="Another name a request's `model` may use for a pipeline (repeatable)."),
+        click.Option(["--output-dir"], type=click.Path(file_okay=False), default=None,
+                     help="Where videos are written (default: a temporary directory removed at exit)."),
+        click.Option(["--video-ttl"], type=float, default=3600.0, show_default=True,
+                     help="Seconds a finished video job and its file are kept (0: forever)."),
+        click.Option(["--max-body-mb"], type=float, default=20.0, show_default=True,
+                     help="Largest request body in MB (413 above)."),
+        click.Option(["--allowed-origins"], multiple=True,
+                     help="Origins allowed by CORS (repeatable; default: no CORS)."),
+        click.Option(["--shutdown-timeout"], type=float, default=30.0, show_default=True,
+                     help="Seconds in-flight requests may finish after SIGTERM/Ctrl-C before they are aborted."),
+        click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
+                     help="A model-level setting of the pipelines' nodes (repeatable), e.g. -c ar_dtype=bf16."),
+        click.Option(["--log-level"], default="info", show_default=True,
+                     type=click.Choice(["debug", "info", "warning", "error"])),
+    ]
+
+    @click.pass_context
+    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, allowed_origins,
+              shutdown_timeout, config_pairs, log_level, **given):
+        flags = {f.dest: f for f in ctx._omni_flags}
+        chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
+        try:
+            run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
+                       aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
+                       allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level)
+        except UserError as exc:
+            raise _UsageError(" ".join(str(exc).split())) from None
+        except OmniError as exc:
+            raise click.ClickException(" ".join(str(exc).split())) from None
+
+    return ServeCommand("serve", callback=serve, params=options,
+                        help="Serve pipelines over an OpenAI-compatible HTTP API (chat, completions, videos).\n\n"
+                             "Model flags come from the installed node types, as for `omni run`; see "
+                             "docs/serving.md.")
+
+
+class _UsageError(click.ClickException):
+    exit_code = 2
+
+
+def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dict[str, tuple[str, dict]]:
+    """name -> (pipeline, config) for each pipeline to serve; a flag or -c key that no served pipeline uses is
+    refused. With no --pipeline: every registered pipeline whose graph validates."""
+    from omni_kernel.planner import GraphBuilder, Planner
+
+    registry = host.registry
+    builder = GraphBuilder(registry)
+    explicit = bool(names)
+    if not names:
+        names = sorted(registry.pipelines)
+    plans = {}
+    for name in names:
+        plan = Planner(registry).plan(name)
+        try:
+            builder.validate(plan)
+        except GraphError as exc:
+            if explicit:
+                raise
+            log.info("not serving %s: %s", name, " ".join(str(exc).split()))
+            continue
+        plans[name] = plan
+    if not plans:
+        raise UserError("no pipeline to serve: install a plugin that registers one (see `omni pipelines`)")
+    used_flags = {f for f in chosen if any(f.name in declared(registry, p, "config") for p in plans.values())}
+    if unused := [f.flag for f in chosen if f not in used_flags]:
+        raise UserError(f"no served pipeline uses {', '.join(unused)}")
+    pair_keys = {item.partition("=")[0].strip().replace("-", "_") for item in config_pairs}
+    known = {k for p in plans.values() for k in declared(registry, p, "config")}
+    if unknown := sorted(pair_keys - known):
+        raise UserError(f"invalid {unknown[0]}: no served pipeline has the config key {unknown[0]!r}; "
+                        f"valid config keys: {', '.join(sorted(known)) or 'none'}")
+    out = {}
+    for name, plan in plans.items():
+        mine = declared(registry, plan, "config")
+        flags = {f: v for f, v in chosen.items() if f.name in mine}
+        pairs = tuple(i for i in config_pairs if i.partition("=")[0].strip().replace("-", "_") in mine)
+        out[name] = (name, values(registry, plan, flags, {"config": pairs})["config"])
+    return out
+
+
+def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
+               aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
+               log_level: str) -> None:
+    import uvicorn
+
+    from .engine import AsyncOmni
+    from .server import ServeSettings, create_app
+
+    if max_body_mb <= 0:
+        raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")
+    if shutdown_timeout < 0:
+        raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
+    plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs)
+    alias_map = {}
+    for alias in aliases:
+        name, sep, target = alias.partition("=")
+        target = target if sep else (next(iter(plan)) if len(plan) == 1 else "")
+        if target not in plan:
+            raise UserError(f"invalid --served-model-name {alias!r}: name a served pipeline as NAME=PIPELINE "
+                            f"(served: {', '.join(plan)})")
+        alias_map[name] = target
+    started = time.perf_counter()
+    engine = AsyncOmni.build(plan, plugin_host)
+    for name, omni in engine.omnis.items():
+        for node_id in omni.graph.order:
+            stage = omni.graph.stages[node_id]
+            if getattr(stage, "summary", ""):
+                log.info("%s/%s", name, stage.summary)
+                stage.summary = ""
+    log.info("built %s in %.1fs", ", ".join(engine.omnis), time.perf_counter() - started)
+    temp_dir = None
+    if output_dir is None:
+        temp_dir = tempfile.mkdtemp(prefix="omni-serve-")
+        output_dir = temp_dir
+    settings = ServeSettings(Path(output_dir).expanduser().absolute(), api_key or None, video_ttl or None,
+                             max_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map)
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app.state.asgi, host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout or None, lifespan="on")
+    server = _Server(config, app, engine)
+    try:
+        server.run()
+    finally:
+        engine.shutdown(0)
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+    log.info("stopped")
+
+
+class _Server:
+    """uvicorn.Server that notes when the exit signal came (the shutdown timeout runs from then) and stops the
+    engine admitting new requests at once."""
+
+    def __new__(cls, config, app, engine):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                # uvicorn re-raises the caught signal after shutting down (exit status -15); a graceful stop
+                # exits 0 here, so only install the handlers and restore them.
+                if threading.current_thread() is not threading.main_thread():
+                    yield
+                    return
+                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in previous.items():
+                        signal.signal(sig, handler)
+
+            def handle_exit(self, sig, frame):
+                if getattr(app.state, "exit_at", None) is None:
+                    app.state.exit_at = time.monotonic()
+                    engine._admitting = False  # a plain assignment: safe in a signal handler
+                    log.info("shutting down (signal %s): no new requests; in-flight ones get up to %gs",
+                             sig, config.timeout_graceful_shutdown or 0)
+                return super().handle_exit(sig, frame)
+
+        return Server(config)
+

@@ -1,0 +1,373 @@
+"""AsyncOmni: one engine thread owns the StageSchedulers of several pipelines and steps them.
+
+Everything that touches a scheduler (submit, step, abort) runs on the engine thread; other threads and the
+asyncio loop hand it commands through a queue guarded by a Condition, so the thread blocks (no spinning) while
+nothing is in flight. Each loop iteration runs the queued commands, then steps every pipeline that has work
+once (round robin, so no pipeline starves another), hands each event to the callback of its request, and
+publishes a snapshot of the stages (requests running/waiting, KV blocks) for /metrics and /health.
+
+An exception that escapes a StageScheduler step leaves its state untrustworthy: the whole engine is marked
+dead, every request in flight fails with `EngineDead`, and new requests are refused; the thread stays up to
+answer them. A stage whose own engine died (its scheduler raised) makes its pipeline dead in the same way.
+No torch here: models load when the pipelines' graphs are built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import attrs
+
+from omni_kernel.api import Omni
+from omni_kernel.errors import EngineDead, InvalidParameter, RequestError
+from omni_kernel.events import RequestFailed, RequestFinished, StageFailed
+from omni_kernel.plugins import PluginHost
+from omni_kernel.request import Request
+
+log = logging.getLogger("omni")
+OnEvent = Callable[[Any], None]
+
+
+class ShuttingDown(RequestError):
+    """The server is shutting down and admits no new request."""
+
+
+@attrs.define
+class _Flight:
+    pipeline: str
+    on_event: OnEvent
+
+
+@attrs.frozen
+class StageStats:
+    pipeline: str
+    node: str
+    kind: str
+    running: int
+    waiting: int
+    dead: str | None = None
+    kv_blocks_total: int | None = None
+    kv_blocks_used: int | None = None
+    prefix_hit_tokens: int | None = None
+
+
+@attrs.frozen
+class Snapshot:
+    stages: tuple[StageStats, ...] = ()
+    in_flight: int = 0
+    dead: str | None = None
+    steps: int = 0
+    errors: Mapping[tuple[str, str, str], int] = attrs.Factory(dict)  # (pipeline, node, kind) -> count
+    aborted: int = 0
+
+    def pipeline_dead(self, pipeline: str) -> str | None:
+        return self.dead or next((s.dead for s in self.stages if s.pipeline == pipeline and s.dead), None)
+
+
+class AsyncOmni:
+    """Several pipelines (Omni objects of one plugin host, so loaded models are shared) behind one engine loop.
+
+    `omnis` maps the served name to its Omni. Use `start()` (or `with AsyncOmni(...)`), then `submit`/`abort`
+    from any thread, or `async for event in engine.generate(pipeline, prompt, **params)` from asyncio.
+    """
+
+    def __init__(self, omnis: Mapping[str, Omni]):
+        if not omnis:
+            raise InvalidParameter("pipeline", "no pipeline to serve")
+        self.omnis = dict(omnis)
+        self._cond = threading.Condition()
+        self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
+        self._flights: dict[str, _Flight] = {}  # engine thread only
+        self._stop = False
+        self._admitting = True
+        self._thread: threading.Thread | None = None
+        self._errors: Counter = Counter()
+        self._aborted = 0
+        self._steps = 0
+        self.dead: EngineDead | None = None
+        self.snapshot = self._snapshot()
+
+    @classmethod
+    def build(cls, pipelines: Mapping[str, tuple[str, Mapping[str, Any]]], host: PluginHost) -> AsyncOmni:
+        """`pipelines`: served name -> (pipeline name, config). One host: a model loads once for all of them."""
+        return cls({name: Omni(pipeline, host=host, **config) for name, (pipeline, config) in pipelines.items()})
+
+    # Lifecycle.
+
+    def start(self) -> AsyncOmni:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def __enter__(self) -> AsyncOmni:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown(0)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 0.0) -> int:
+        """Stop admitting, let requests in flight finish for up to `timeout` seconds, abort the rest, stop the
+        thread. Returns how many requests were aborted."""
+        with self._cond:
+            self._admitting = False
+            deadline = time.monotonic() + max(timeout, 0.0)
+            while self._busy() and self.alive and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            left_over = len(self._flights) if self.alive else 0
+            self._commands.append(("abort_all", None, None))
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        return left_over
+
+    def _busy(self) -> bool:
+        """Requests in flight or queued (call with the condition held)."""
+        return bool(self._flights) or any(kind == "submit" for kind, _, _ in self._commands)
+
+    # Thread-safe entry points.
+
+    def submit_nowait(self, pipeline: str, request: Request, on_event: OnEvent) -> concurrent.futures.Future:
+        """Queue a request; the future resolves to its id once its inputs were processed (or raises the
+        UserError that processing raised, or EngineDead). Its events go to `on_event` on the engine thread."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stop or not self._admitting:
+                future.set_exception(ShuttingDown("the server is shutting down"))
+                return future
+            self._commands.append(("submit", (pipeline, request, on_event), future))
+            self._cond.notify_all()
+        return future
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step (a no-op for an unknown or finished id)."""
+        with self._cond:
+            self._commands.append(("abort", request_id, None))
+            self._cond.notify_all()
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread (between steps) and return its future: how tests and tools look at a
+        scheduler without racing the loop."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._commands.append(("call", fn, future))
+            self._cond.notify_all()
+        return future
+
+    async def submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
+        return await asyncio.wrap_future(self.submit_nowait(pipeline, request, on_event))
+
+    async def open(self, pipeline: str, prompt: str, image: str | None = None, request_id: str | None = None,
+                   **params: Any) -> EventStream:
+        """Submit a request (a UserError raises here, before anything is sent to a client) and return the
+        stream of its events."""
+        omni = self.omnis.get(pipeline)
+        if omni is None:
+            raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
+        request = omni.request(prompt, image=image, request_id=request_id, **params)
+        stream = EventStream(self, asyncio.get_running_loop())
+        stream.request_id = await self.submit(pipeline, request, stream.put)
+        return stream
+
+    async def generate(self, pipeline: str, prompt: str, image: str | None = None, request_id: str | None = None,
+                       **params: Any) -> AsyncIterator:
+        """One request's events in order, ending with RequestFinished or RequestFailed. Leaving the loop early
+        (or the task being cancelled, e.g. a client that disconnected) aborts the request."""
+        stream = await self.open(pipeline, prompt, image, request_id, **params)
+        async with stream:
+            async for event in stream:
+                yield event
+
+    # The engine thread.
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self._has_work() and not self._stop:
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stop = self._stop
+            for command in commands:
+                self._run_command(*command)
+            if stop and not self._has_work():
+                self._publish()
+                break
+            if self.dead is None:
+                for name, omni in self.omnis.items():
+                    if omni.has_unfinished():
+                        self._step(name, omni)
+                        if self.dead is not None:
+                            break
+            self._publish()
+
+    def _has_work(self) -> bool:
+        return self.dead is None and any(omni.has_unfinished() for omni in self.omnis.values())
+
+    def _run_command(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
+        try:
+            if kind == "submit":
+                result = self._submit(*payload)
+            elif kind == "abort":
+                result = self._abort(payload)
+            elif kind == "abort_all":
+                result = [self._abort(rid) for rid in list(self._flights)]
+            else:
+                result = payload()
+        except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
+            if future is not None:
+                future.set_exception(exc)
+            else:
+                log.exception("engine command %s failed", kind)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
+        if self.dead is not None:
+            raise self.dead
+        dead = self.snapshot.pipeline_dead(pipeline) or self._pipeline_dead(pipeline)
+        if dead:
+            raise EngineDead(dead)
+        omni = self.omnis.get(pipeline)
+        if omni is None:
+            raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
+        if request.request_id in self._flights:
+            raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
+        rid = omni.submit(request)
+        self._flights[rid] = _Flight(pipeline, on_event)
+        return rid
+
+    def _abort(self, request_id: str) -> None:
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return
+        self.omnis[flight.pipeline].abort(request_id)
+        self._aborted += 1
+        # the abort's RequestFailed event comes out of the next step of that pipeline
+
+    def _step(self, name: str, omni: Omni) -> None:
+        try:
+            events = omni.step()
+        except Exception as exc:  # noqa: BLE001 - the scheduler's state can no longer be trusted
+            log.error("engine loop failed on pipeline %s and was stopped: %s: %s", name, type(exc).__name__, exc,
+                      exc_info=exc)
+            self.dead = EngineDead(f"the engine failed and takes no more requests ({type(exc).__name__}: "
+                                   f"{' '.join(str(exc).split())})")
+            for rid, flight in list(self._flights.items()):
+                self._deliver(flight, RequestFailed(rid, None, str(self.dead), "engine_dead"))
+            self._flights.clear()
+            return
+        self._steps += 1
+        for event in events:
+            flight = self._flights.get(event.request_id)
+            if isinstance(event, StageFailed) and not (event.node_id is None and event.kind == "aborted"):
+                if isinstance(event, RequestFailed):
+                    self._errors[(name, event.node_id or "-", event.kind)] += 1
+            if flight is None:
+                continue
+            if isinstance(event, (RequestFinished, RequestFailed)):
+                del self._flights[event.request_id]
+            self._deliver(flight, event)
+
+    def _deliver(self, flight: _Flight, event) -> None:
+        try:
+            flight.on_event(event)
+        except Exception:  # noqa: BLE001 - e.g. the caller's event loop is closed: its request goes
+            log.debug("dropping an event of %s: its receiver is gone", event.request_id, exc_info=True)
+            if not isinstance(event, (RequestFinished, RequestFailed)) and event.request_id in self._flights:
+                self._abort(event.request_id)
+
+    def _pipeline_dead(self, pipeline: str) -> str | None:
+        omni = self.omnis.get(pipeline)
+        if omni is None:
+            return None
+        for stage in omni.graph.stages.values():
+            dead = getattr(getattr(stage, "engine", None), "dead", None)
+            if dead is not None:
+                return str(dead)
+        return None
+
+    def _publish(self) -> None:
+        snapshot = self._snapshot()
+        with self._cond:
+            self.snapshot = snapshot
+            self._cond.notify_all()
+
+    def _snapshot(self) -> Snapshot:
+        stages = []
+        for name, omni in self.omnis.items():
+            for node_id in omni.graph.order:
+                stages.append(_stage_stats(name, node_id, omni.graph.stages[node_id]))
+        return Snapshot(tuple(stages), len(self._flights), None if self.dead is None else str(self.dead),
+                        self._steps, dict(self._errors), self._aborted)
+
+
+def _stage_stats(pipeline: str, node_id: str, stage) -> StageStats:
+    engine = getattr(stage, "engine", None)
+    scheduler = getattr(engine, "scheduler", None)
+    dead = getattr(engine, "dead", None)
+    if scheduler is not None and hasattr(scheduler, "running") and hasattr(scheduler, "waiting"):
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+    else:
+        held = len(stage.request_ids()) if dead is None else 0
+        batch = getattr(scheduler, "max_batch", held) or held
+        running, waiting = min(held, batch), max(held - batch, 0)
+    blocks = getattr(scheduler, "blocks", None)
+    kv = {}
+    if blocks is not None and hasattr(blocks, "num_used"):
+        kv = {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.num_used,
+              "prefix_hit_tokens": getattr(blocks, "hit_tokens", None)}
+    return StageStats(pipeline, node_id, stage.kind, running, waiting, None if dead is None else str(dead), **kv)
+
+
+class EventStream:
+    """One submitted request's events, in order, as an async iterator that ends after RequestFinished or
+    RequestFailed. Closing it (`aclose`, leaving `async with`, or cancellation) before the end aborts the
+    request in the engine."""
+
+    def __init__(self, engine: AsyncOmni, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id = ""
+        self.done = False
+
+    def put(self, event) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            event = await self.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self.done = isinstance(event, (RequestFinished, RequestFailed))
+        return event
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

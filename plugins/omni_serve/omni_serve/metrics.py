@@ -1,0 +1,80 @@
+"""Prometheus metrics of one server (its own registry), every name prefixed `omni_`.
+
+Latencies and counters are recorded by the request handlers; the stages' state (requests running/waiting,
+KV blocks, prefix-cache hits, engine errors) is read from the engine's latest snapshot when scraped, so
+/metrics never touches a scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .engine import Snapshot
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+
+
+class _EngineCollector:
+    def __init__(self, snapshot: Callable[[], Snapshot], jobs: Callable[[], dict[str, int]]):
+        self.snapshot = snapshot
+        self.jobs = jobs
+
+    def collect(self):
+        snap = self.snapshot()
+        labels = ["model", "stage"]
+        running = GaugeMetricFamily("omni_requests_running", "requests a stage is running", labels=labels)
+        waiting = GaugeMetricFamily("omni_requests_waiting", "requests waiting in a stage's queue", labels=labels)
+        used = GaugeMetricFamily("omni_kv_blocks_used", "KV cache blocks held by requests", labels=labels)
+        total = GaugeMetricFamily("omni_kv_blocks_total", "KV cache blocks in the stage's pool", labels=labels)
+        hits = CounterMetricFamily("omni_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                                   labels=labels)
+        for s in snap.stages:
+            key = [s.pipeline, s.node]
+            running.add_metric(key, s.running)
+            waiting.add_metric(key, s.waiting)
+            if s.kv_blocks_total is not None:
+                used.add_metric(key, s.kv_blocks_used)
+                total.add_metric(key, s.kv_blocks_total)
+                hits.add_metric(key, s.prefix_hit_tokens or 0)
+        yield from (running, waiting, used, total, hits)
+        errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",
+                                     labels=["model", "stage", "kind"])
+        for (pipeline, node, kind), count in sorted(snap.errors.items()):
+            errors.add_metric([pipeline, node, kind], count)
+        yield errors
+        yield CounterMetricFamily("omni_requests_aborted", "requests aborted (client gone, cancelled, shutdown)",
+                                  value=snap.aborted)
+        yield GaugeMetricFamily("omni_engine_alive", "1 while the engine takes requests", value=0 if snap.dead else 1)
+        yield GaugeMetricFamily("omni_requests_in_flight", "requests in the engine", value=snap.in_flight)
+        yield CounterMetricFamily("omni_engine_steps", "engine loop steps", value=snap.steps)
+        video = GaugeMetricFamily("omni_video_jobs", "video jobs by status", labels=["status"])
+        for status, count in sorted(self.jobs().items()):
+            video.add_metric([status], count)
+        yield video
+
+
+class Metrics:
+    def __init__(self, snapshot: Callable[[], Snapshot], jobs: Callable[[], dict[str, int]]):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("omni_time_to_first_token_seconds", "time to first token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("omni_inter_token_latency_seconds", "time between streamed text deltas", ["model"],
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("omni_e2e_request_latency_seconds", "request latency, arrival to last byte",
+                             ["model", "route"], buckets=E2E_BUCKETS, registry=r)
+        self.generated = Counter("omni_generated_tokens", "tokens generated", ["model"], registry=r)
+        self.prompt = Counter("omni_prompt_tokens", "prompt tokens processed", ["model"], registry=r)
+        self.denoise = Histogram("omni_denoise_step_seconds", "time of one denoise step (as the server sees it)",
+                                 ["model"], buckets=E2E_BUCKETS, registry=r)
+        self.http = Counter("omni_http_requests", "HTTP requests by route and status", ["route", "status"],
+                            registry=r)
+        r.register(_EngineCollector(snapshot, jobs))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

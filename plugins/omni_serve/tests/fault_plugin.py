@@ -1,0 +1,30 @@
+"""A test plugin whose scheduler raises: pipeline `fault` echoes the prompt, except that a prompt containing
+"explode" makes the scheduler raise on its second step (the stage's engine is then dead)."""
+
+from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
+from omni_kernel.engine import Engine
+from omni_kernel.identity import EchoStage, IdentityRunner
+from omni_kernel.params import ARParams
+from omni_kernel.scheduler import StepScheduler
+
+
+class ExplodingScheduler(StepScheduler):
+    def schedule(self):
+        if any("explode" in job.item.prompt and job.step >= 1 for job in self.queue):
+            raise RuntimeError("injected scheduler fault")
+        return super().schedule()
+
+
+def build(node, config):
+    return EchoStage(node, "ar", Engine(ExplodingScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps),
+                                        IdentityRunner()))
+
+
+class FaultPlugin:
+    @hookimpl
+    def omni_register_node_types(self, register):
+        register(NodeType("fault.echo", "ar", build, params=ARParams, description="echo with an injected fault"))
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(PipelinePlan("fault", [NodeSpec("f", "fault.echo", final=True)]))

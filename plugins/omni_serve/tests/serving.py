@@ -1,0 +1,81 @@
+"""A real `omni serve` process on a free loopback port, started and stopped by a test (SIGTERM, exit 0)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+# The server process: `omni` with, optionally, extra plugin objects registered on its host (test plugins).
+LAUNCH = """
+import sys
+sys.path.insert(0, {here!r})
+from omni_kernel.cli import main
+from omni_kernel.plugins import load_host
+host = load_host()
+for spec in {plugins!r}:
+    module, _, name = spec.partition(":")
+    host.register(getattr(__import__(module), name)(), module)
+main(args=sys.argv[1:], obj={{"host": host}}, prog_name="omni")
+"""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, plugins: tuple[str, ...] = (), env: dict | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        code = LAUNCH.format(here=str(HERE), plugins=list(plugins))
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   **(env or {})}
+        self.log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port",
+                                      str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT, env=environ)
+
+    def wait_ready(self, timeout: float = 180) -> ServerProcess:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"omni serve exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code in (200, 503):
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"omni serve did not answer within {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM, then wait; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
