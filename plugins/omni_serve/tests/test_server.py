@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving import ServerProcess
+from serving import ServerProcess, fuzz
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -311,3 +311,10 @@ def test_health_and_metrics(http):
                  "omni_e2e_request_latency_seconds", "omni_generated_tokens_total", "omni_video_jobs",
                  "omni_denoise_step_seconds", "omni_stage_errors"):
         assert name in text, name
+
+
+def test_schemathesis_on_the_model_pipelines_finds_no_server_error(server, http):
+    limit = {"model": "ar_text", "max_tokens": 4, "max_completion_tokens": 4}
+    checked = fuzz(server.url, bodies={"/v1/chat/completions": limit, "/v1/completions": limit})
+    assert "POST /v1/chat/completions" in checked
+    assert http.get("/health").status_code == 200
