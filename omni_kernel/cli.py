@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import click
 
 from . import __version__
-from .errors import OmniError, UserError
+from .errors import InvalidParameter, OmniError, UserError
 from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
-from .files import write_json
+from .files import check_output_path, remove_outputs, write_json
 from .flags import Flag, collect, values
 from .planner import GraphBuilder, Planner
 from .plugins import load_host
@@ -156,20 +160,23 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
         if image is not None and not any("image" in t.inputs for t in host.registry.node_types_of(plan).values()):
             raise UserError(f"pipeline {pipeline!r} does not use --image")
         given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
-        scheduler = StageScheduler(builder.build(plan, given["config"]))
-        from .request import Request
+        if trace_json:  # before any model loads: a bad trace path must not cost the run
+            _check_trace_json(trace_json, given["params"].get("output"))
+        with _signals_interrupt():
+            scheduler = StageScheduler(builder.build(plan, given["config"]))
+            from .request import Request
 
-        request = Request(pipeline, prompt, image=image, params=given["params"])
-        stream = bool(given["params"].get("stream")) and not as_json
-        result, streamed = _drive(scheduler, request, stream)
+            request = Request(pipeline, prompt, image=image, params=given["params"])
+            stream = bool(given["params"].get("stream")) and not as_json
+            result, streamed = _drive(scheduler, request, stream)
+            if trace_json:
+                _write_trace(trace_json, result)
     except UserError as exc:
         raise UserFacingError(_one_line(exc)) from None
     except OmniError as exc:
         raise click.ClickException(_one_line(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; the request was aborted and no partial output was kept") from None
-    if trace_json:
-        write_json(trace_json, jsonable(dict(result.trace)))
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
@@ -178,6 +185,41 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     elif not streamed and result.text is not None:
         click.echo(result.text)
     click.echo(format_trace(result.trace), err=True)
+
+
+def _check_trace_json(trace_json, output) -> None:
+    target = check_output_path(trace_json, "--trace-json")
+    if output is not None and os.path.realpath(target) == os.path.realpath(Path(output).expanduser()):
+        raise InvalidParameter("--trace-json", f"{str(target)!r} is also the request's output; name another file")
+
+
+def _write_trace(trace_json, result) -> None:
+    """The trace JSON, or one line and none of the request's files: a failed request keeps no output."""
+    try:
+        write_json(trace_json, jsonable(dict(result.trace)))
+    except BaseException as exc:  # a full disk, or a signal while writing
+        removed = remove_outputs(o.path for o in result.outputs.values())
+        if not isinstance(exc, OSError):
+            raise
+        note = f"; removed {', '.join(removed)}" if removed else ""
+        raise OmniError(f"cannot write the trace to {trace_json}: {exc.strerror or exc}{note}") from None
+
+
+@contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP end `omni run` like Ctrl-C: the request is aborted and temporary files are removed."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    names = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    try:
+        saved = {s: signal.signal(s, interrupt) for s in names}
+    except ValueError:  # not the main thread: leave the handlers alone
+        saved = {}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def _drive(scheduler: StageScheduler, request, stream: bool):

@@ -1,21 +1,100 @@
-"""Files: atomic outputs (a reader never sees a half-written file, a failure leaves none behind) and the cache
-directory where omni keeps what it builds (demo checkpoints)."""
+"""Files: atomic outputs (a reader never sees a half-written file, a failure leaves none behind), the checks
+an output path passes before any work starts, and the cache directory where omni keeps what it builds."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .errors import InvalidParameter, ModelError
+
+# Room kept in a file name for the temporary name an atomic write uses (".NAME.XXXXXXXX.tmp.mp4") and for
+# names derived from it (out.mp4 -> out.trace.json).
+NAME_RESERVE = 32
+
+
+def check_output_path(path: str | Path, field: str = "output") -> Path:
+    """The absolute path an output will be written to, or InvalidParameter(field) saying why it cannot be:
+    an existing directory or special file (a device, a FIFO, a socket), a name too long for its file system, or
+    a parent that is a file, or not a writable directory. Missing parent directories are created at write time,
+    so the nearest existing one must be writable. Nothing is left behind by the check."""
+    target = Path(os.path.abspath(Path(path).expanduser()))
+    try:
+        return _check_output_path(target, field)
+    except OSError as exc:  # e.g. ENAMETOOLONG, ELOOP, EACCES while looking
+        raise InvalidParameter(field, f"cannot use {str(target)[:80]!r}: {exc.strerror or exc}") from None
+
+
+def _check_output_path(target: Path, field: str) -> Path:
+    shown = str(target)
+    if not target.name:
+        raise InvalidParameter(field, f"{shown!r} names no file")
+    if target.is_dir():
+        raise InvalidParameter(field, f"{shown!r} is a directory; name a file in it")
+    if os.path.lexists(target):
+        mode = os.stat(target).st_mode if target.exists() else os.lstat(target).st_mode
+        if target.exists() and not stat.S_ISREG(mode):
+            raise InvalidParameter(field, f"{shown!r} is a {_kind(mode)}, not a regular file; omni never writes "
+                                          "over one")
+    existing = target.parent
+    missing: list[str] = [target.name]
+    while not existing.exists():
+        if os.path.lexists(existing):  # a dangling symlink
+            raise InvalidParameter(field, f"{str(existing)!r} is a broken symbolic link")
+        missing.append(existing.name)
+        existing = existing.parent
+    if not existing.is_dir():
+        raise InvalidParameter(field, f"{str(existing)!r} is not a directory, so {shown!r} cannot be created")
+    try:
+        name_max = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    for name in missing:
+        size = len(os.fsencode(name))
+        if size + NAME_RESERVE > name_max:
+            raise InvalidParameter(field, f"the name {name[:40]!r}... is {size} bytes; this file system allows "
+                                          f"names of at most {name_max - NAME_RESERVE} bytes here")
+    _probe_writable(existing, field)
+    return target
+
+
+def _probe_writable(folder: Path, field: str) -> None:
+    """Create and remove a file in `folder`: the one check that also holds for root, read-only mounts and ACLs."""
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".omni-probe-")
+    except OSError as exc:
+        raise InvalidParameter(field, f"cannot write in {str(folder)!r}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(name)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISDIR, "directory")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def refuse_special(path: Path) -> None:
+    """Raise OSError when `path` exists and is not a regular file (an atomic rename would replace it)."""
+    if path.exists() and not path.is_file():
+        raise IsADirectoryError(f"{path} is a directory") if path.is_dir() else OSError(
+            f"{path} is a {_kind(path.stat().st_mode)}, not a regular file; not replaced")
+
 
 @contextmanager
 def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
-    """Yield a temporary path next to `path`; it replaces `path` when the block ends, and is removed on error."""
+    """Yield a temporary path next to `path`; it replaces `path` when the block ends, and is removed on error.
+    A `path` that is a directory or a special file (/dev/null, a FIFO) is never replaced."""
     path = Path(path)
+    refuse_special(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(fd)
@@ -23,10 +102,20 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     try:
         yield tmp
         os.chmod(tmp, 0o666 & ~UMASK)  # mkstemp makes 0600; outputs get the usual file mode
+        refuse_special(path)  # it may have appeared while the output was written
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def sync_file(path: str | Path) -> None:
+    """Flush a written file to its disk: a full or failing disk shows up here, not after the rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_json(path: str | Path, body: Any, indent: int | None = 2) -> Path:
@@ -34,7 +123,47 @@ def write_json(path: str | Path, body: Any, indent: int | None = 2) -> Path:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(body, f, ensure_ascii=False, indent=indent)
             f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
     return Path(path)
+
+
+def remove_outputs(paths) -> list[str]:
+    """Remove files a failed request wrote; returns the ones removed."""
+    removed = []
+    for p in paths:
+        if p and os.path.isfile(p):
+            try:
+                os.unlink(p)
+                removed.append(str(p))
+            except OSError:
+                pass
+    return removed
+
+
+# Weights: omni loads safetensors only; nothing is ever unpickled.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def check_safetensors_index(folder: str | Path, label: str) -> None:
+    """Refuse (ModelError, one line) a `*.index.json` in `folder` whose weight map names anything but
+    `.safetensors` files inside `folder`, or a file that is missing: the loaders follow index files."""
+    folder = Path(folder)
+    for index in sorted(folder.glob("*.index.json")):
+        try:
+            body = json.loads(index.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ModelError(f"{label}: {index} is unreadable: {' '.join(str(exc).split())}") from None
+        weight_map = body.get("weight_map") if isinstance(body, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelError(f"{label}: {index} has no weight_map")
+        for shard in sorted(set(map(str, weight_map.values()))):
+            file = folder / shard
+            if not shard.endswith(".safetensors") or Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise ModelError(f"{label}: {index.name} points at {shard!r}, which is not a .safetensors file in "
+                                 f"{folder} (omni loads safetensors only and never unpickles weights)")
+            if not file.is_file():
+                raise ModelError(f"{label}: {index.name} names {shard!r}, which is missing from {folder}")
 
 
 def _read_umask() -> int:

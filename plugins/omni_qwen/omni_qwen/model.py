@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import struct
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.files import check_safetensors_index
+
+log = logging.getLogger("omni")
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt",
                    "sentencepiece.bpe.model")
@@ -52,14 +58,91 @@ def resolve_device(name: str | None) -> str:
 
 @contextlib.contextmanager
 def quiet_progress():
-    """transformers draws a progress bar per load and save; the CLI's own output is the text and the trace."""
+    """transformers draws a progress bar per load and save, prints load reports and warns; the CLI's own output
+    is the text and the trace. Inside this block the progress bar is off, transformers' log records and Python
+    warnings go to the "omni" log at debug level, and torch.load refuses to run (nothing is ever unpickled)."""
     enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    library = hf_logging.get_logger()  # configures transformers' root logger, so its handler is the one to swap
+    saved = library.handlers[:], library.level, library.propagate
+    library.handlers[:], library.propagate = [_ToDebug()], False
+    library.setLevel(logging.WARNING)
+    loader = torch.load
+    torch.load = _no_unpickling
     try:
-        yield
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                for w in caught:
+                    log.debug("%s: %s", w.category.__name__, w.message)
     finally:
+        torch.load = loader
+        library.handlers[:], library.level, library.propagate = saved[0], saved[1], saved[2]
         if enabled:
             hf_logging.enable_progress_bar()
+
+
+class _ToDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("%s: %s", record.name, record.getMessage())
+
+
+def _no_unpickling(*args, **kwargs):
+    raise ModelError("the checkpoint asks to unpickle a file (torch.load); omni loads safetensors only")
+
+
+# Sanity bounds of config values that size tensors and the KV pool: a value outside is a broken config.
+CONFIG_LIMITS = {"max_position_embeddings": 2**24, "vocab_size": 2**24, "hidden_size": 2**17,
+                 "num_hidden_layers": 2**12, "num_attention_heads": 2**12, "num_key_value_heads": 2**12,
+                 "intermediate_size": 2**20}
+
+
+def check_config_values(path: Path, config) -> None:
+    text = config.get_text_config(decoder=True)
+    for key, limit in CONFIG_LIMITS.items():
+        value = getattr(text, key, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            raise ModelError(f"AR model directory {str(path)!r}: config.json {key} = {value!r} is not an integer "
+                             f"between 1 and {limit}")
+
+
+def check_shapes(path: Path, config, trust_remote_code: bool) -> None:
+    """Compare the safetensors headers (read without loading a tensor) with the model the config describes,
+    built on the meta device: a tensor whose shape differs is refused in one line before loading."""
+    if trust_remote_code:
+        return
+    shapes = safetensors_shapes(path)
+    try:
+        with torch.device("meta"), quiet_progress():
+            expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception as exc:  # noqa: BLE001 - a config no model can be built from
+        raise ModelError(f"AR model directory {str(path)!r}: config.json describes no buildable model: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
+    for key in sorted(set(shapes) & set(expected)):
+        if shapes[key] != expected[key]:
+            raise ModelError(f"AR model directory {str(path)!r} does not match its config.json: tensor {key} has "
+                             f"shape {list(shapes[key])}, the config needs {list(expected[key])}")
+
+
+def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over the folder's safetensors files, from their JSON headers."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                if size > 100_000_000:
+                    raise ValueError("header too large")
+                header = json.loads(f.read(size))
+            shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise ModelError(f"AR model directory {str(folder)!r} could not be loaded as a causal LM: {file.name} is "
+                             f"not a readable safetensors file ({' '.join(str(exc).split())})") from None
+    return shapes
 
 
 def check_model_dir(path: Path, trust_remote_code: bool = False):
@@ -71,8 +154,9 @@ def check_model_dir(path: Path, trust_remote_code: bool = False):
     if not (path / "config.json").is_file():
         raise ModelError(f"AR model directory {str(path)!r} has no config.json (expected a transformers causal LM)")
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as exc:
+        with quiet_progress():
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # noqa: BLE001 - whatever a config's values break, the file is what to fix
         raise ModelError(f"AR model directory {str(path)!r} has an unreadable config.json: "
                          f"{' '.join(str(exc).split())[:300]}") from None
     remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
@@ -82,6 +166,8 @@ def check_model_dir(path: Path, trust_remote_code: bool = False):
     if not any(path.glob("*.safetensors")):
         raise ModelError(f"AR model directory {str(path)!r} has no *.safetensors weights "
                          "(omni never loads pickled weights)")
+    check_safetensors_index(path, "AR model directory")
+    check_config_values(path, config)
     return config
 
 
@@ -98,26 +184,37 @@ class CausalLM:
              trust_remote_code: bool = False) -> CausalLM:
         path = Path(path).expanduser().resolve()
         torch_dtype = resolve_dtype(dtype)
-        check_model_dir(path, trust_remote_code)
+        config = check_model_dir(path, trust_remote_code)
         device = resolve_device(device)
         start = time.perf_counter()
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer (none of "
                              f"{', '.join(TOKENIZER_FILES)})")
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+            with quiet_progress():
+                tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except Exception as exc:  # noqa: BLE001 - any tokenizer failure is a bad directory
             raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer: "
                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
-        kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code}
+        check_shapes(path, config, trust_remote_code)
+        kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code,
+                                  "output_loading_info": True}
         if torch_dtype is not None:
             kwargs["dtype"] = torch_dtype
         try:
             with quiet_progress():
-                model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+                model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except ModelError:
+            raise
         except Exception as exc:  # noqa: BLE001 - missing or mismatched weights are a bad directory
             raise ModelError(f"AR model directory {str(path)!r} could not be loaded as a causal LM: "
                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from None
+        for what in ("missing", "unexpected", "mismatched"):
+            keys = sorted(map(str, info.get(f"{what}_keys") or ()))
+            if keys:
+                more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+                raise ModelError(f"AR model directory {str(path)!r} does not match its config.json: {what} "
+                                 f"tensor(s) {', '.join(keys[:3])}{more}")
         model = model.to(device).eval()
         return cls(model, tokenizer, path, device, (time.perf_counter() - start) * 1000)
 

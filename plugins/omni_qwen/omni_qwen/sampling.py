@@ -34,17 +34,32 @@ class Sampling:
         return cls(params, generator)
 
 
+# A sampled temperature is clamped into this range: below 1e-5 every logit gap a model produces becomes one-hot
+# (the draw is the argmax, up to exact ties), above 1e6 the distribution is uniform to fp32 precision; inside
+# it, logits / temperature is finite in fp32 for any finite logits.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-5, 1e6
+
+
+def temperature_of(params: ARParams) -> float:
+    return min(max(params.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
+
+
 def probabilities(logits: torch.Tensor, params: Sequence[ARParams]) -> torch.Tensor:
-    """Row i's next-token distribution under params[i]: temperature, then top-k, then top-p (fp32, vocab order)."""
+    """Row i's next-token distribution under params[i]: temperature, then top-k, then top-p (fp32, vocab order).
+    For finite logits and validated params no value is NaN or inf: the row's maximum is subtracted first, the
+    temperature is clamped (MIN_TEMPERATURE..MAX_TEMPERATURE) and the best token always stays."""
     vocab = logits.shape[-1]
-    logits = logits.float() / torch.tensor([[p.temperature] for p in params], dtype=torch.float32)
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / torch.tensor([[temperature_of(p)] for p in params])
     ranked, order = logits.sort(dim=-1, descending=True)
     top_k = torch.tensor([[p.top_k if 0 < p.top_k < vocab else vocab] for p in params])
     ranked = ranked.masked_fill(ranked < ranked.gather(1, top_k - 1), float("-inf"))
     probs = ranked.softmax(dim=-1)
-    # Drop a token when the ones ranked above it already reach top_p; the best token always stays.
+    # Drop a token when the ones ranked above it already reach top_p (a top_p that rounds to 0 in fp32 too).
     top_p = torch.tensor([[p.top_p if p.top_p < 1 else float("inf")] for p in params])
-    ranked = ranked.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, float("-inf"))
+    drop = probs.cumsum(dim=-1) - probs >= top_p
+    drop[:, 0] = False
+    ranked = ranked.masked_fill(drop, float("-inf"))
     return torch.empty_like(ranked).scatter_(1, order, ranked).softmax(dim=-1)
 
 
@@ -74,4 +89,5 @@ def _sampling_error(logits: torch.Tensor, params: ARParams, exc: RuntimeError) -
     if torch.isfinite(logits).all():
         return InvalidParameter("temperature", f"{params.temperature!r} leaves no valid distribution to sample "
                                                "from (use 0 for greedy)")
-    return RuntimeError(f"the model's logits hold NaN or inf ({' '.join(str(exc).split())})")
+    return RuntimeError(f"the model's logits hold NaN or inf, so this request cannot be sampled "
+                        f"({' '.join(str(exc).split())})")

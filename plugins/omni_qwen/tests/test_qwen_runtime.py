@@ -249,21 +249,19 @@ def test_each_request_is_tokenized_exactly_once(paged, monkeypatch):
     assert counter.calls == 3
 
 
-def test_a_request_whose_sampling_breaks_fails_alone(paged):
-    """A temperature this small turns the logits into inf / NaN: that request fails, its batch neighbours
-    (greedy and sampled) yield exactly what they yield alone."""
+def test_a_tiny_temperature_never_breaks_its_batch(paged):
+    """A temperature of 1e-300 once turned the logits into inf / NaN and failed every request of the step: it
+    is clamped to 1e-5 now, so it samples the argmax, and its batch neighbours (greedy and sampled) yield
+    exactly what they yield alone. (A row whose logits hold NaN fails alone: test_qwen_units.)"""
     good = [paged.request("one", max_tokens=6), paged.request("two", max_tokens=6, temperature=0.8, seed=3)]
     alone = [paged.generate(r.prompt, **r.params).output.data["token_ids"] for r in good]
-    bad = paged.request("three", max_tokens=6, temperature=1e-300, seed=1)
-    events = list(paged.scheduler.run([good[0], bad, good[1]]))
-    failed = [e for e in events if isinstance(e, RequestFailed)]
-    assert [(e.request_id, e.kind, e.field) for e in failed] == [(bad.request_id, "invalid_parameter", "temperature")]
+    tiny = paged.request("three", max_tokens=6, temperature=1e-300, seed=1)
+    events = list(paged.scheduler.run([good[0], tiny, good[1]]))
+    assert not [e for e in events if isinstance(e, RequestFailed)]
     finished = {e.request_id: e.result.output.data["token_ids"] for e in events if isinstance(e, RequestFinished)}
     assert [finished[r.request_id] for r in good] == alone
-    assert finished[good[0].request_id] and finished[good[1].request_id]
+    assert finished[tiny.request_id] == paged.generate("three", max_tokens=6).output.data["token_ids"]
     assert_freed(paged)
-    with pytest.raises(InvalidParameter, match="temperature"):
-        paged.generate("three", max_tokens=6, temperature=1e-300)
 
 
 def test_misspelled_request_parameter_is_refused(paged):

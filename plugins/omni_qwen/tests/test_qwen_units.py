@@ -82,7 +82,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     rows = [Sampling.of(ARParams(temperature=1e-300, seed=1)), Sampling.of(ARParams()),
             Sampling.of(ARParams(temperature=1.0, seed=1))]
     tokens = Sampler().sample(logits, rows)
-    assert isinstance(tokens[0], InvalidParameter) and tokens[0].field == "temperature"
+    assert tokens[0] == int(logits[0].argmax())  # a tiny temperature is clamped to 1e-5: the argmax, not NaN
     assert tokens[1] == int(logits[1].argmax())
     assert isinstance(tokens[2], RuntimeError) and "logits hold NaN" in str(tokens[2])
 

@@ -7,11 +7,14 @@ request, when the request is processed.
 from __future__ import annotations
 
 import hashlib
+import logging
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
 from omni_kernel.errors import InputError
+
+log = logging.getLogger("omni")
 
 # A decompression-bomb guard: the pixel count is read from the header and checked before decoding. 40 MP
 # admits an 8K frame (33 MP) and refuses the tiny files that claim gigapixels.
@@ -56,15 +59,20 @@ def _opened(path: str | Path | None):
     try:
         if file.stat().st_size == 0:
             raise InputError(f"image {str(file)!r} is empty (0 bytes)")
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(record=True) as caught:  # PIL's notes on odd files: the log, not stderr
+            warnings.simplefilter("always")
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(file) as img:
-                width, height = img.size
-                if width == 0 or height == 0:
-                    raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
-                if width * height > MAX_PIXELS:
-                    raise _too_large(file, width, height)
-                yield img, file
+            try:
+                with Image.open(file) as img:
+                    width, height = img.size
+                    if width == 0 or height == 0:
+                        raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
+                    if width * height > MAX_PIXELS:
+                        raise _too_large(file, width, height)
+                    yield img, file
+            finally:
+                for w in caught:
+                    log.debug("image %s: %s: %s", file, w.category.__name__, w.message)
     except InputError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):

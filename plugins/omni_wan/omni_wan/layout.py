@@ -6,10 +6,12 @@ A missing or wrong directory is a ModelError (exit 2) at stage build, before any
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import attrs
 from omni_kernel.errors import ModelError
+from omni_kernel.files import check_safetensors_index
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Wan2.2 TI2V-5B renders at 24 fps (the model card exports its examples with fps=24).
@@ -44,12 +46,41 @@ def read_layout(path: str | Path) -> ModelLayout:
     if not _has_weights(root / "transformer") or not _has_weights(root / "vae") or not _has_weights(
             root / "text_encoder"):
         raise ModelError(f"{root} has no safetensors weights for every model (omni loads safetensors only)")
-    try:
-        spatial = int(vae.get("scale_factor_spatial", 8)) * int(transformer.get("patch_size", [1, 2, 2])[1])
-        temporal = int(vae.get("scale_factor_temporal", 4))
-    except (TypeError, ValueError, IndexError) as exc:
-        raise ModelError(f"{root} has an unreadable vae or transformer config: {exc}") from None
-    return ModelLayout(root.resolve(), spatial, temporal)
+    for component in WEIGHTS:
+        check_safetensors_index(root / component, f"{root} {component}")
+    patch = transformer.get("patch_size", [1, 2, 2])
+    if not (isinstance(patch, list) and len(patch) == 3 and all(_small_int(p) for p in patch)):
+        raise ModelError(f"{root / 'transformer' / 'config.json'}: patch_size {patch!r} is not three integers "
+                         "between 1 and 64")
+    check_vae_config(vae, root / "vae" / "config.json")
+    spatial = vae.get("scale_factor_spatial", 8) * patch[1]
+    return ModelLayout(root.resolve(), spatial, vae.get("scale_factor_temporal", 4))
+
+
+WEIGHTS = ("transformer", "vae", "text_encoder")
+
+
+def _small_int(value, limit: int = 64) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= limit
+
+
+def check_vae_config(vae: dict, file: Path) -> None:
+    """The VAE values the stage computes with: scale factors, latent channels and their statistics."""
+    for key, default in (("scale_factor_spatial", 8), ("scale_factor_temporal", 4)):
+        if not _small_int(vae.get(key, default)):
+            raise ModelError(f"{file}: {key} {vae.get(key)!r} is not an integer between 1 and 64")
+    z_dim = vae.get("z_dim", 16)
+    if not _small_int(z_dim, 4096):
+        raise ModelError(f"{file}: z_dim {z_dim!r} is not an integer between 1 and 4096")
+    for key in ("latents_mean", "latents_std"):
+        values = vae.get(key)
+        if values is None:
+            continue
+        numbers = isinstance(values, list) and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values)
+        if not numbers or len(values) != z_dim or (key == "latents_std" and min(values) <= 0):
+            need = "positive " if key == "latents_std" else ""
+            raise ModelError(f"{file}: {key} must be {z_dim} (z_dim) finite {need}numbers")
 
 
 def _json(file: Path, root: Path) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import attrs
 from omni_kernel.errors import ModelError
 
 from .device import Placement
+from .layout import WEIGHTS
 
 log = logging.getLogger("omni")
 
@@ -53,31 +55,126 @@ def _load(path: Path, placement: Placement):
              placement.offload)
     try:
         with quiet_libraries():
+            check_tensors(path)
             return Wan22I2VPipeline.load(path, placement)
+    except ModelError:
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever breaks a load, the directory is what the user can fix
         raise ModelError(f"cannot load a Wan2.2 TI2V model from {path}: {' '.join(str(exc).split())}") from None
 
 
+def check_tensors(path: Path) -> None:
+    """Each weighted component's safetensors headers (read without loading a tensor) against the model its
+    config describes, built on the meta device: a missing, unexpected or misshapen tensor is one line naming the
+    component, before any weight is read."""
+    import importlib
+    import json
+
+    import torch
+
+    index = json.loads((path / "model_index.json").read_text(encoding="utf-8"))
+    for component in WEIGHTS:
+        library, name = index[component]
+        folder = path / component
+        try:
+            cls = getattr(importlib.import_module(library), name)
+            with torch.device("meta"):
+                if library == "diffusers":
+                    model = cls.from_config(cls.load_config(folder))
+                else:
+                    from transformers import AutoConfig
+
+                    model = cls(AutoConfig.from_pretrained(folder))
+        except Exception as exc:  # noqa: BLE001 - a config that no model can be built from
+            raise ModelError(f"{folder}: config.json describes no {name}: "
+                             f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
+        problem = tensor_problem(model, safetensors_shapes(folder))
+        if problem:
+            raise ModelError(f"{folder} does not match its config.json: {problem}")
+
+
+def tensor_problem(model, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    import re
+
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    aliases: dict[int, list[str]] = {}  # tied weights: one tensor under several names; any one of them will do
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    tied = {n: names for names in aliases.values() for n in names}
+    missing = sorted(k for k in expected if not any(a in shapes for a in tied.get(k, [k])))
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = sorted(k for k in shapes if k not in expected and not any(p.search(k) for p in ignored))
+    shaped = sorted(k for k in shapes if k in expected and shapes[k] != expected[k])
+    for what, keys in (("missing", missing), ("unexpected", unexpected)):
+        if keys:
+            more = f" and {len(keys) - 3} more" if len(keys) > 3 else ""
+            return f"{what} tensor(s) {', '.join(keys[:3])}{more}"
+    if shaped:
+        k = shaped[0]
+        return f"tensor {k} has shape {list(shapes[k])}, the config needs {list(expected[k])}"
+    return None
+
+
+def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over the folder's safetensors files, from their JSON headers."""
+    import json
+    import struct
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                if size > 100_000_000:
+                    raise ValueError("header too large")
+                header = json.loads(f.read(size))
+            shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise ModelError(f"{file} is not a readable safetensors file: {' '.join(str(exc).split())}") from None
+    return shapes
+
+
 @contextmanager
 def quiet_libraries():
-    """Silence diffusers' and transformers' progress bars and import-time notices (the CLI draws its own
-    progress and prints one line per problem); restore their settings afterwards."""
+    """Silence diffusers' and transformers' progress bars (the CLI draws its own progress and prints one line per
+    problem): their log records (load reports) and Python warnings go to the "omni" log at debug level, and
+    torch.load refuses to run (nothing is ever unpickled); their settings are restored afterwards."""
     import diffusers.utils.logging as dlog
+    import torch
     import transformers.utils.logging as tlog
 
-    levels = tlog.get_verbosity(), dlog.get_verbosity()
     bars = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.set_verbosity_error()
-    dlog.set_verbosity_error()
     tlog.disable_progress_bar()
     dlog.disable_progress_bar()
+    libraries = [tlog.get_logger(), dlog.get_logger()]  # their root loggers, configured
+    saved = [(lib.handlers[:], lib.level, lib.propagate) for lib in libraries]
+    for lib in libraries:
+        lib.handlers[:], lib.propagate = [_ToDebug()], False
+        lib.setLevel(logging.WARNING)
+    loader, torch.load = torch.load, _no_unpickling
     try:
-        yield
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                for w in caught:
+                    log.debug("%s: %s", w.category.__name__, w.message)
     finally:
-        tlog.set_verbosity(levels[0])
-        dlog.set_verbosity(levels[1])
+        torch.load = loader
+        for lib, (handlers, level, propagate) in zip(libraries, saved):
+            lib.handlers[:], lib.level, lib.propagate = handlers, level, propagate
         if bars[0]:
             tlog.enable_progress_bar()
         if bars[1]:
             dlog.enable_progress_bar()
+
+
+class _ToDebug(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.debug("%s: %s", record.name, record.getMessage())
+
+
+def _no_unpickling(*args, **kwargs):
+    raise ModelError("the checkpoint asks to unpickle a file (torch.load); omni loads safetensors only")
 

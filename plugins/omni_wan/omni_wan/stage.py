@@ -21,6 +21,7 @@ from omni_kernel.stage import Stage
 
 from .images import image_digest, image_size, open_image
 from .layout import ModelLayout, read_layout
+from .outputs import check_request
 from .params import WanConfig, WanParams
 from .presets import Settings, resolve
 
@@ -53,17 +54,17 @@ class DiffusionStage(Stage):
         # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
         # when the connector's input is processed.
         params = _params(item)
-        check_output(params.output)
+        check_request(item.prompt, params.output, item.request_id, params.profile)
         resolve(params, self.layout, image_size(item.image), self.default_preset)
 
     def process(self, item: StageInput) -> StageInput:
         params = _params(item)
-        check_output(params.output)
+        output = check_request(item.prompt, params.output, item.request_id, params.profile)
         image = open_image(item.image)
         settings = resolve(params, self.layout, image.size, self.default_preset)
         if settings.seed is None:
             settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
-        processed = WanInput(settings, image, image_digest(image), output_path(params.output, item.request_id))
+        processed = WanInput(settings, image, image_digest(image), output.absolute())
         return attrs.evolve(item, processed=processed)
 
     def postprocess(self, outputs: list[RequestOutput]) -> list:

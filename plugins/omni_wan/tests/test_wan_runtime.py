@@ -126,19 +126,13 @@ def test_vae_bf16_on_request(tiny_model, image_path, tmp_path):
 
 
 def test_failed_export_leaves_no_file(omni, image_path, tmp_path, monkeypatch):
-    import imageio_ffmpeg
+    from omni_wan import video
 
-    real = imageio_ffmpeg.write_frames
-
-    def breaks_midway(path, *args, **kwargs):
-        writer = real(path, *args, **kwargs)
-        writer.send(None)
-        writer.send((yield))
-        yield
-        writer.close()  # ffmpeg leaves a partial file behind ...
+    def breaks_midway(pixels, out, *args, **kwargs):
+        out.write_bytes(b"\0\0\0\x20ftyp")  # ffmpeg leaves a partial file behind ...
         raise KeyboardInterrupt  # ... when Ctrl-C arrives while it writes
 
-    monkeypatch.setattr(imageio_ffmpeg, "write_frames", breaks_midway)
+    monkeypatch.setattr(video, "_ffmpeg", breaks_midway)
     with pytest.raises(KeyboardInterrupt):
         omni.generate("a storm", image=str(image_path), **SMALL, output=str(tmp_path / "x.mp4"))
     assert not omni.has_unfinished()
