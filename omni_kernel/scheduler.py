@@ -1,9 +1,11 @@
 """Step schedulers: which requests of one engine run this step, and when each one is finished.
 
 Every request needs a known number of steps (`num_steps(item)`, fixed when it is added). StepScheduler runs
-up to `max_batch` requests from the front of its queue that share a batch key; DiffusionScheduler names the
-steps as phases (prepare, denoise 0..n-1, decode, export) and only batches requests in the same phase.
-The ARScheduler (ar_scheduler.py) is the token-level one.
+up to `max_batch` requests from the front of its queue that share a batch key, and whose `cost(item)` sums to at
+most `max_cost` (the first always runs); DiffusionScheduler names the steps as phases (prepare, denoise 0..n-1,
+decode, export), only batches requests in the same phase, and with `phase_order` runs the first listed phase
+any request is in (prepare before denoise: newcomers join the denoise batch at the next step). The
+ARScheduler (ar_scheduler.py) is the token-level one.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Job:
     item: StageInput
     total: int
     step: int = 0
+    cost: int = 1
 
 
 @attrs.define
@@ -55,9 +58,11 @@ class StepScheduler:
     batch_key: Callable[[StageInput], object] = lambda item: None
     num_steps: Callable[[StageInput], int] = lambda item: 1
     queue: deque[Job] = attrs.Factory(deque)
+    cost: Callable[[StageInput], int] = lambda item: 1  # a request's share of the per-step budget
+    max_cost: int | None = None  # None: no budget, only max_batch
 
     def add(self, item: StageInput) -> None:
-        self.queue.append(Job(item, self._total(item)))
+        self.queue.append(Job(item, self._total(item), cost=self.cost(item)))
 
     def _total(self, item: StageInput) -> int:
         total = self.num_steps(item)
@@ -68,8 +73,13 @@ class StepScheduler:
     def schedule(self) -> SchedulerOutput:
         if not self.queue:
             return SchedulerOutput(())
-        key = self._key(self.queue[0])
-        batch = [j for j in self.queue if self._key(j) == key][: self.max_batch]
+        key, batch, spent = self._key(self._front()), [], 0
+        for job in (j for j in self.queue if self._key(j) == key):
+            if len(batch) == self.max_batch or (batch and self.max_cost is not None
+                                                 and spent + job.cost > self.max_cost):
+                break  # first come, first served: a later request never overtakes one that did not fit
+            batch.append(job)
+            spent += job.cost
         return self._output(batch)
 
     def update(self, batch: SchedulerOutput, results: Mapping[str, Any], step_ms: float = 0.0) -> list[RequestOutput]:
@@ -99,6 +109,9 @@ class StepScheduler:
     def _key(self, job: Job) -> object:
         return self.batch_key(job.item)
 
+    def _front(self) -> Job:
+        return self.queue[0]
+
     def _output(self, batch: list[Job]) -> SchedulerOutput:
         return SchedulerOutput([j.item.request_id for j in batch], [j.step for j in batch])
 
@@ -118,7 +131,9 @@ def phase_of(step: int, total: int) -> str:
 @attrs.define
 class DiffusionScheduler(StepScheduler):
     """`num_steps(item)` is the request's denoise steps; the scheduler adds prepare, decode and export. The
-    step index of a denoise phase is `step - 1`."""
+    step index of a denoise phase is `step - 1`. `phase_order` () runs the front request's phase."""
+
+    phase_order: tuple[str, ...] = ()
 
     def _total(self, item: StageInput) -> int:
         denoise = self.num_steps(item)
@@ -128,6 +143,12 @@ class DiffusionScheduler(StepScheduler):
 
     def _key(self, job: Job) -> object:
         return phase_of(job.step, job.total), self.batch_key(job.item)
+
+    def _front(self) -> Job:
+        order = {p: i for i, p in enumerate(self.phase_order)}
+        phases = [phase_of(j.step, j.total) for j in self.queue]
+        first = min(phases, key=lambda p: order.get(p, len(order)))
+        return self.queue[phases.index(first)]
 
     def _output(self, batch: list[Job]) -> DiffusionSchedulerOutput:
         return DiffusionSchedulerOutput([j.item.request_id for j in batch], [j.step for j in batch],

@@ -117,37 +117,60 @@ class Wan22I2VPipeline:
         mask[:, :, 0] = 0
         return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
 
-    @torch.no_grad()
     def denoise_step(self, state: DenoiseState) -> None:
-        t = state.timesteps[state.step]
-        model, mask = self.pipe.transformer, state.mask
-        latent_input = ((1 - mask) * state.condition + mask * state.latents).to(self.transformer_dtype)
-        timestep = (mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0).expand(state.latents.shape[0], -1)
-        with model.cache_context("cond"):
-            noise = model(hidden_states=latent_input, timestep=timestep, encoder_hidden_states=state.text.prompt,
-                          encoder_hidden_states_image=None, attention_kwargs=None, return_dict=False)[0]
-        if state.guidance_scale > 1:
-            with model.cache_context("uncond"):
-                uncond = model(hidden_states=latent_input, timestep=timestep,
-                               encoder_hidden_states=state.text.negative, encoder_hidden_states_image=None,
-                               attention_kwargs=None, return_dict=False)[0]
-                noise = uncond + state.guidance_scale * (noise - uncond)
-        state.latents = state.scheduler.step(noise, t, state.latents, return_dict=False)[0]
-        state.step += 1
+        self.denoise_batch([state], cfg_batched=False)
 
     @torch.no_grad()
+    def denoise_batch(self, states: list[DenoiseState], cfg_batched: bool = True) -> None:
+        """One denoise step of every request in `states` (same latent shape), each at its own timestep, with its
+        own condition, text and guidance scale. The rows share the transformer call(s): all cond rows, then the
+        uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one. Each request's
+        UniPC scheduler then steps on its own prediction."""
+        model, dtype = self.pipe.transformer, self.transformer_dtype
+        ts = [s.timesteps[s.step] for s in states]
+        inputs = [((1 - s.mask) * s.condition + s.mask * s.latents).to(dtype) for s in states]
+        stamps = [(s.mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0) for s, t in zip(states, ts)]
+        guided = [i for i, s in enumerate(states) if s.guidance_scale > 1]
+        cond = ("cond", inputs, stamps, [s.text.prompt for s in states])
+        uncond = ("uncond", [inputs[i] for i in guided], [stamps[i] for i in guided],
+                  [states[i].text.negative for i in guided])
+        if not guided:
+            passes = [cond]
+        elif cfg_batched:
+            passes = [("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))]
+        else:
+            passes = [cond, uncond]
+        noise = []
+        for name, latents, timesteps, texts in passes:
+            with model.cache_context(name):
+                noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
+                                   encoder_hidden_states=torch.cat(texts), encoder_hidden_states_image=None,
+                                   attention_kwargs=None, return_dict=False)[0].split(1))
+        for i, (state, t) in enumerate(zip(states, ts)):
+            pred = noise[i]
+            if state.guidance_scale > 1:
+                negative = noise[len(states) + guided.index(i)]
+                pred = negative + state.guidance_scale * (pred - negative)
+            state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
+            state.step += 1
+
     def decode(self, state: DenoiseState) -> np.ndarray:
         """VAE decode and postprocess: frames as float32 (num_frames, height, width, 3) in [0, 1]."""
+        return self.decode_batch([state])[0]
+
+    @torch.no_grad()
+    def decode_batch(self, states: list[DenoiseState]) -> list[np.ndarray]:
+        """One VAE decode of requests with the same latent shape: each one's frames."""
         from diffusers.utils.torch_utils import get_module_execution_device
 
-        pipe, mask = self.pipe, state.mask
-        latents = (1 - mask) * state.condition + mask * state.latents
+        pipe = self.pipe
+        latents = torch.cat([(1 - s.mask) * s.condition + s.mask * s.latents for s in states])
         latents = latents.to(device=get_module_execution_device(pipe.vae), dtype=pipe.vae.dtype)
         mean, inv_std = self._latent_stats(latents.device, latents.dtype)
         video = pipe.vae.decode(latents / inv_std + mean, return_dict=False)[0]
         frames = pipe.video_processor.postprocess_video(video, output_type="np")
         pipe.maybe_free_model_hooks()
-        return frames[0]
+        return list(frames)
 
     def _latent_stats(self, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.pipe.vae.config

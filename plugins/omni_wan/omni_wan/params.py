@@ -38,6 +38,11 @@ class WanConfig:
                                        flag="--disable-cpu-offload", validator=boolean)
     device: str = option("auto", help="where the diffusion model runs (auto: CUDA when available)",
                          choices=DEVICES)
+    wan_max_batch: int = option(16, help="most video requests in one denoise forward (1: one at a time)", type=int,
+                                validator=integer(1))
+    wan_max_batch_tokens: int | None = option(
+        None, help="latent-token budget of one denoise forward, CFG rows counted twice (default: sized from the "
+                   "device's memory; a request over it runs alone)", type=int, validator=integer(1))
 
 
 @attrs.frozen

@@ -42,6 +42,10 @@ class Profiler:
         now = time.perf_counter() - self.origin
         self.spans.append(Span(name, max(0.0, now - duration_s), duration_s, args))
 
+    def record(self, name: str, start: float, end: float, **args) -> None:
+        """Record a span timed elsewhere (perf_counter values): one batched step shared by several requests."""
+        self.spans.append(Span(name, start - self.origin, end - start, args))
+
     def phase_ms(self) -> dict[str, float]:
         totals: dict[str, float] = {}
         for span in self.spans:

@@ -3,6 +3,8 @@
 The DiffusionScheduler owns each request's phase and step index: prepare -> denoise (one step per engine
 step) -> decode -> export. The runner only runs what it is given; a request can be aborted between any two
 steps (the engine calls `free`), and nothing is written before export, which writes the MP4 atomically.
+A denoise batch (requests of one shape, each at its own step) is one transformer forward: `denoise`; requests
+that reach decode at the same step share one VAE decode; prepare and export run request by request.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Job:
     state: Any = None
     frames: Any = None
     trace: dict = attrs.Factory(dict)
+    batch_sizes: list[int] = attrs.Factory(list)  # requests in each of its denoise forwards
 
     @property
     def input(self) -> WanInput:
@@ -44,7 +47,7 @@ class Job:
 
 class WanRunner:
     def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, model_label: str, pool: ModelPool,
-                 cache: prepare_cache.PrepareCache):
+                 cache: prepare_cache.PrepareCache, budget: str = ""):
         self.node_id = node_id
         self.layout = layout
         self.placement = placement
@@ -52,13 +55,17 @@ class WanRunner:
         self.pool = pool
         self.cache = cache
         self.jobs: dict[str, Job] = {}
-        self.phases = {"prepare": self.prepare, "denoise": self.denoise, "decode": self.decode,
-                       "export": self.export}
+        self.phases = {"prepare": self.prepare, "export": self.export}
+        self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
+        self.budget = budget  # logged once, with the first request
 
     def add_request(self, item: StageInput) -> None:
         self.jobs[item.request_id] = Job(item, Profiler(sync=self._sync()))
 
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
+        if batch.phase in ("denoise", "decode"):
+            jobs = [self.jobs[rid] for rid in batch.request_ids]
+            return self.denoise(jobs) if batch.phase == "denoise" else self.decode(jobs)
         phase = self.phases[batch.phase]
         return {rid: phase(self.jobs[rid]) for rid in batch.request_ids}
 
@@ -68,6 +75,9 @@ class WanRunner:
     def prepare(self, job: Job) -> Denoised:
         s, image = job.input.settings, job.input.image
         loaded = self.pool.acquire(self.layout.path, self.placement)
+        if self.budget:
+            log.info("%s: %s", self.node_id, self.budget)
+            self.budget = ""
         if loaded.cold:
             job.profiler.add("load", loaded.load_ms / 1000)
         model = job.model = loaded.model
@@ -94,16 +104,25 @@ class WanRunner:
                           "diffusion.prepare_cache_hit": text_hit and image_hit})
         return Denoised(0, job.state.total)
 
-    def denoise(self, job: Job) -> Denoised:
-        step = job.state.step
-        with job.profiler.span(f"denoise:{step}", timestep=float(job.state.timesteps[step])):
-            job.model.denoise_step(job.state)
-        return Denoised(job.state.step, job.state.total)
+    def denoise(self, jobs: list[Job]) -> dict[str, Denoised]:
+        """One step of every job, at its own step, in one forward; each job's profile gets the batch's span."""
+        steps = [(j.state.step, float(j.state.timesteps[j.state.step])) for j in jobs]
+        start = time.perf_counter()
+        jobs[0].model.denoise_batch([j.state for j in jobs], cfg_batched=self.cfg_batched)
+        end = self._synced()
+        for job, (step, timestep) in zip(jobs, steps):
+            job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
+            job.batch_sizes.append(len(jobs))
+        return {j.item.request_id: Denoised(j.state.step, j.state.total) for j in jobs}
 
-    def decode(self, job: Job) -> None:
-        with job.profiler.span("vae_decode"):
-            job.frames = job.model.decode(job.state)
-        job.state = None
+    def decode(self, jobs: list[Job]) -> dict[str, None]:
+        start = time.perf_counter()
+        frames = jobs[0].model.decode_batch([j.state for j in jobs])
+        end = self._synced()
+        for job, video in zip(jobs, frames):
+            job.profiler.record("vae_decode", start, end, batch_size=len(jobs))
+            job.frames, job.state = video, None
+        return dict.fromkeys((j.item.request_id for j in jobs), None)
 
     def export(self, job: Job) -> StageOutput:
         params, output = job.item.params, job.input.output
@@ -127,9 +146,20 @@ class WanRunner:
         trace.update(s.trace())
         trace.update(self.placement.trace())
         trace.update(job.trace)
+        sizes = job.batch_sizes or [0]
+        trace.update({"diffusion.batch_size_mean": round(sum(sizes) / len(sizes), 3),
+                      "diffusion.batch_size_max": max(sizes),
+                      "diffusion.cfg_batched": self.cfg_batched and s.guidance_scale > 1})
         trace.update(job.profiler.trace(detailed=profile))
         trace["diffusion.elapsed_ms"] = round((time.perf_counter() - job.start) * 1000, 3)
         return trace
+
+    def _synced(self) -> float:
+        """perf_counter() after the device has finished its queued work."""
+        sync = self._sync()
+        if sync is not None:
+            sync()
+        return time.perf_counter()
 
     def _sync(self):
         if self.placement.device != "cuda":

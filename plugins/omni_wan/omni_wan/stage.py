@@ -1,7 +1,9 @@
 """DiffusionStage (input processing once per request, events out) and the factory of `diffusion.wan22_i2v`.
 
 The engine is the kernel's: Engine(DiffusionScheduler, WanRunner); one engine step is one phase (prepare,
-one denoise step, decode, export) of the request at the front of the queue.
+one denoise step, decode, export). Finishing and newly arrived requests go first (export, decode, prepare),
+then every denoising request of one batch key (size, frames, CFG on/off, dtype) shares one denoise forward,
+each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens` latent tokens.
 """
 
 from __future__ import annotations
@@ -114,6 +116,47 @@ class WanStages:
         else:
             layout, label, default_preset = read_layout(ensure_demo_model()), "demo (random weights)", "smoke"
         default_preset = node.policy.get("preset", default_preset)
-        runner = WanRunner(node.id, layout, place(config), label, self.pool, self.cache)
-        scheduler = DiffusionScheduler(max_batch=1, num_steps=lambda item: item.processed.settings.steps)
+        placement = place(config)
+        budget, why = token_budget(config, placement, layout)
+        runner = WanRunner(node.id, layout, placement, label, self.pool, self.cache,
+                           budget=f"batching up to {config.wan_max_batch} requests and {budget} latent tokens "
+                                  f"per denoise step ({why})")
+        scheduler = DiffusionScheduler(
+            max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
+            batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),
+            cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget,
+            phase_order=("export", "decode", "prepare", "denoise"))
         return DiffusionStage(node, Engine(scheduler, runner), layout, default_preset)
+
+
+def batch_key(s: Settings, dtype: str) -> tuple:
+    """Requests that can share a denoise forward: same latent shape, CFG on or off, same dtype."""
+    return s.height, s.width, s.num_frames, s.guidance_scale > 1, dtype
+
+
+def latent_tokens(s: Settings, layout: ModelLayout) -> int:
+    """A request's rows in a denoise forward: its transformer sequence length, twice with CFG."""
+    frames = (s.num_frames - 1) // layout.temporal_factor + 1
+    tokens = frames * (s.height // layout.spatial_multiple) * (s.width // layout.spatial_multiple)
+    return tokens * (2 if s.guidance_scale > 1 else 1)
+
+
+CPU_TOKEN_BUDGET = 16384  # on a CPU a forward is compute-bound long before memory matters
+
+
+def token_budget(config: WanConfig, placement, layout: ModelLayout) -> tuple[int, str]:
+    """`wan_max_batch_tokens`, or a default: on a GPU, half its memory beyond 24 GiB (the weights, the VAE
+    decode) at a rough 4 bytes x (ffn_dim + 8 x hidden) of activations per token (bf16, with headroom)."""
+    if config.wan_max_batch_tokens is not None:
+        return config.wan_max_batch_tokens, "wan_max_batch_tokens"
+    if placement.device != "cuda":
+        return CPU_TOKEN_BUDGET, "default for cpu"
+    import json
+
+    import torch
+
+    t = json.loads((layout.path / "transformer" / "config.json").read_text(encoding="utf-8"))
+    hidden = t.get("num_attention_heads", 24) * t.get("attention_head_dim", 128)
+    per_token = 4 * (t.get("ffn_dim", 14336) + 8 * hidden)
+    spare = torch.cuda.get_device_properties(0).total_memory - 24 * 2**30
+    return max(1, spare // 2 // per_token), "default for cuda: half the memory beyond 24 GiB"

@@ -1,0 +1,208 @@
+"""Benchmark (not in CI): continuous batching of wan_i2v against one request at a time and static batches.
+
+8 requests (different images, prompts and seeds, guidance 5) arrive over time (Poisson arrivals, fixed seed)
+at one wan_i2v pipeline on a locally built random-weight checkpoint (benchmarks/wan_i2v.py's transformer).
+Three ways to serve them, all in this process on the same loaded model:
+
+- continuous: the stage's default (every denoising request of one shape shares one forward per step; a new
+  request is prepared at the next step boundary and joins the batch);
+- sequential: `wan_max_batch=1`, one request per forward (the stage's behaviour before batching);
+- static: the continuous engine, but requests are held until 4 are queued and the engine is idle, then run as
+  one batch (the last batch is whatever is left once every request has arrived).
+
+Throughput is requests / (last finish - first arrival); each ratio is the median over rounds of
+(other's time / continuous time), the runs of a round alternating their order. The prepare cache is cleared
+before every run so all sides do the same work. `cfg_batch_speedup` is one request's denoise time with the CFG
+rows in two forwards over one forward. `max_abs_diff` is the largest difference between a request's frames
+in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
+
+    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/wan_batching.py [--quick]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan_i2v import BENCH_DIMS  # noqa: E402 - the same checkpoint as the wan_i2v benchmark
+
+PROMPTS = ["a cat surfing on a blue wave at sunset", "a red fox running through fresh snow",
+           "a paper boat drifting down a rainy street", "a hot air balloon over green hills",
+           "a lighthouse in a storm at night", "a hummingbird hovering near a flower",
+           "a train crossing a stone bridge in autumn", "a robot watering plants in a greenhouse"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--height", type=int, default=128)
+    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--num-frames", type=int, default=17)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds at the benchmark size")
+    parser.add_argument("--large-rounds", type=int, default=1, help="rounds at the larger size (0: skip)")
+    parser.add_argument("--large-scale", type=int, default=2, help="height and width factor of the larger size")
+    parser.add_argument("--arrival-factor", type=float, default=0.25,
+                        help="mean time between arrivals, as a fraction of one request's solo time")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.large_rounds = 6, 1, 1
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from omni_kernel import Omni
+    from omni_kernel.plugins import load_host
+    from omni_wan.demo import build_tiny_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="omni-wan-batching-") as tmp:
+        work = Path(tmp)
+        model = build_tiny_checkpoint(work / "model", dims=BENCH_DIMS)
+        images = _images(work, args.requests)
+        host = load_host()
+        engines = {"continuous": Omni("wan_i2v", host=host, model=str(model), device="cpu"),
+                   "sequential": Omni("wan_i2v", host=host, model=str(model), device="cpu", wan_max_batch=1)}
+        engines["static"] = engines["continuous"]
+        cache = host.pm.get_plugin("omni_wan").stages.cache
+        sizes = {"base": (args.height, args.width),
+                 "large": (args.height * args.large_scale, args.width * args.large_scale)}
+        report = {"benchmark": "wan_batching", "checkpoint": {"transformer": BENCH_DIMS},
+                  "settings": {"num_frames": args.num_frames, "steps": args.steps, "guidance_scale": 5.0,
+                               "requests": args.requests, "rounds": args.rounds, "large_rounds": args.large_rounds,
+                               "arrival_factor": args.arrival_factor, "arrival_seed": args.seed,
+                               "threads": torch.get_num_threads(),
+                               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
+        for label, rounds in (("base", args.rounds), ("large", args.large_rounds)):
+            if rounds < 1:
+                continue
+            height, width = sizes[label]
+            params = dict(height=height, width=width, num_frames=args.num_frames, num_inference_steps=args.steps,
+                          guidance_scale=5.0)
+            result = _compare(engines, cache, images, params, rounds, args, work / label)
+            result["size"] = f"{width}x{height}x{args.num_frames}"
+            if label == "base":
+                report.update(result)
+            else:
+                report["large"] = result
+            print(f"{label}: {json.dumps(result)}", flush=True)
+    print(json.dumps(report))
+
+
+def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
+    """Warm up, measure one request's solo time (sets the arrival rate) and the CFG speedup, then rounds."""
+    omni = engines["continuous"]
+    runner = omni.graph.stages["wan"].engine.runner
+
+    def solo(cfg_batched: bool):
+        runner.cfg_batched = cfg_batched
+        cache.clear()
+        start = time.perf_counter()
+        trace = omni.generate(PROMPTS[0], image=images[0], **params, seed=0, output=str(out / "solo.mp4")).trace
+        runner.cfg_batched = True
+        return time.perf_counter() - start, trace["diffusion.denoise_ms"]
+
+    solo(True)  # load and warm up
+    one, two = [], []
+    for i in range(3):
+        for batched in ((True, False) if i % 2 == 0 else (False, True)):
+            (one if batched else two).append(solo(batched))
+    solo_s = statistics.median(t for t, _ in one)
+    mean_gap = args.arrival_factor * solo_s
+    rng = random.Random(args.seed)
+    arrivals, clock = [], 0.0
+    for _ in range(args.requests):
+        arrivals.append(clock)
+        clock += rng.expovariate(1 / mean_gap)
+
+    times = {"continuous": [], "sequential": [], "static": []}
+    frames, batch_means = {}, []
+    for r in range(rounds):
+        order = ["continuous", "sequential", "static"]
+        for mode in (order if r % 2 == 0 else order[::-1]):
+            cache.clear()
+            elapsed, results = _serve(engines[mode], mode, images, params, arrivals, out / f"{mode}{r}")
+            times[mode].append(elapsed)
+            if r == 0 and mode in ("continuous", "sequential"):
+                frames[mode] = {rid: res.output.data["frames"] for rid, res in results.items()}
+            if mode == "continuous":
+                batch_means += [res.trace["diffusion.batch_size_mean"] for res in results.values()]
+            print(f"round {r} {mode:<11} {elapsed:8.3f} s", flush=True)
+    diff = max(float(abs(frames["continuous"][rid] - frames["sequential"][rid]).max()) for rid in frames["sequential"])
+    pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])] for other in ("sequential", "static")}
+    return {"ratio_vs_sequential": round(statistics.median(pairs["sequential"]), 3),
+            "ratio_vs_static": round(statistics.median(pairs["static"]), 3),
+            "pairs_vs_sequential": [round(x, 3) for x in pairs["sequential"]],
+            "pairs_vs_static": [round(x, 3) for x in pairs["static"]],
+            "throughput_rps": {m: round(args.requests / statistics.median(t), 4) for m, t in times.items()},
+            "makespan_s": {m: [round(x, 3) for x in t] for m, t in times.items()},
+            "solo_request_s": round(solo_s, 3), "mean_arrival_gap_s": round(mean_gap, 3),
+            "arrivals_s": [round(a, 3) for a in arrivals],
+            "continuous_batch_size_mean": round(statistics.mean(batch_means), 3),
+            "cfg_batch_speedup": round(statistics.median(d for _, d in two) / statistics.median(d for _, d in one), 3),
+            "cfg_denoise_ms": {"one_forward": round(statistics.median(d for _, d in one), 1),
+                               "two_forwards": round(statistics.median(d for _, d in two), 1)},
+            "max_abs_diff": diff}
+
+
+def _serve(omni, mode: str, images, params, arrivals, out: Path):
+    """Submit each request at its arrival time (static: in groups of 4, when the engine is idle); step the
+    engine until every request has finished. Returns (last finish - first arrival, {request id: result})."""
+    from omni_kernel import RequestFailed, RequestFinished
+
+    pending = [omni.request(PROMPTS[i % len(PROMPTS)], image=images[i], request_id=f"r{i}", **params, seed=i,
+                            output=str(out / f"r{i}.mp4"), return_frames=True) for i in range(len(arrivals))]
+    queued, results = [], {}
+    start = time.perf_counter()
+    while len(results) < len(arrivals):
+        now = time.perf_counter() - start
+        while pending and arrivals[len(arrivals) - len(pending)] <= now:
+            queued.append(pending.pop(0))
+        idle = not omni.has_unfinished()
+        if mode != "static" or (idle and (len(queued) >= 4 or (not pending and queued))):
+            for request in queued:
+                omni.submit(request)
+            queued = []
+        if omni.has_unfinished():
+            for event in omni.step():
+                if isinstance(event, RequestFailed):
+                    raise RuntimeError(f"{event.request_id} failed: {event.error}")
+                if isinstance(event, RequestFinished):
+                    results[event.request_id] = event.result
+        elif pending:
+            time.sleep(max(0.0, arrivals[len(arrivals) - len(pending)] - (time.perf_counter() - start)))
+    return time.perf_counter() - start, results
+
+
+def _images(work: Path, count: int) -> list[str]:
+    """Different images: a colour gradient each, with a little seeded noise."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(count):
+        y, x = np.mgrid[0:144, 0:160]
+        base = np.stack([(x * (i + 1) * 7) % 256, (y * (i + 3) * 5) % 256, np.full_like(x, 40 * i % 256)], -1)
+        pixels = np.clip(base + rng.integers(-20, 20, base.shape), 0, 255).astype(np.uint8)
+        paths.append(str(work / f"image{i}.png"))
+        Image.fromarray(pixels).save(paths[-1])
+    return paths
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Continuous batching of wan_i2v: requests at different denoise steps share one forward and still get their solo
+frames; the per-step token budget; the scheduler's cost budget and phase order."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from omni_kernel import InvalidParameter, Omni, RequestFailed, RequestFinished, StageProgress
+from omni_kernel.request import StageInput
+from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
+from PIL import Image
+
+SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 5}
+# different prompts, images, seeds and guidance scales (all with CFG: one batch key)
+REQUESTS = {"a": ("a red fox in the snow", "red", 1, 5.0), "b": ("a boat on a calm lake", "noise", 2, 3.0),
+            "c": ("a city street at night", "blue", 3, 7.5), "d": ("a kite over a field", "green", 4, 4.0)}
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("images")
+    rng = np.random.default_rng(0)
+    paths = {}
+    for name in ("red", "blue", "green"):
+        Image.new("RGB", (120, 80), name).save(folder / f"{name}.png")
+        paths[name] = str(folder / f"{name}.png")
+    Image.fromarray(rng.integers(0, 256, (80, 120, 3), dtype=np.uint8)).save(folder / "noise.png")
+    paths["noise"] = str(folder / "noise.png")
+    return paths
+
+
+def _request(omni, rid, images, tmp_path):
+    prompt, image, seed, guidance = REQUESTS[rid]
+    return omni.request(prompt, image=images[image], request_id=rid, **SIZE, seed=seed, guidance_scale=guidance,
+                        output=str(tmp_path / f"{rid}.mp4"), return_frames=True)
+
+
+def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(omni, images, tmp_path):
+    runner = omni.graph.stages["wan"].engine.runner
+    calls, decodes = [], []
+    real, real_decode = runner.denoise, runner.decode
+
+    def spy(jobs):
+        calls.append({j.item.request_id: j.state.step for j in jobs})
+        return real(jobs)
+
+    runner.denoise = spy
+    runner.decode = lambda jobs: decodes.append(sorted(j.item.request_id for j in jobs)) or real_decode(jobs)
+    events = []
+    try:
+        omni.submit(_request(omni, "a", images, tmp_path))
+        omni.submit(_request(omni, "b", images, tmp_path))
+        omni.submit(_request(omni, "d", images, tmp_path))
+
+        def progressed(rid, step):
+            return any(isinstance(e, StageProgress) and e.request_id == rid and e.step >= step for e in events)
+
+        while not progressed("a", 2):
+            events += omni.step()
+        omni.submit(_request(omni, "c", images, tmp_path))  # joins while a, b and d are mid-way
+        while not progressed("d", 3):
+            events += omni.step()
+        omni.abort("d")  # aborted mid-way: its neighbours go on
+        while omni.has_unfinished():
+            events += omni.step()
+    finally:
+        del runner.denoise, runner.decode
+
+    assert {"a": 2, "b": 2, "d": 2, "c": 0} in calls  # c's first step rides with the others' third
+    assert all(len(batch) > 1 for batch in calls[:5])
+    assert decodes == [["a", "b"], ["c"]]  # a and b finish at the same step: one VAE decode
+    assert [e.error for e in events if isinstance(e, RequestFailed)] == ["aborted"]
+    assert not (tmp_path / "d.mp4").exists() and "d" not in runner.jobs
+    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    assert sorted(finished) == ["a", "b", "c"]
+    for rid in "abc":
+        progress = [e.step for e in events if isinstance(e, StageProgress) and e.request_id == rid]
+        assert progress == [0, 1, 2, 3, 4, 5]
+        trace = finished[rid].trace
+        assert trace["diffusion.batch_size_max"] >= 3 and trace["diffusion.cfg_batched"] is True
+        assert 1 <= trace["diffusion.batch_size_mean"] <= trace["diffusion.batch_size_max"]
+        assert trace["diffusion.denoise_ms"] > 0
+
+    solo_dir = tmp_path / "solo"
+    for rid in "abc":
+        solo = omni.scheduler.generate(_request(omni, rid, images, solo_dir))
+        assert solo.trace["diffusion.batch_size_max"] == 1
+        ours, alone = finished[rid].output.data["frames"], solo.output.data["frames"]
+        assert ours.shape == alone.shape == (9, 64, 96, 3)
+        diff = float(np.abs(ours - alone).max())
+        assert diff <= 1e-3, (rid, diff)
+        print(f"{rid}: max abs diff vs solo {diff:.2e}")
+
+
+def test_cfg_off_and_on_do_not_share_a_forward_but_both_batch(omni, images, tmp_path):
+    runner = omni.graph.stages["wan"].engine.runner
+    sizes = []
+    real = runner.denoise
+    runner.denoise = lambda jobs: sizes.append(sorted(j.item.request_id for j in jobs)) or real(jobs)
+    try:
+        for rid, guidance in (("on1", 5.0), ("off1", 1.0), ("on2", 2.0), ("off2", 1.0)):
+            omni.submit(omni.request("waves", image=images["blue"], request_id=rid, **SIZE, seed=5,
+                                     guidance_scale=guidance, output=str(tmp_path / f"{rid}.mp4")))
+        events = []
+        while omni.has_unfinished():
+            events += omni.step()
+    finally:
+        del runner.denoise
+    assert {tuple(s) for s in sizes} == {("on1", "on2"), ("off1", "off2")}
+    traces = {e.request_id: e.result.trace for e in events if isinstance(e, RequestFinished)}
+    assert traces["off1"]["diffusion.cfg_batched"] is False and traces["on1"]["diffusion.cfg_batched"] is True
+
+
+def test_two_forward_cfg_equals_one_forward_cfg(omni, images, tmp_path):
+    runner = omni.graph.stages["wan"].engine.runner
+    one = omni.scheduler.generate(_request(omni, "a", images, tmp_path / "one"))
+    runner.cfg_batched = False
+    try:
+        two = omni.scheduler.generate(_request(omni, "a", images, tmp_path / "two"))
+    finally:
+        runner.cfg_batched = True
+    assert two.trace["diffusion.cfg_batched"] is False
+    assert float(np.abs(one.output.data["frames"] - two.output.data["frames"]).max()) <= 1e-3
+
+
+def test_the_token_budget_bounds_the_batch_and_is_logged_once(tiny_model, images, tmp_path, caplog):
+    # 9 frames of 64x96 -> 3 latent frames x 2 x 3 tokens = 18, twice with CFG: 36 per request
+    omni = Omni("wan_i2v", model=str(tiny_model), device="cpu", wan_max_batch_tokens=72)
+    with caplog.at_level(logging.INFO, logger="omni"):
+        for rid in "abc":
+            omni.submit(_request(omni, rid, images, tmp_path))
+        events = []
+        while omni.has_unfinished():
+            events += omni.step()
+    sizes = {e.request_id: e.result.trace["diffusion.batch_size_max"] for e in events
+             if isinstance(e, RequestFinished)}
+    assert sizes == {"a": 2, "b": 2, "c": 1}
+    lines = [r.getMessage() for r in caplog.records if "latent tokens per denoise step" in r.getMessage()]
+    assert lines == ["wan: batching up to 16 requests and 72 latent tokens per denoise step (wan_max_batch_tokens)"]
+
+
+def test_batching_config_is_validated():
+    from omni_wan.params import WanConfig
+
+    with pytest.raises(InvalidParameter, match="wan_max_batch"):
+        WanConfig(wan_max_batch=0)
+    with pytest.raises(InvalidParameter, match="wan_max_batch_tokens"):
+        WanConfig(wan_max_batch_tokens=-5)
+
+
+def test_latent_tokens_and_the_cpu_default_budget():
+    from omni_wan.device import place
+    from omni_wan.layout import ModelLayout
+    from omni_wan.params import WanConfig
+    from omni_wan.presets import Settings
+    from omni_wan.stage import CPU_TOKEN_BUDGET, latent_tokens, token_budget
+
+    layout = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
+    quality = Settings(preset="quality", height=704, width=1280, num_frames=121, steps=50, guidance_scale=5.0,
+                       seed=0, negative_prompt="")
+    assert latent_tokens(quality, layout) == 31 * 22 * 40 * 2  # latent frames x (h/32) x (w/32), twice for CFG
+    config = WanConfig(device="cpu")
+    assert token_budget(config, place(config), layout) == (CPU_TOKEN_BUDGET, "default for cpu")
+    config = WanConfig(device="cpu", wan_max_batch_tokens=500)
+    assert token_budget(config, place(config), layout) == (500, "wan_max_batch_tokens")
+
+
+def _item(rid: str, cost: int, steps: int = 1) -> StageInput:
+    return StageInput(rid, "s", processed=(cost, steps))
+
+
+def test_step_scheduler_cost_budget_keeps_arrival_order_and_always_runs_one():
+    scheduler = StepScheduler(max_batch=8, num_steps=lambda i: i.processed[1], cost=lambda i: i.processed[0],
+                              max_cost=10)
+    for rid, cost in [("a", 4), ("b", 4), ("c", 4), ("d", 1), ("big", 30)]:
+        scheduler.add(_item(rid, cost))
+    ran = []
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        scheduler.update(batch, dict.fromkeys(batch.request_ids, 0))
+        ran.append(batch.request_ids)
+    assert ran == [("a", "b"), ("c", "d"), ("big",)]  # d does not overtake c; big runs alone
+
+
+def test_phase_order_lets_newcomers_prepare_and_join_the_denoise_batch():
+    scheduler = DiffusionScheduler(max_batch=4, num_steps=lambda i: i.processed[1],
+                                   phase_order=("export", "decode", "prepare", "denoise"))
+    scheduler.add(_item("a", 1, 3))
+
+    def advance():
+        batch = scheduler.schedule()
+        scheduler.update(batch, dict.fromkeys(batch.request_ids, 0))
+        return batch.phase, batch.request_ids, batch.steps
+
+    assert advance() == ("prepare", ("a",), (0,))
+    assert advance() == ("denoise", ("a",), (1,))
+    scheduler.add(_item("b", 1, 3))
+    assert advance() == ("prepare", ("b",), (0,))  # the newcomer goes first ...
+    assert advance() == ("denoise", ("a", "b"), (2, 1))  # ... and joins a's denoise batch at a's second step
+    assert advance() == ("denoise", ("a", "b"), (3, 2))
+    assert advance() == ("decode", ("a",), (4,))  # a leaves as soon as it is done
+    assert advance() == ("export", ("a",), (5,))
+    assert advance() == ("denoise", ("b",), (3,))
