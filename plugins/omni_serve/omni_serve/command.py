@@ -146,7 +146,8 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
     import uvicorn
 
     from .engine import AsyncOmni
-    from .server import ServeSettings, create_app
+    from .guards import ServeSettings
+    from .server import create_app
 
     if max_body_mb <= 0:
         raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")

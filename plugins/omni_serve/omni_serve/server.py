@@ -10,44 +10,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
 from typing import Annotated, Any
 
-import attrs
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_kernel.errors import EngineDead, OmniError, RequestError, UserError, classify
-from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.events import RequestFailed
 from omni_kernel.params import options_of
 
 from .engine import AsyncOmni, ShuttingDown
+from .guards import OmniASGI, ServeSettings, until_disconnect
 from .metrics import Metrics
 from .protocol import (NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
                        VideoJob)
+from .text import FINISH, Watch, collect, sse
 from .videos import VideoJobs, frames_for, parse_size
 
 log = logging.getLogger("omni")
-FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context_window": "length"}
-
-
-@attrs.frozen
-class ServeSettings:
-    output_dir: Path
-    api_key: str | None = None
-    video_ttl: float | None = 3600.0
-    max_body_mb: float = 20.0
-    allowed_origins: tuple[str, ...] = ()
-    shutdown_timeout: float = 30.0
-    aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
 
 
 def pipeline_kind(engine: AsyncOmni, name: str) -> str:
@@ -78,126 +63,6 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, UserError) or isinstance(exc, (EngineDead, RequestError)):
         return APIError.of_failure(kind, message, field)
     return APIError(500, f"internal error: {message}", None, "internal_error")
-
-
-class OmniASGI:
-    """Outermost middleware: request id, body size limit (413), API key (401), access log line, and a last
-    resort 500 that keeps the server up. Pure ASGI, so streaming and disconnects pass through untouched."""
-
-    def __init__(self, app, settings: ServeSettings, metrics: Metrics):
-        self.app = app
-        self.settings = settings
-        self.metrics = metrics
-        self.max_body = int(settings.max_body_mb * 2**20)
-        self.key = settings.api_key.encode() if settings.api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        rid = f"req-{uuid.uuid4().hex[:16]}"
-        scope.setdefault("state", {})["request_id"] = rid
-        status = {"code": 0, "started": False}
-
-        async def send_logged(message):
-            if message["type"] == "http.response.start":
-                status["code"], status["started"] = message["status"], True
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
-            await send(message)
-
-        try:
-            error = self._refuse(scope)
-            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                receive, error = await self._buffer(scope, receive)
-            if error is not None:
-                await self._send_error(send_logged, error)
-            else:
-                await self.app(scope, receive, send_logged)
-        except Exception as exc:  # noqa: BLE001 - one request failed; the server stays up
-            log.error("%s %s %s failed: %s: %s", rid, scope["method"], scope["path"], type(exc).__name__, exc,
-                      exc_info=exc)
-            if not status["started"]:
-                await self._send_error(send_logged, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                             code="internal_error"))
-        finally:
-            route = getattr(scope.get("route"), "path", None) or ("other" if status["code"] == 404 else scope["path"])
-            ms = (time.perf_counter() - start) * 1000
-            log.info("%s %s %s %s %.1fms", rid, scope["method"], scope["path"], status["code"] or "-", ms)
-            self.metrics.http.labels(route, str(status["code"] or 499)).inc()
-
-    def _refuse(self, scope) -> APIError | None:
-        if self.key is not None and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                                code="invalid_api_key")
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return self._too_large()
-        return None
-
-    def _too_large(self) -> APIError:
-        return APIError(413, f"request body is larger than {self.settings.max_body_mb:g} MB (--max-body-mb)",
-                        code="body_too_large")
-
-    async def _buffer(self, scope, receive):
-        """Read the whole body (up to the limit) and replay it; then hand disconnects through."""
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return receive, APIError(400, "client disconnected")
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body:
-                return receive, self._too_large()
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return replay, None
-
-    @staticmethod
-    async def _send_error(send, error: APIError) -> None:
-        body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        if error.status == 401:
-            headers.append((b"www-authenticate", b"Bearer"))
-        await send({"type": "http.response.start", "status": error.status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-
-async def wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def until_disconnect(request: Request, coro):
-    """Run `coro`; if the client goes away first, cancel it (its request is aborted in the engine)."""
-    task = asyncio.ensure_future(coro)
-    watcher = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        return None
-    return task.result()
 
 
 def create_app(engine: AsyncOmni, settings: ServeSettings) -> FastAPI:
@@ -441,80 +306,6 @@ def create_app(engine: AsyncOmni, settings: ServeSettings) -> FastAPI:
                            allow_headers=["*"])
     app.state.asgi = OmniASGI(app, settings, metrics)
     return app
-
-
-class Watch:
-    """Latency and token figures of one text request, into the metrics."""
-
-    def __init__(self, metrics: Metrics, model: str, arrival: float):
-        self.metrics, self.model, self.arrival = metrics, model, arrival
-        self.last: float | None = None
-
-    def delta(self) -> None:
-        now = time.perf_counter()
-        if self.last is None:
-            self.metrics.ttft.labels(self.model).observe(now - self.arrival)
-        else:
-            self.metrics.itl.labels(self.model).observe(now - self.last)
-        self.last = now
-
-    def usage(self, result) -> dict[str, int]:
-        trace = result.trace
-        prompt = int(trace.get("ar.input_tokens", 0) or 0)
-        completion = int(trace.get("ar.output_tokens", 0) or 0)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    def done(self, result, route: str) -> None:
-        usage = self.usage(result)
-        self.metrics.generated.labels(self.model).inc(usage["completion_tokens"])
-        self.metrics.prompt.labels(self.model).inc(usage["prompt_tokens"])
-        self.metrics.e2e.labels(self.model, route).observe(time.perf_counter() - self.arrival)
-
-
-async def collect(stream, final: str, watch: Watch):
-    parts: list[str] = []
-    async with stream:
-        async for event in stream:
-            if isinstance(event, TokenDelta) and event.node_id == final:
-                watch.delta()
-                parts.append(event.text)
-            elif isinstance(event, (RequestFinished, RequestFailed)):
-                return "".join(parts), event
-    return "".join(parts), RequestFailed(stream.request_id, None, "aborted", "aborted")
-
-
-async def sse(stream, final: str, watch: Watch, rid: str, model: str, chat: bool, include_usage: bool
-              ) -> AsyncIterator[str]:
-    created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
-        if chat:
-            body = {"role": "assistant", "content": delta or ""} if first else (
-                {} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": body, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                      "choices": [choice]}, ensure_ascii=False) + "\n\n"
-
-    async with stream:
-        if chat:
-            yield chunk("", first=True)
-        async for event in stream:
-            if isinstance(event, TokenDelta) and event.node_id == final:
-                watch.delta()
-                yield chunk(event.text)
-            elif isinstance(event, RequestFinished):
-                out = event.result
-                watch.done(out, "chat" if chat else "completions")
-                yield chunk(None, FINISH.get(out.output.stop_reason or "eos", "stop"))
-                if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                                 "choices": [], "usage": watch.usage(out)}) + "\n\n"
-            elif isinstance(event, RequestFailed):
-                yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
-    yield "data: [DONE]\n\n"
 
 
 async def _expire(jobs: VideoJobs, ttl: float | None) -> None:

@@ -1,0 +1,153 @@
+"""The ASGI layer in front of the routes: the API key, the body-size limit, client disconnects and the access
+log (one line per request), with OpenAI-style errors for what it refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+from fastapi import Request
+
+from .metrics import Metrics
+from .protocol import APIError
+
+log = logging.getLogger("omni")
+
+
+@attrs.frozen
+class ServeSettings:
+    output_dir: Path
+    api_key: str | None = None
+    video_ttl: float | None = 3600.0
+    max_body_mb: float = 20.0
+    allowed_origins: tuple[str, ...] = ()
+    shutdown_timeout: float = 30.0
+    aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
+
+
+class OmniASGI:
+    """Outermost middleware: request id, body size limit (413), API key (401), access log line, and a last
+    resort 500 that keeps the server up. Pure ASGI, so streaming and disconnects pass through untouched."""
+
+    def __init__(self, app, settings: ServeSettings, metrics: Metrics):
+        self.app = app
+        self.settings = settings
+        self.metrics = metrics
+        self.max_body = int(settings.max_body_mb * 2**20)
+        self.key = settings.api_key.encode() if settings.api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        rid = f"req-{uuid.uuid4().hex[:16]}"
+        scope.setdefault("state", {})["request_id"] = rid
+        status = {"code": 0, "started": False}
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status["code"], status["started"] = message["status"], True
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        try:
+            error = self._refuse(scope)
+            if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
+                receive, error = await self._buffer(scope, receive)
+            if error is not None:
+                await self._send_error(send_logged, error)
+            else:
+                await self.app(scope, receive, send_logged)
+        except Exception as exc:  # noqa: BLE001 - one request failed; the server stays up
+            log.error("%s %s %s failed: %s: %s", rid, scope["method"], scope["path"], type(exc).__name__, exc,
+                      exc_info=exc)
+            if not status["started"]:
+                await self._send_error(send_logged, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                             code="internal_error"))
+        finally:
+            route = getattr(scope.get("route"), "path", None) or ("other" if status["code"] == 404 else scope["path"])
+            ms = (time.perf_counter() - start) * 1000
+            log.info("%s %s %s %s %.1fms", rid, scope["method"], scope["path"], status["code"] or "-", ms)
+            self.metrics.http.labels(route, str(status["code"] or 499)).inc()
+
+    def _refuse(self, scope) -> APIError | None:
+        if self.key is not None and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                return APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
+                                code="invalid_api_key")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body is larger than {self.settings.max_body_mb:g} MB (--max-body-mb)",
+                        code="body_too_large")
+
+    async def _buffer(self, scope, receive):
+        """Read the whole body (up to the limit) and replay it; then hand disconnects through."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return receive, APIError(400, "client disconnected")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body:
+                return receive, self._too_large()
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay, None
+
+    @staticmethod
+    async def _send_error(send, error: APIError) -> None:
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if error.status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(request: Request, coro):
+    """Run `coro`; if the client goes away first, cancel it (its request is aborted in the engine)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        return None
+    return task.result()
