@@ -5,7 +5,8 @@ bf16 with a small locally trained tokenizer, loads it through the real stage (Om
 KV backend), and measures, in one process on that one loaded model: (a) HF `generate` one request at a time
 (on a subset), (b) HF `generate` in static left-padded batches of 32 in arrival order, (c) transformers' own
 continuous batching (the manager behind `generate_batch`, with per-request max_new_tokens), (d) this runtime
-through Omni.submit/step. Then TTFT of a shared-prefix workload with and without prefix caching, the
+through Omni.submit/step; (a)-(d) run in alternating order for `--rounds` rounds and each ratio is the median of
+its per-round ratios. Then TTFT of a shared-prefix workload with and without prefix caching, the
 runtime's whole decode-only step (StageScheduler down to the model) at batch 32 against a bare HF forward on a
 contiguous cache, and one request alone. Prompts are token ids (request parameter prompt_token_ids); EOS is
 ignored everywhere (request parameter ignore_eos). The last line printed is one JSON object.
@@ -269,6 +270,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the throughput systems")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="omni: %(message)s", stream=sys.stderr)
     if args.threads:
@@ -293,26 +295,32 @@ def main() -> None:
     drain(warm_omni)
     del warm_omni
     hf_generate(model, warm)
-    stage = time.perf_counter()
-    run = run_runtime(runtime, reqs, budget=512)
-    figures.update(runtime_tok_s=run["tok_s"], ttft_p50_ms=statistics.median(run["ttfts"]),
+    # The throughput systems run in alternating order, round after round (A B C, C B A, ...), and each ratio is the
+    # median of its per-round ratios: load that comes and goes on a shared machine then hurts every system alike.
+    systems = {"runtime": lambda: run_runtime(runtime, reqs, budget=512),
+               "hf_sequential": lambda: hf_sequential(model, reqs[:2 if quick else 4]),
+               "hf_static": lambda: hf_static(model, reqs),
+               "hf_cb": lambda: hf_continuous(model, reqs)}
+    tok_s: dict[str, list] = {name: [] for name in systems}
+    for r in range(args.rounds):
+        for name in (list(systems) if r % 2 == 0 else list(reversed(systems))):
+            stage = time.perf_counter()
+            out = systems[name]()
+            if name == "runtime":
+                run, out = out, out["tok_s"]
+            tok_s[name].append(out)
+            say(f"round {r + 1} {name}: {out} tok/s ({time.perf_counter() - stage:.0f}s)")
+    figures.update(rounds=args.rounds, **{f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items()
+                                          if None not in v})
+    figures.update(ttft_p50_ms=statistics.median(run["ttfts"]),
                    ttft_p99_ms=sorted(run["ttfts"])[min(len(run["ttfts"]) - 1, int(0.99 * len(run["ttfts"])))],
                    kv_reserved_over_stored=run["kv_ratio"], runtime_steps=run["steps"],
                    runtime_mean_batch=run["mean_batch"], runtime_preemptions=run["preemptions"],
                    runtime_forward_share=run["forward_share"])
-    say(f"runtime: {run['tok_s']:.1f} tok/s, {run['steps']} steps, mean batch {run['mean_batch']:.1f}, "
-        f"{run['forward_share']:.0%} of the time in the model runner, forward + sampling "
-        f"({time.perf_counter() - stage:.0f}s)")
-
-    stage = time.perf_counter()
-    figures["hf_sequential_tok_s"] = hf_sequential(model, reqs[:2 if quick else 4])
-    say(f"hf sequential: {figures['hf_sequential_tok_s']:.1f} tok/s ({time.perf_counter() - stage:.0f}s)")
-    stage = time.perf_counter()
-    figures["hf_static_tok_s"] = hf_static(model, reqs)
-    say(f"hf static 32: {figures['hf_static_tok_s']:.1f} tok/s ({time.perf_counter() - stage:.0f}s)")
-    stage = time.perf_counter()
-    figures["hf_cb_tok_s"] = hf_continuous(model, reqs)
-    say(f"hf continuous batching: {figures['hf_cb_tok_s']} tok/s ({time.perf_counter() - stage:.0f}s)")
+    for name, key in (("hf_sequential", "ratio_vs_sequential"), ("hf_static", "ratio_vs_static"),
+                      ("hf_cb", "ratio_vs_hf_cb")):
+        pairs = [a / b for a, b in zip(tok_s["runtime"], tok_s[name]) if b]
+        figures[key] = statistics.median(pairs) if pairs else None
 
     stage = time.perf_counter()
     prefix_n, system_len = (6, 512) if quick else (16, 512)
@@ -335,11 +343,7 @@ def main() -> None:
     say(f"single request: runtime {one:.1f} tok/s, HF {hf_one:.1f} tok/s ({time.perf_counter() - stage:.0f}s)")
     say(hot)
 
-    tok_s = figures["runtime_tok_s"]
-    figures.update(ratio_vs_sequential=tok_s / figures["hf_sequential_tok_s"],
-                   ratio_vs_static=tok_s / figures["hf_static_tok_s"],
-                   ratio_vs_hf_cb=tok_s / figures["hf_cb_tok_s"] if figures["hf_cb_tok_s"] else None,
-                   total_s=time.perf_counter() - t0)
+    figures["total_s"] = time.perf_counter() - t0
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 
