@@ -9,6 +9,7 @@ from .planner import GraphBuilder, Planner
 from .plugins import PluginHost, load_host
 from .request import Request, RequestResult
 from .stage_scheduler import StageScheduler
+from .workers import RunSettings
 
 
 class Omni:
@@ -17,13 +18,31 @@ class Omni:
     `config` holds the model-level settings the pipeline's node types declare (e.g. ar_model, model,
     vae_dtype); request parameters (max_tokens, steps, output, ...) go to `request`/`generate` as keywords.
     Unknown keys are refused with the valid ones listed: `omni run --help` and docs/plugins.md list them.
+
+    Run settings (the kernel's, not a node type's; docs/distributed.md): `placement` ("inproc", "process",
+    "ray", or per node "video=process,bridge=inproc"), `max_restarts` (of a stage worker that died, default 1),
+    `worker_threads` (torch threads per worker), `ray_address`. With stage workers, call `close()` (or use
+    `with Omni(...) as omni:`) to stop them; they also stop when this process exits or dies. A worker rebuilds
+    the plugin host with `host.rebuild()` when the host has one, else with `load_host()`.
     """
 
     def __init__(self, pipeline: str, host: PluginHost | None = None, **config: Any):
         self.host = host or load_host()
+        self.settings = RunSettings.pop(config)
         self.plan = Planner(self.host.registry).plan(pipeline)
-        self.graph = GraphBuilder(self.host.registry).build(self.plan, config)
+        self.graph = GraphBuilder(self.host.registry).build(self.plan, config, self.settings,
+                                                             getattr(self.host, "rebuild", None))
         self.scheduler = StageScheduler(self.graph)
+
+    def close(self) -> None:
+        """Stop the stage workers (nothing to do for in-process stages)."""
+        self.graph.close()
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
                 **params: Any) -> Request:

@@ -21,6 +21,7 @@ from .planner import GraphBuilder, Planner
 from .plugins import load_host
 from .stage_scheduler import StageScheduler
 from .trace import format_trace, jsonable
+from .workers import RunSettings
 
 
 class UserFacingError(click.ClickException):
@@ -118,13 +119,20 @@ def _run_command(registry) -> click.Command:
                      help="A model-level setting of the pipeline's nodes (repeatable), e.g. -c ar_dtype=bf16."),
         click.Option(["--trace-json"], type=click.Path(), help="Write the finished request's trace to PATH as JSON."),
         click.Option(["--json", "as_json"], is_flag=True, help="Print the finished request as one JSON object."),
+        click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
+                     help="Where stages run: inproc (default), process (each stage in its own worker process) or "
+                          "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
+        click.Option(["--ray-address"], metavar="ADDRESS",
+                     help="The Ray cluster for --placement ray (default: a local Ray)."),
     ]
     by_dest = {f.dest: f for f in flags}
 
     @click.pass_context
-    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, **given):
+    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, placement, ray_address,
+            **given):
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
-        _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json)
+        settings = {"placement": placement, "ray_address": ray_address}
+        _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
 
     return RunCommand("run", callback=run, params=options,
                          help="Run one request through a pipeline and print its output and trace.\n\n"
@@ -151,9 +159,11 @@ class RunCommand(click.Command):
 
 
 def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,
-         trace_json, as_json: bool) -> None:
+         trace_json, as_json: bool, settings: dict | None = None) -> None:
     host = ctx.obj.get("host") or load_host()
+    graph = None
     try:
+        run_settings = RunSettings.pop(dict(settings or {}))
         plan = Planner(host.registry).plan(pipeline)
         builder = GraphBuilder(host.registry)
         builder.validate(plan)  # "install omni-wan" says more than "does not use --image"
@@ -163,7 +173,8 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
         if trace_json:  # before any model loads: a bad trace path must not cost the run
             _check_trace_json(trace_json, given["params"].get("output"))
         with _signals_interrupt():
-            scheduler = StageScheduler(builder.build(plan, given["config"]))
+            graph = builder.build(plan, given["config"], run_settings, getattr(host, "rebuild", None))
+            scheduler = StageScheduler(graph)
             from .request import Request
 
             request = Request(pipeline, prompt, image=image, params=given["params"])
@@ -177,6 +188,9 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
         raise click.ClickException(_one_line(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; the request was aborted and no partial output was kept") from None
+    finally:
+        if graph is not None:
+            graph.close()
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return

@@ -12,13 +12,21 @@ from .errors import GraphError
 
 @attrs.frozen
 class NodeSpec:
-    """One graph node: an id, a registered node type, and that node's policy."""
+    """One graph node: an id, a registered node type, and that node's policy.
+
+    `placement` is where the node's stage runs when the run does not say (`inproc`, `process`, `ray`;
+    docs/distributed.md); `resources` are the Ray resources of its actor (e.g. {"GPU": 1}; default {"CPU": 1}).
+    Both are the kernel's, not the plugin's: they stay out of `policy`, which the plugin validates.
+    """
 
     id: str
     type: str
     policy: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     final: bool = False
     plugin_hint: str | None = None  # the distribution that provides `type`, for the "install X" message
+    placement: str | None = None
+    resources: Mapping[str, float] | None = attrs.field(default=None,
+                                                        converter=lambda r: None if r is None else dict(r))
 
 
 @attrs.frozen
@@ -140,6 +148,12 @@ class StageGraph:
     connectors: dict[tuple[str, str], Any]
     order: list[str]
     node_types: dict[str, Any] = attrs.Factory(dict)
+    workers: Any = None  # the WorkerGroup of its process / Ray stages, if any
+
+    def close(self) -> None:
+        """Stop the graph's stage workers (a no-op for in-process stages); the graph takes no requests after."""
+        if self.workers is not None:
+            self.workers.close()
 
     @property
     def name(self) -> str:

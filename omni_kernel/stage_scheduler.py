@@ -33,6 +33,8 @@ class InFlight:
 
 
 class StageScheduler:
+    step_wait_s = 0.02  # the longest a step blocks on stage workers with nothing to report (no spinning)
+
     def __init__(self, graph: StageGraph):
         self.graph = graph
         self.in_flight: dict[str, InFlight] = {}
@@ -69,10 +71,24 @@ class StageScheduler:
         return bool(self.in_flight) or bool(self.backlog)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until a step would make progress; never spins on stages that are waiting on others."""
-        return bool(self.backlog) or any(s.wait(timeout) for s in self.graph.stages.values() if s.has_unfinished())
+        """Block until a step would make progress; never spins on stages that are waiting on others (an
+        in-process stage with work is ready at once; a worker's proxy blocks on its workers' pipes)."""
+        if self.backlog:
+            return True
+        busy = [s for s in self.graph.stages.values() if s.has_unfinished()]
+        if any(s.wait(0) for s in busy):
+            return True
+        for stage in busy if timeout != 0 else ():
+            if stage.wait(timeout):
+                return True
+            timeout = 0  # one stage's wait blocks on all the workers of its group
+        return False
 
     def step(self) -> list:
+        """One step of every stage with work. With stage workers it first blocks (up to `step_wait_s`) until one
+        of them has something to report, so a caller's `while has_unfinished(): step()` does not spin."""
+        if not self.backlog and self.in_flight:
+            self.wait(self.step_wait_s)
         events, self.backlog = self.backlog, []
         # Only stages that had work when the step began: a request handed downstream starts next step, so the
         # upstream events (its last text) reach the caller before the downstream stage's first work.
@@ -111,13 +127,18 @@ class StageScheduler:
         for child in self.graph.children(node_id):
             connector = self.graph.connectors[(node_id, child)]
             stage = self.graph.stages[child]
+            # A stage worker's proxy processes and adds in one message (`hand_off`), so the front does not wait
+            # for the worker's current step; a processing error comes back as that request's StageFailed.
+            hand_off = getattr(stage, "hand_off", None)
             try:
                 item = connector.convert(event.output, flight.request)
-                item = stage.process(attrs.evolve(item, params=flight.params[child]) if item.params is None else item)
+                item = attrs.evolve(item, params=flight.params[child]) if item.params is None else item
+                if hand_off is None:
+                    item = stage.process(item)
             except Exception as exc:  # noqa: BLE001 - a failed hand-off fails this request only
                 return routed + self._fail(flight, StageFailed.of(flight.request.request_id, child, exc))
             flight.trace.update(item.trace)
-            stage.add_request(item)
+            (hand_off or stage.add_request)(item)
         if not flight.remaining:
             routed.append(RequestFinished(flight.request.request_id, self._result(flight)))
             del self.in_flight[flight.request.request_id]

@@ -1,0 +1,745 @@
+"""Stage placement: a stage in its own OS process (`process`) behind a proxy with the Stage contract.
+
+The StageScheduler sees a `ProcessStage` like any Stage and knows nothing of processes. The worker process
+(a fresh interpreter, `python -c`, so the caller's __main__ is never imported again as multiprocessing's spawn
+would) rebuilds its stage from picklable parts: a plugin host (`load_host()` under the same
+OMNI_PLUGINS, or the host's own `rebuild` callable), then `registry.node_types[type].item.factory(node, config)`,
+so models load once, in the worker, and bound methods never cross. The worker runs its engine loop
+continuously: it drains its inbox (add_request / hand_off / abort / the process and check RPCs), steps its
+stage while it has work and sends the events back; when idle it blocks on its inbox. The front blocks on every
+worker's pipe at once (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in `Stage.wait`;
+`step()` returns the events received so far.
+
+Input processing: `process`/`check` are calls answered by the worker between two of its steps, so a user
+error stays synchronous at submit, but the call waits for the step running now. A downstream input is handed
+off in one message (`hand_off`: process then add, in the worker), so the front never waits at a hand-off. (A
+front-side processor that needs only the tokenizer would remove the wait at submit: a later improvement.)
+
+What crosses: requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's
+own processes (never anything read from a network socket). A processed input stays in the worker: the process
+RPC answers with the item whose `processed` is a `Held` marker. Arrays in `StageOutput.data` (frames) are
+written to a `.npy` file in the run's temporary directory and loaded (then deleted) by the front.
+
+Faults: a worker that dies fails its in-flight requests with one error naming the stage (kind runtime) and is
+restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). A worker exits
+when its parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its
+workers at exit. Torch-free: numpy and torch are touched only if a stage's output holds their arrays.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from functools import partial
+from typing import Any
+
+import attrs
+
+from .errors import EngineDead, InvalidParameter, OmniError, PluginError, RequestError, classify, rebuild
+from .events import StageFailed, StageFinished
+from .graph import NodeSpec
+from .request import StageInput
+
+log = logging.getLogger("omni")
+
+PLACEMENTS = ("inproc", "process", "ray")
+RUN_KEYS = frozenset({"placement", "max_restarts", "worker_threads", "ray_address"})
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+HELD_LIMIT = 4096  # processed inputs a worker keeps for add_request (a submit that failed later never adds)
+
+
+@attrs.frozen
+class RunSettings:
+    """Kernel-level settings of one run (not a node type's config): where each stage runs and how workers behave.
+
+    `placement`: None (each node's plan placement, else inproc), one mode for every node, or per node
+    ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide mode, which wins over
+    the plan's `NodeSpec.placement`. `max_restarts`: restarts of a worker that died. `worker_threads`: torch /
+    OpenMP threads in each worker (None: the library default). `ray_address`: the Ray cluster (None: a local Ray).
+    """
+
+    placement: Any = None
+    max_restarts: int = 1
+    worker_threads: int | None = None
+    ray_address: str | None = None
+
+    @classmethod
+    def pop(cls, config: dict[str, Any]) -> RunSettings:
+        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives)."""
+        found = {k: config.pop(k) for k in list(config) if k in RUN_KEYS}
+        settings = cls(**{k: v for k, v in found.items() if v is not None})
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
+            raise InvalidParameter("max_restarts", f"{self.max_restarts!r} is not an integer >= 0")
+        if self.worker_threads is not None and (not isinstance(self.worker_threads, int)
+                                                or isinstance(self.worker_threads, bool) or self.worker_threads < 1):
+            raise InvalidParameter("worker_threads", f"{self.worker_threads!r} is not an integer >= 1")
+        parse_placement(self.placement)
+
+    def placement_of(self, node: NodeSpec) -> str:
+        run_wide, per_node = parse_placement(self.placement)
+        return per_node.get(node.id) or run_wide or node.placement or "inproc"
+
+
+def parse_placement(value: Any) -> tuple[str | None, dict[str, str]]:
+    """(run-wide mode, {node id: mode}) of a placement setting: "process", "video=process,bridge=inproc",
+    "process,video=ray", or a mapping of node id to mode."""
+    if value is None or value == "":
+        return None, {}
+    if isinstance(value, Mapping):
+        items = [(str(k), str(v)) for k, v in value.items()]
+    elif isinstance(value, str):
+        items = []
+        for part in (p.strip() for p in value.split(",")):
+            if part:
+                key, sep, mode = part.partition("=")
+                items.append((key.strip(), mode.strip()) if sep else ("", key.strip()))
+    else:
+        raise InvalidParameter("placement", f"{value!r} is not a placement (one of {', '.join(PLACEMENTS)}, or "
+                                            "NODE=MODE pairs)")
+    run_wide, per_node = None, {}
+    for key, mode in items:
+        if mode not in PLACEMENTS:
+            raise InvalidParameter("placement", f"{mode!r} is not one of {', '.join(PLACEMENTS)}")
+        if key:
+            per_node[key] = mode
+        else:
+            run_wide = mode
+    return run_wide, per_node
+
+
+def check_placement_nodes(settings: RunSettings, plan) -> None:
+    _, per_node = parse_placement(settings.placement)
+    ids = [n.id for n in plan.nodes]
+    if unknown := sorted(set(per_node) - set(ids)):
+        raise InvalidParameter("placement", f"pipeline {plan.name!r} has no node {unknown[0]!r}; its nodes: "
+                                            f"{', '.join(ids)}")
+    for node in plan.nodes:
+        if node.placement is not None and node.placement not in PLACEMENTS:
+            raise PluginError(f"node {node.id!r} of pipeline {plan.name!r} has placement {node.placement!r}; "
+                              f"expected one of {', '.join(PLACEMENTS)}")
+
+
+# What the worker needs to rebuild its stage.
+
+
+@attrs.frozen
+class WorkerSpec:
+    node: NodeSpec
+    kind: str
+    config: Any
+    host_factory: Callable[[], Any]
+    threads: int | None = None
+    spill_dir: str | None = None
+    parent_pid: int = attrs.field(factory=os.getpid)
+
+
+def default_host_factory() -> Callable[[], Any]:
+    """Rebuilds the front's plugins in a worker: `load_host()` under the OMNI_PLUGINS the front had."""
+    from .plugins import ALLOWLIST_ENV, load_host
+
+    return partial(load_host, os.environ.get(ALLOWLIST_ENV))
+
+
+@attrs.frozen
+class Held:
+    """Marks a processed input that stays in the worker; add_request picks it up there by request id."""
+
+    request_id: str
+
+
+@attrs.frozen
+class Spilled:
+    """An array of StageOutput.data written to a .npy file; `torch` says to hand it back as a torch tensor."""
+
+    path: str
+    torch: bool = False
+
+
+# The worker side.
+
+
+def build_stage(spec: WorkerSpec):
+    """Rebuild the plugins quietly (the front already reported their warnings) and call the node's factory."""
+    logger = logging.getLogger("omni")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        host = spec.host_factory()
+    finally:
+        logger.setLevel(level)
+    registered = host.registry.node_types.get(spec.node.type)
+    if registered is None:
+        raise PluginError(f"node type {spec.node.type!r} is not registered in the worker of stage {spec.node.id!r} "
+                          f"(check OMNI_PLUGINS, or give the host a picklable `rebuild`)")
+    return registered.item.factory(spec.node, spec.config)
+
+
+def setup_worker(spec: WorkerSpec) -> None:
+    """Threads, logging ("omni[NODE]: ...") and Ctrl-C (the front stops its workers) of a worker process."""
+    logger = logging.getLogger("omni")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"omni[{spec.node.id}]: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def set_torch_threads(threads: int | None) -> None:
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel sends SIGKILL to this process when the process that started it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - the getppid poll is the fallback
+        pass
+
+
+def spill(events: list, spill_dir: str | None) -> list:
+    """Arrays in StageFinished outputs' data go to .npy files; everything else crosses as it is."""
+    if spill_dir is None:
+        return events
+    out = []
+    for event in events:
+        if isinstance(event, StageFinished) and event.output.data is not None:
+            event = attrs.evolve(event, output=attrs.evolve(event.output, data=_spill(event.output.data, spill_dir)))
+        out.append(event)
+    return out
+
+
+def _spill(value, spill_dir: str):
+    if isinstance(value, dict):
+        return {k: _spill(v, spill_dir) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_spill(v, spill_dir) for v in value)
+    module = type(value).__module__
+    if module == "numpy" and hasattr(value, "dtype") and hasattr(value, "shape"):
+        return _save(value, spill_dir, False)
+    if module.startswith("torch") and hasattr(value, "detach"):
+        return _save(value.detach().cpu().numpy(), spill_dir, True)
+    return value
+
+
+def _save(array, spill_dir: str, torch: bool) -> Spilled:
+    import numpy as np
+
+    path = os.path.join(spill_dir, f"{uuid.uuid4().hex}.npy")
+    np.save(path, array, allow_pickle=False)
+    return Spilled(path, torch)
+
+
+def unspill(events: list) -> list:
+    out = []
+    for event in events:
+        if isinstance(event, StageFinished) and event.output.data is not None:
+            event = attrs.evolve(event, output=attrs.evolve(event.output, data=_unspill(event.output.data)))
+        out.append(event)
+    return out
+
+
+def _unspill(value):
+    if isinstance(value, dict):
+        return {k: _unspill(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unspill(v) for v in value)
+    if isinstance(value, Spilled):
+        import numpy as np
+
+        try:
+            array = np.load(value.path, allow_pickle=False)
+        finally:
+            try:
+                os.unlink(value.path)
+            except OSError:
+                pass
+        if value.torch:
+            import torch
+
+            return torch.from_numpy(array)
+        return array
+    return value
+
+
+class StageHost:
+    """A stage driven by messages, the same in a worker process and in a Ray actor: the RPCs (process, check),
+    add_request with a held processed input, abort, and one engine step that never raises."""
+
+    def __init__(self, stage, node_id: str):
+        self.stage = stage
+        self.node_id = node_id
+        self.held: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.dead_sent = False
+
+    def process(self, item: StageInput) -> StageInput:
+        out = self.stage.process(item)
+        self.held[item.request_id] = out.processed
+        self.held.move_to_end(item.request_id)
+        while len(self.held) > HELD_LIMIT:
+            self.held.popitem(last=False)
+        return attrs.evolve(out, processed=Held(item.request_id))
+
+    def check(self, item: StageInput) -> None:
+        self.stage.check(item)
+
+    def add(self, item: StageInput) -> list:
+        """Events at once only when the input is lost; otherwise the stage reports through its own steps."""
+        if isinstance(item.processed, Held):
+            if item.request_id not in self.held:
+                return [StageFailed(item.request_id, self.node_id, f"stage {self.node_id!r} lost the processed input "
+                                                                   "of this request", "runtime")]
+            item = attrs.evolve(item, processed=self.held.pop(item.request_id))
+        try:
+            self.stage.add_request(item)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            return [StageFailed.of(item.request_id, self.node_id, exc)]
+        return []
+
+    def hand_off(self, item: StageInput) -> list:
+        """Process then add a downstream input; a processing error fails that request alone, as an event."""
+        try:
+            item = self.stage.process(item)
+        except Exception as exc:  # noqa: BLE001 - this request only
+            return [StageFailed.of(item.request_id, self.node_id, exc)]
+        return self.add(item)
+
+    def abort(self, request_id: str) -> None:
+        self.held.pop(request_id, None)
+        self.stage.abort(request_id)
+
+    def step(self) -> list:
+        try:
+            return self.stage.step()
+        except Exception as exc:  # noqa: BLE001 - as the StageScheduler does in-process
+            log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
+            held = sorted(self.stage.request_ids())
+            for rid in held:
+                self.stage.abort(rid)
+            return [StageFailed.of(rid, self.node_id, exc) for rid in held]
+
+    def newly_dead(self) -> str | None:
+        dead = getattr(getattr(self.stage, "engine", None), "dead", None)
+        if dead is not None and not self.dead_sent:
+            self.dead_sent = True
+            return str(dead)
+        return None
+
+
+def child_main(fd: int) -> None:
+    """The worker interpreter's entry: the front's sys.path, then the spec, then `worker_main`."""
+    conn = multiprocessing.connection.Connection(fd)
+    sys.path[:] = conn.recv()
+    try:
+        spec = conn.recv()
+    except Exception as exc:  # noqa: BLE001 - e.g. a config class this interpreter cannot import
+        conn.send(("failed", *classify(exc)))
+        return
+    worker_main(conn, spec)
+
+
+def worker_main(conn, spec: WorkerSpec) -> None:
+    """A stage worker process: build the stage, then its engine loop until told to stop or the parent is gone."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_worker(spec)
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=_send_loop, args=(conn, outbox), name="omni-worker-send", daemon=True)
+    sender.start()
+    try:
+        stage = build_stage(spec)
+        set_torch_threads(spec.threads)
+    except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
+        outbox.put(("failed", *classify(exc)))
+        outbox.put(None)
+        sender.join(10)
+        return
+    outbox.put(("ready", stage.kind))
+    host = StageHost(stage, spec.node.id)
+    try:
+        _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir)
+    except (EOFError, OSError):  # the front closed its end
+        pass
+    outbox.put(None)
+    sender.join(5)
+
+
+def _send_loop(conn, outbox: queue.Queue) -> None:
+    """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read."""
+    while (message := outbox.get()) is not None:
+        try:
+            conn.send(message)
+        except (OSError, EOFError, ValueError):
+            os._exit(0)  # the front is gone
+
+
+def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None) -> None:
+    checked = time.monotonic()
+    while True:
+        if time.monotonic() - checked > 1.0:
+            checked = time.monotonic()
+            if os.getppid() != parent_pid:
+                return
+        if not host.stage.has_unfinished() and not conn.poll(1.0):
+            continue
+        while conn.poll(0):
+            message = conn.recv()
+            if message[0] == "stop":
+                return
+            reply = _handle(host, message)
+            if reply is not None:
+                outbox.put(reply)
+        if host.stage.has_unfinished():
+            events = host.step()
+            if events:
+                outbox.put(("events", spill(events, spill_dir)))
+            if (dead := host.newly_dead()) is not None:
+                outbox.put(("dead", dead))
+
+
+def _handle(host: StageHost, message):
+    kind = message[0]
+    if kind in ("add", "hand_off"):
+        events = host.add(message[1]) if kind == "add" else host.hand_off(message[1])
+        return ("events", events) if events else None
+    if kind == "abort":
+        host.abort(message[1])
+        return None
+    if kind in ("process", "check"):
+        _, call_id, item = message
+        try:
+            value = host.process(item) if kind == "process" else host.check(item)
+        except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+            return ("reply", call_id, False, classify(exc))
+        return ("reply", call_id, True, value)
+    log.warning("unknown message %r", kind)
+    return None
+
+
+# The front side.
+
+
+class WorkerDied(RequestError):
+    """A stage's worker process exited while it held requests."""
+
+
+@attrs.define
+class RemoteEngine:
+    """What the front knows of a worker's engine: whether it is dead (omni serve reports it)."""
+
+    dead: EngineDead | None = None
+    scheduler: Any = None
+
+
+class WorkerGroup:
+    """The remote stages of one graph: one blocking wait over all their pipes, a temporary
+    directory for spilled arrays, and stopping them all."""
+
+    def __init__(self):
+        self.stages: list = []
+        self.spill_dir = tempfile.mkdtemp(prefix="omni-run-")
+        self.closed = False
+        _LIVE.add(self)
+
+    def add(self, stage) -> None:
+        self.stages.append(stage)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until some stage of the group has events (or a worker died); True if any has them now."""
+        if any(s.pending for s in self.stages):
+            return True
+        handles: dict[Any, Any] = {}
+        for stage in self.stages:
+            for handle in stage.handles():
+                handles[handle] = stage
+        if not handles:
+            return False
+        try:
+            ready = multiprocessing.connection.wait(list(handles), timeout)
+        except (OSError, ValueError):
+            ready = list(handles)
+        for handle in ready:
+            handles[handle].pump()
+        return any(s.pending for s in self.stages)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stage in self.stages:
+            try:
+                stage.close()
+            except Exception:  # noqa: BLE001 - stop the others anyway
+                log.debug("stopping the worker of %s failed", getattr(stage, "node_id", "?"), exc_info=True)
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for group in list(_LIVE):
+        group.close()
+
+
+class ProcessStage:
+    """The Stage contract over a worker process (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, group: WorkerGroup, max_restarts: int = 1):
+        self.node = spec.node
+        self.kind = spec.kind
+        self.spec = attrs.evolve(spec, spill_dir=group.spill_dir)
+        self.group = group
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.engine = RemoteEngine()
+        self.pending: list = []  # events received, returned by the next step
+        self.held: set[str] = set()  # request ids the worker holds
+        self.replies: dict[int, tuple] = {}
+        self.calls = itertools.count()
+        self.ready = False
+        self.proc = None
+        self.conn = None
+        group.add(self)
+        self._start()
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
+
+    # Lifecycle.
+
+    def _start(self) -> None:
+        """A fresh interpreter (not multiprocessing's spawn, which would import the caller's __main__ again)
+        talking over a socketpair as a multiprocessing Connection; its end reads EOF when the worker dies."""
+        front, back = socket.socketpair()
+        env = dict(os.environ)
+        if self.spec.threads:
+            for var in THREAD_VARS:
+                env[var] = str(self.spec.threads)
+        code = f"from omni_kernel.workers import child_main; child_main({back.fileno()})"
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
+                                            stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
+        finally:
+            back.close()
+        self.conn = multiprocessing.connection.Connection(front.detach())
+        self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
+        self.conn.send(attrs.evolve(self.spec, parent_pid=os.getpid()))
+        self.ready = False
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the worker built its stage; raise its error (typed) if it could not."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.ready:
+            if self.conn is None:
+                raise self._dead_error()
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait([self.conn], left)
+            if not ready:
+                raise RequestError(f"stage {self.node.id!r}: its worker did not start within {timeout}s")
+            self.pump(starting=True)
+
+    def close(self, timeout: float = 5.0) -> None:
+        conn, process = self.conn, self.proc
+        self.conn = None
+        if conn is not None:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        if process is not None:
+            for stop in (None, process.terminate, process.kill):
+                if stop is not None:
+                    stop()
+                try:
+                    process.wait(timeout if stop is None else 2)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if conn is not None:
+            conn.close()
+
+    # Receiving.
+
+    def handles(self) -> list:
+        return [] if self.conn is None else [self.conn]
+
+    def pump(self, starting: bool = False) -> None:
+        """Take every message the worker sent so far; notice a worker that died (its end of the pipe closed)."""
+        conn = self.conn
+        try:
+            while self.conn is conn and conn is not None and conn.poll(0):
+                self._receive(conn.recv(), starting)
+        except (EOFError, OSError):
+            if self.conn is conn and conn is not None:
+                self._died(starting)
+
+    def _receive(self, message, starting: bool) -> None:
+        kind = message[0]
+        if kind == "events":
+            events = unspill(message[1])
+            for event in events:
+                if isinstance(event, (StageFinished, StageFailed)):
+                    self.held.discard(event.request_id)
+            self.pending.extend(events)
+        elif kind == "reply":
+            self.replies[message[1]] = message[2:]
+        elif kind == "ready":
+            if message[1] != self.kind:
+                self.close()
+                raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built "
+                                  f"a stage of kind {message[1]!r}")
+            self.ready = True
+        elif kind == "failed":
+            error = rebuild(*message[1:])
+            self.close()
+            self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
+            if starting:
+                raise error
+            log.error("%s", self.engine.dead)
+            self._fail_held(str(self.engine.dead), "engine_dead")
+        elif kind == "dead":
+            self.engine.dead = EngineDead(message[1])
+
+    def _died(self, starting: bool) -> None:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
+            self.proc.kill()
+            code = self.proc.wait()
+        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+               signal.Signals._value2member_map_ else f"exit code {code}")
+        self.conn.close()
+        self.conn = None
+        if starting:
+            raise self._dead_error(how)
+        if self.restarts < self.max_restarts:
+            self.restarts += 1
+            message = (f"stage {self.node.id!r}: its worker process died ({how}); the request was lost and the "
+                       f"worker restarted ({self.restarts} of {self.max_restarts} restarts)")
+            log.error("%s", message)
+            self._fail_held(message, "runtime")
+            self._start()
+        else:
+            message = (f"stage {self.node.id!r}: its worker process died ({how}) and was not restarted "
+                       f"({self.max_restarts} restarts used)")
+            log.error("%s", message)
+            self.engine.dead = EngineDead(message)
+            self._fail_held(message, "runtime")
+
+    def _dead_error(self, how: str = "not running") -> OmniError:
+        if self.engine.dead is not None:
+            return self.engine.dead
+        return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
+
+    def _fail_held(self, message: str, kind: str) -> None:
+        for rid in sorted(self.held):
+            self.pending.append(StageFailed(rid, self.node.id, message, kind))
+        self.held.clear()
+
+    # Calls answered between the worker's steps.
+
+    def _call(self, kind: str, item: StageInput):
+        if self.conn is None:
+            raise self._dead_error()
+        call_id = next(self.calls)
+        self._send((kind, call_id, item))
+        process = self.proc
+        while call_id not in self.replies:
+            if self.conn is None or self.proc is not process:
+                raise WorkerDied(f"stage {self.node.id!r}: its worker process died while processing the input")
+            multiprocessing.connection.wait([self.conn])
+            self.pump()
+        ok, value = self.replies.pop(call_id)
+        if not ok:
+            raise rebuild(*value)
+        return value
+
+    def _send(self, message) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError):
+            self.pump()
+
+    # The Stage contract.
+
+    def check(self, item: StageInput) -> None:
+        self._call("check", item)
+
+    def process(self, item: StageInput) -> StageInput:
+        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
+        return self._call("process", item)
+
+    def add_request(self, item: StageInput) -> None:
+        self._add("add", item)
+
+    def hand_off(self, item: StageInput) -> None:
+        """A downstream input: processed and added in the worker, so the front never waits for a step there."""
+        self._add("hand_off", item)
+
+    def _add(self, kind: str, item: StageInput) -> None:
+        if self.conn is None or self.engine.dead is not None:
+            error = self.engine.dead or self._dead_error()
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
+            return
+        self.held.add(item.request_id)
+        self._send((kind, item))
+
+    def step(self) -> list:
+        self.pump()
+        events, self.pending = self.pending, []
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self.pending = [e for e in self.pending if e.request_id != request_id]
+        if request_id in self.held and self.conn is not None:
+            self._send(("abort", request_id))
+        self.held.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or bool(self.held)
+
+    def request_ids(self) -> set[str]:
+        return set(self.held) | {e.request_id for e in self.pending}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.group.wait(timeout)
+
+
+def build_remote(mode: str, spec: WorkerSpec, group: WorkerGroup, settings: RunSettings):
+    if mode == "process":
+        return ProcessStage(spec, group, settings.max_restarts)
+    from .ray_stage import RayStage
+
+    return RayStage(spec, group, settings)

@@ -1,0 +1,256 @@
+"""Stage workers (placement `process`): the proxy keeps the Stage contract, stages overlap, faults stay in their
+stage, and no worker outlives the front. Torch-free: the echo pipeline and the fake plugin of worker_fakes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from omni_kernel import Omni
+from omni_kernel.cli import main
+from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError
+from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.workers import ProcessStage, RunSettings, parse_placement
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_fakes import make_host  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def run_all(omni, prompts, **params) -> dict:
+    ids = [omni.submit(omni.request(p, **params)) for p in prompts]
+    done = {}
+    while omni.has_unfinished():
+        for event in omni.step():
+            if isinstance(event, (RequestFinished, RequestFailed)):
+                done[event.request_id] = event
+    return {rid: done[rid] for rid in ids}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_echo_in_a_worker_streams_what_inproc_streams():
+    with Omni("echo", placement="process") as remote:
+        assert isinstance(remote.graph.stages["echo"], ProcessStage)
+        got = [e for e in remote.generate_stream("one two three", stream=True)]
+    want = list(Omni("echo").generate_stream("one two three", stream=True))
+    assert [e.text for e in got if isinstance(e, TokenDelta)] == [e.text for e in want if isinstance(e, TokenDelta)]
+    assert got[-1].result.text == want[-1].result.text == "one two three"
+
+
+def test_each_stage_runs_in_its_own_process_and_many_requests_finish():
+    with Omni("fake_slow", host=make_host()) as inproc, Omni("fake_slow", host=make_host(), placement="process") as o:
+        prompts = [f"p{i} " + "w " * (i % 4) for i in range(12)]
+        done = run_all(o, prompts)
+        assert all(isinstance(e, RequestFinished) for e in done.values())
+        trace = next(iter(done.values())).result.trace
+        pids = {trace["words.pid"], trace["render.pid"], trace["fake.connector_pid"]}
+        assert len(pids) == 3 and trace["fake.connector_pid"] == os.getpid()
+        want = run_all(inproc, prompts)
+        assert sorted(e.result.text for e in done.values()) == sorted(e.result.text for e in want.values())
+
+
+def test_stages_overlap_and_the_front_does_not_spin():
+    # a video-like job (1 word, 10 render steps) and a chat-like one (20 words, 1 render step), 50 ms a step
+    def both(omni):
+        jobs = [omni.request("v", fake_steps=10), omni.request("w " * 19 + "w", fake_steps=1)]
+        for job in jobs:
+            omni.submit(job)
+        while omni.has_unfinished():
+            omni.step()
+
+    with Omni("fake_slow", host=make_host(sleep_ms=50)) as inproc:
+        start = time.perf_counter()
+        both(inproc)
+        t_inproc = time.perf_counter() - start
+    with Omni("fake_slow", host=make_host(sleep_ms=50), placement="process") as remote:
+        run_all(remote, ["warm"])
+        start, cpu = time.perf_counter(), time.process_time()
+        both(remote)
+        t_remote, cpu_remote = time.perf_counter() - start, time.process_time() - cpu
+    # in-process each front step runs a words step then a render step; in workers they run at the same time
+    assert t_remote < 0.8 * t_inproc, (t_remote, t_inproc)
+    assert cpu_remote < 0.25 * t_remote, (cpu_remote, t_remote)  # the front blocks on the pipes
+
+
+def test_input_errors_stay_synchronous_and_typed():
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        with pytest.raises(InvalidParameter) as info:
+            o.submit(o.request("a bad prompt"))
+        assert info.value.field == "prompt" and "contains bad" in str(info.value)
+        assert not o.has_unfinished()
+        assert o.generate("fine now").text == "rendered 2 words"
+
+
+def test_abort_reaches_the_worker():
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process") as o:
+        rid = o.submit(o.request("x " * 30))
+        o.step()
+        o.abort(rid)
+        events = []
+        while o.has_unfinished():
+            events += o.step()
+        assert [type(e).__name__ for e in events if e.request_id == rid][-1] == "RequestFailed"
+        assert events[-1].kind == "aborted"
+        assert not o.graph.stages["words"].has_unfinished()
+        assert o.generate("after abort").text == "rendered 2 words"
+
+
+def test_a_killed_worker_fails_its_requests_once_and_is_restarted():
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process") as o:
+        words = o.graph.stages["words"]
+        first_pid = words.proc.pid
+        ok = o.submit(o.request("render this one please"))  # reaches the render worker, which lives on
+        victim = o.submit(o.request("a b c d e f g h i j k l"))
+        while ok not in o.graph.stages["render"].request_ids():
+            o.step()
+        os.kill(first_pid, signal.SIGKILL)
+        done = {}
+        while o.has_unfinished():
+            done.update({e.request_id: e for e in o.step() if isinstance(e, (RequestFinished, RequestFailed))})
+        failed = done[victim]
+        assert isinstance(failed, RequestFailed) and failed.kind == "runtime" and failed.node_id == "words"
+        assert "stage 'words'" in failed.error and "SIGKILL" in failed.error and "restarted" in failed.error
+        assert isinstance(done[ok], RequestFinished)
+        assert words.proc.pid != first_pid and o.generate("back again").text == "rendered 2 words"
+        assert not alive(first_pid)
+
+
+def test_a_crash_inside_a_step_fails_that_request_then_no_restart_left_means_engine_dead():
+    with Omni("fake_slow", host=make_host(), placement="process", max_restarts=0) as o:
+        done = run_all(o, ["crash now"])
+        (failed,) = done.values()
+        assert failed.kind == "runtime" and "stage 'words'" in failed.error and "not restarted" in failed.error
+        with pytest.raises(EngineDead, match="stage 'words'"):  # an entry stage refuses at submit
+            o.submit(o.request("hello"))
+        assert not o.has_unfinished()
+
+
+def test_a_worker_that_cannot_build_raises_typed_and_leaves_nothing():
+    with pytest.raises(ModelError, match="fake model is missing"):
+        Omni("fake_slow", host=make_host(), placement="process", fake_fail_build=True)
+
+
+def test_numpy_outputs_cross_through_a_file():
+    np = pytest.importorskip("numpy")
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        spill = Path(o.graph.workers.spill_dir)
+        result = o.generate("frames please")
+        assert isinstance(result.output.data["frames"], np.ndarray)
+        assert result.output.data["frames"].sum() == sum(range(24))
+        assert list(spill.iterdir()) == []  # loaded and deleted
+    assert not spill.exists()
+
+
+def test_placement_settings():
+    assert parse_placement("process") == ("process", {})
+    assert parse_placement("inproc,render=process") == ("inproc", {"render": "process"})
+    assert parse_placement({"words": "ray"}) == (None, {"words": "ray"})
+    with pytest.raises(InvalidParameter, match="placement"):
+        parse_placement("gpu")
+    with pytest.raises(InvalidParameter, match="no node 'nope'"):
+        Omni("fake_slow", host=make_host(), placement="nope=process")
+    with pytest.raises(InvalidParameter, match="max_restarts"):
+        RunSettings(max_restarts=-1).check()
+    # the plan's placement applies when the run says nothing; the run wins when it does
+    with Omni("fake_slow", host=make_host(words_placement="process")) as o:
+        assert isinstance(o.graph.stages["words"], ProcessStage)
+        assert not isinstance(o.graph.stages["render"], ProcessStage)
+    with Omni("fake_slow", host=make_host(words_placement="process"), placement="inproc") as o:
+        assert not any(isinstance(s, ProcessStage) for s in o.graph.stages.values())
+
+
+def test_cli_placement_flag():
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi there", "--placement",
+                                       "process"], obj={"host": make_host()})
+    assert result.exit_code == 0, result.output
+    assert "hi there" in result.output
+    bad = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", "--placement", "gpu"],
+                             obj={"host": make_host()})
+    assert bad.exit_code == 2 and "gpu" in bad.output
+
+
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {here!r})
+    from worker_fakes import make_host
+    from omni_kernel import Omni
+    o = Omni("fake_slow", host=make_host(sleep_ms=20), placement="process")
+    print(" ".join(str(s.proc.pid) for s in o.graph.stages.values()), flush=True)
+    o.submit(o.request("x " * 2000))
+    mode = sys.argv[1]
+    if mode == "exit":
+        sys.exit(0)  # no close(): the atexit hook stops the workers
+    while True:
+        o.step()
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm", "sigkill"])
+def test_no_worker_outlives_the_front(tmp_path, how):
+    script = tmp_path / "front.py"
+    script.write_text(ORPHAN_SCRIPT.format(here=str(HERE)))
+    front = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        pids = [int(p) for p in front.stdout.readline().split()]
+        assert len(pids) == 2, front.stderr.read()
+        assert all(alive(p) for p in pids)
+        if how != "exit":
+            time.sleep(0.3)
+            front.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        front.wait(20)
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in pids), f"orphan workers after {how}"
+    finally:
+        if front.poll() is None:
+            front.kill()
+        front.wait()
+
+
+def test_worker_load_lines_are_printed_once_with_the_stage_prefix(tmp_path):
+    script = tmp_path / "front.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        from worker_fakes import make_host
+        from omni_kernel import Omni
+        from omni_kernel.cli import _setup_logging
+        _setup_logging()
+        with Omni("fake_slow", host=make_host(), placement="process") as o:
+            print(o.generate("hello world").text)
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "rendered 2 words"
+    assert out.stderr.count("omni[words]: loading the fake words model") == 1
+    assert out.stderr.count("omni[render]: loading the fake render model") == 1
+
+
+def test_plan_with_an_unknown_placement_is_a_plugin_error():
+    from omni_kernel.graph import NodeSpec, PipelinePlan
+    from omni_kernel.workers import check_placement_nodes
+
+    plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
+    with pytest.raises(PluginError, match="placement 'gpu'"):
+        check_placement_nodes(RunSettings(), plan)

@@ -1,0 +1,166 @@
+"""A fake plugin for the stage-worker tests: importable by name in a spawned worker (no torch, no model).
+
+`fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
+the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
+step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+import attrs
+
+from omni_kernel import hookimpl
+from omni_kernel.engine import Engine
+from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.events import StageFinished, TokenDelta
+from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
+from omni_kernel.identity import KernelPlugin
+from omni_kernel.params import option
+from omni_kernel.plugins import PluginHost
+from omni_kernel.registry import NodeType
+from omni_kernel.request import StageInput, StageOutput
+from omni_kernel.scheduler import StepScheduler
+from omni_kernel.stage import Stage
+
+log = logging.getLogger("omni")
+
+
+@attrs.frozen
+class FakeConfig:
+    fake_fail_build: bool = option(False, help="the factory raises ModelError", type=bool)
+
+
+@attrs.frozen
+class FakeParams:
+    fake_steps: int = option(0, help="steps of the render node (0: one per word)", type=int)
+
+
+class SleepyRunner:
+    def __init__(self, sleep_s: float, pieces):
+        self.sleep_s = sleep_s
+        self.pieces = pieces
+        self.items: dict[str, StageInput] = {}
+
+    def add_request(self, item: StageInput) -> None:
+        self.items[item.request_id] = item
+
+    def run(self, batch) -> dict:
+        time.sleep(self.sleep_s)
+        out = {}
+        for rid, step in zip(batch.request_ids, batch.steps):
+            item = self.items[rid]
+            if "crash" in item.prompt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            out[rid] = self.pieces(item)[step]
+        return out
+
+    def free(self, request_id: str) -> None:
+        self.items.pop(request_id, None)
+
+
+class WordsStage(Stage):
+    def process(self, item: StageInput) -> StageInput:
+        if "bad" in item.prompt:
+            raise InvalidParameter("prompt", "contains bad")
+        return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace={"words.pid": os.getpid()})
+
+    def postprocess(self, outputs) -> list:
+        events = super().postprocess([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            events.append(TokenDelta(out.request_id, self.node_id, out.result + " "))
+            if out.finished:
+                item = out.item
+                events.append(StageFinished(out.request_id, self.node_id, StageOutput(
+                    out.request_id, self.node_id, text=" ".join(item.processed), stop_reason="done",
+                    trace={"words.pid": os.getpid()})))
+        return events
+
+
+class RenderStage(Stage):
+    def process(self, item: StageInput) -> StageInput:
+        return attrs.evolve(item, processed=len(item.prompt.split(" ")))
+
+    def postprocess(self, outputs) -> list:
+        events = super().postprocess([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None and o.finished):
+            item = out.item
+            data = None
+            if "frames" in item.prompt:
+                import numpy as np
+
+                data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+            events.append(StageFinished(out.request_id, self.node_id, StageOutput(
+                out.request_id, self.node_id, text=f"rendered {item.processed} words", data=data,
+                trace={"render.pid": os.getpid()})))
+        return events
+
+
+def _sleep(node: NodeSpec) -> float:
+    return float(node.policy.get("sleep_ms", 0)) / 1000
+
+
+def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
+    log.info("loading the fake words model")
+    if config.fake_fail_build:
+        raise ModelError("the fake model is missing")
+    runner = SleepyRunner(_sleep(node), lambda item: item.processed)
+    return WordsStage(node, "ar", Engine(StepScheduler(max_batch=8, num_steps=lambda item: len(item.processed)),
+                                         runner))
+
+
+def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
+    log.info("loading the fake render model")
+    steps = lambda item: item.params.fake_steps or item.processed  # noqa: E731
+    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item))
+    return RenderStage(node, "video", Engine(StepScheduler(max_batch=8, num_steps=steps), runner))
+
+
+@attrs.frozen
+class WordsToRender:
+    name: str = "fake_words_to_render"
+    source_kind: str = "ar"
+    target_kind: str = "video"
+
+    def convert(self, output: StageOutput, request) -> StageInput:
+        return StageInput(request.request_id, output.text, trace={"fake.connector_pid": os.getpid()})
+
+
+def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePlan:
+    policy = {"sleep_ms": sleep_ms}
+    return PipelinePlan("fake_slow", [NodeSpec("words", "fake.words", policy=policy, placement=words_placement),
+                                      NodeSpec("render", "fake.render", policy=policy, final=True)],
+                        [EdgeSpec("words", "render", "fake_words_to_render")])
+
+
+class FakePlugin:
+    def __init__(self, sleep_ms: float = 0, words_placement: str | None = None):
+        self.plan = plan(sleep_ms, words_placement)
+
+    @hookimpl
+    def omni_register_node_types(self, register):
+        register(NodeType("fake.words", "ar", build_words, config=FakeConfig, params=FakeParams))
+        register(NodeType("fake.render", "video", build_render, config=FakeConfig, params=FakeParams))
+
+    @hookimpl
+    def omni_register_connectors(self, register):
+        register(WordsToRender())
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(self.plan)
+
+
+def make_host(sleep_ms: float = 0, words_placement: str | None = None) -> PluginHost:
+    """The kernel's plugin and the fake one; picklable as `partial(make_host, ...)` for a worker's rebuild."""
+    from functools import partial
+
+    host = PluginHost()
+    host.register(KernelPlugin(), "omni_kernel")
+    host.register(FakePlugin(sleep_ms, words_placement), "fake")
+    host.rebuild = partial(make_host, sleep_ms, words_placement)
+    return host
