@@ -21,7 +21,7 @@ $(PY):
 # A plain `torch` requirement would pull a multi-GB CUDA build: install the pinned CPU wheel first.
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -c constraints.txt -e '.[test]' $(addprefix -e ,$(PLUGINS))
+	$(PIP) install -q -c constraints.txt -e '.[test,ray]' $(addprefix -e ,$(PLUGINS))
 	$(PIP) install -q -c constraints.txt -e 'plugins/omni_serve[test]'
 	touch $(STAMP)
 

@@ -512,6 +512,38 @@ def _close_all() -> None:
         group.close()
 
 
+_LAUNCHER: dict[str, Any] = {}
+_LAUNCH_LOCK = threading.Lock()
+
+
+def launch(args, **kwargs) -> subprocess.Popen:
+    """Popen from the main thread or from one long-lived launcher thread: PR_SET_PDEATHSIG fires when the
+    *thread* that started the worker exits, so a worker started from a short-lived thread (an Omni built in a
+    thread, a restart on a server's engine thread) would be killed with it."""
+    if threading.current_thread() is threading.main_thread():
+        return subprocess.Popen(args, **kwargs)
+    with _LAUNCH_LOCK:
+        if "queue" not in _LAUNCHER:
+            _LAUNCHER["queue"] = queue.Queue()
+            threading.Thread(target=_launcher, args=(_LAUNCHER["queue"],), name="omni-worker-launcher",
+                             daemon=True).start()
+    done: queue.Queue = queue.Queue()
+    _LAUNCHER["queue"].put((args, kwargs, done))
+    ok, value = done.get()
+    if not ok:
+        raise value
+    return value
+
+
+def _launcher(requests: queue.Queue) -> None:
+    while True:
+        args, kwargs, done = requests.get()
+        try:
+            done.put((True, subprocess.Popen(args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            done.put((False, exc))
+
+
 class ProcessStage:
     """The Stage contract over a worker process (see the module docstring)."""
 
@@ -549,8 +581,8 @@ class ProcessStage:
                 env[var] = str(self.spec.threads)
         code = f"from omni_kernel.workers import child_main; child_main({back.fileno()})"
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
-                                            stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
+            self.proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
+                               stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
         finally:
             back.close()
         self.conn = multiprocessing.connection.Connection(front.detach())

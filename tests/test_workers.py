@@ -254,3 +254,16 @@ def test_plan_with_an_unknown_placement_is_a_plugin_error():
     plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
     with pytest.raises(PluginError, match="placement 'gpu'"):
         check_placement_nodes(RunSettings(), plan)
+
+
+def test_workers_built_from_a_thread_outlive_that_thread():
+    import threading
+
+    built = []
+    thread = threading.Thread(target=lambda: built.append(Omni("fake_slow", host=make_host(), placement="process")))
+    thread.start()
+    thread.join(60)
+    (omni,) = built
+    with omni:
+        time.sleep(0.3)  # PR_SET_PDEATHSIG would have fired when the thread ended
+        assert omni.generate("still here").text == "rendered 2 words"

@@ -1,0 +1,365 @@
+"""Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-kernel[ray]` extra).
+
+The same contract as `workers.ProcessStage`: the front's proxy sends add / hand_off / abort and the process /
+check calls; the actor runs its stage's engine loop on a thread of its own, continuously, and keeps the events
+until the front's long poll (`poll`) takes them. Outputs come back as the poll's return value through Ray's
+object store (arrays included); the front relays them to the next stage (a Ray stream cannot be handed to
+another actor). Each actor gets its own placement group of one bundle, `NodeSpec.resources` (default
+{"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that dies
+fails its requests with one error naming the stage and is restarted, `max_restarts` times.
+
+Ray is imported only when a node is placed on it; the kernel stays importable without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pickle
+import sys
+import threading
+import time
+from typing import Any
+
+import attrs
+
+from .errors import EngineDead, PluginError, RequestError, classify, rebuild
+from .events import StageFailed, StageFinished
+from .request import StageInput
+from .workers import RemoteEngine, RunSettings, StageHost, WorkerDied, WorkerSpec, build_stage, set_torch_threads, \
+    setup_worker
+
+log = logging.getLogger("omni")
+POLL_S = 1.0  # the longest one long poll stays in the actor
+START_TIMEOUT_S = 600.0
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise PluginError("placement 'ray' needs Ray: pip install 'omni-kernel[ray]'") from None
+    return ray
+
+
+def ensure_ray(address: str | None):
+    """Connect to the cluster at `address` (or start a local Ray) once per process."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=True,
+                 logging_level=logging.WARNING)
+    return ray
+
+
+class StageActor:
+    """The body of the Ray actor (wrapped by `ray.remote` at first use): a StageHost and its engine thread."""
+
+    def __init__(self, sys_path: list[str], spec_bytes: bytes):
+        for entry in sys_path:  # what the front imports (plugins, test modules), where it exists here
+            if entry not in sys.path:
+                sys.path.append(entry)
+        self.cond = threading.Condition(threading.RLock())
+        self.out: list = []
+        self.aborted: dict[str, None] = {}
+        self.status: tuple = ("starting",)
+        self.stop = False
+        try:
+            spec: WorkerSpec = pickle.loads(spec_bytes)  # our own bytes, from the front, through Ray
+            setup_worker(spec)
+            stage = build_stage(spec)
+            set_torch_threads(spec.threads)
+        except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
+            self.status = ("failed", *classify(exc))
+            return
+        self.host = StageHost(stage, spec.node.id)
+        self.status = ("ready", stage.kind)
+        threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
+
+    def ready(self) -> tuple:
+        return self.status
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self.stop and not self.host.stage.has_unfinished():
+                    self.cond.wait()
+                if self.stop:
+                    return
+                events = self.host.step()  # under the lock: calls wait for the step, as in a worker process
+                dead = self.host.newly_dead()
+                if events or dead:
+                    self.out.extend(events)
+                    if dead:
+                        self.out.append(("dead", dead))
+                    self.cond.notify_all()
+
+    def _call(self, fn, *args):
+        with self.cond:
+            try:
+                value = fn(*args)
+            finally:
+                self.cond.notify_all()
+            return value
+
+    # Calls run on the actor's thread pool, so an abort can overtake the add it follows: remember it.
+
+    def add(self, item: StageInput) -> None:
+        if not self._aborted(item.request_id):
+            self._emit(self._call(self.host.add, item))
+
+    def hand_off(self, item: StageInput) -> None:
+        if not self._aborted(item.request_id):
+            self._emit(self._call(self.host.hand_off, item))
+
+    def abort(self, request_id: str) -> None:
+        with self.cond:
+            if request_id not in self.host.stage.request_ids():
+                self.aborted[request_id] = None
+                while len(self.aborted) > 4096:
+                    self.aborted.pop(next(iter(self.aborted)))
+            self._call(self.host.abort, request_id)
+
+    def _aborted(self, request_id: str) -> bool:
+        with self.cond:
+            return self.aborted.pop(request_id, 0) is None
+
+    def process(self, kind: str, item: StageInput) -> tuple:
+        try:
+            value = self._call(self.host.process if kind == "process" else self.host.check, item)
+        except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+            return False, classify(exc)
+        return True, value
+
+    def _emit(self, events: list) -> None:
+        if events:
+            with self.cond:
+                self.out.extend(events)
+                self.cond.notify_all()
+
+    def poll(self, timeout: float) -> list:
+        """Everything the stage emitted since the last poll; waits up to `timeout` for something."""
+        with self.cond:
+            deadline = time.monotonic() + timeout
+            while not self.out and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
+            out, self.out = self.out, []
+            return out
+
+    def shutdown(self) -> None:
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+
+
+_ACTOR = None
+
+
+def _actor_class(ray):
+    global _ACTOR
+    if _ACTOR is None:
+        _ACTOR = ray.remote(StageActor)
+    return _ACTOR
+
+
+class RayStage:
+    """The Stage contract over a Ray actor (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, group, settings: RunSettings):
+        self.ray = ensure_ray(settings.ray_address)
+        self.node = spec.node
+        self.kind = spec.kind
+        self.spec = attrs.evolve(spec, spill_dir=None)
+        self.group = group
+        self.max_restarts = settings.max_restarts
+        self.restarts = 0
+        self.engine = RemoteEngine()
+        self.pending: list = []
+        self.held: set[str] = set()
+        self.actor = None
+        self.poll_ref = None
+        self.ready = False
+        self.calls = itertools.count()
+        resources = dict(spec.node.resources or {"CPU": 1})
+        self.resources = resources
+        from ray.util.placement_group import placement_group
+
+        self.pg = placement_group([resources], strategy="PACK", name=f"omni-{spec.node.id}-{id(self):x}")
+        group.add(self)
+        self._start()
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
+
+    def _start(self) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        r = self.resources
+        custom = {k: v for k, v in r.items() if k not in ("CPU", "GPU")}
+        options = dict(num_cpus=r.get("CPU", 0), num_gpus=r.get("GPU", 0), max_concurrency=8,
+                       scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+                       name=None)
+        if custom:
+            options["resources"] = custom
+        self.actor = _actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
+        self.ready_ref = self.actor.ready.remote()
+        self.poll_ref = None
+        self.ready = False
+
+    def wait_ready(self, timeout: float | None = START_TIMEOUT_S) -> None:
+        try:
+            self.ray.get(self.pg.ready(), timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - GetTimeoutError: no node has the resources
+            raise RequestError(f"stage {self.node.id!r}: Ray could not place it with resources {self.resources} "
+                               f"within {timeout}s ({type(exc).__name__}); see `ray status`") from None
+        try:
+            status = self.ray.get(self.ready_ref, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the actor died while starting
+            raise RequestError(f"stage {self.node.id!r}: its Ray actor failed to start: {type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())[:300]}") from None
+        if status[0] == "failed":
+            self.close()
+            raise rebuild(*status[1:])
+        if status[1] != self.kind:
+            self.close()
+            raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
+                              f"stage of kind {status[1]!r}")
+        self.ready = True
+        self._poll()
+
+    def _poll(self) -> None:
+        self.poll_ref = self.actor.poll.remote(POLL_S)
+
+    def close(self) -> None:
+        actor, self.actor = self.actor, None
+        if actor is not None:
+            try:
+                self.ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # Receiving.
+
+    def handles(self) -> list:
+        return []
+
+    def pump(self) -> None:
+        if self.actor is None or self.poll_ref is None:
+            return
+        done, _ = self.ray.wait([self.poll_ref], timeout=0)
+        if not done:
+            return
+        try:
+            events = self.ray.get(self.poll_ref)
+        except Exception as exc:  # noqa: BLE001 - RayActorError: the actor died
+            self._died(exc)
+            return
+        self._poll()
+        for event in events:
+            if isinstance(event, tuple) and event[0] == "dead":
+                self.engine.dead = EngineDead(event[1])
+                continue
+            if isinstance(event, (StageFinished, StageFailed)):
+                self.held.discard(event.request_id)
+            self.pending.append(event)
+
+    def _died(self, exc: BaseException) -> None:
+        why = type(exc).__name__
+        self.actor = None
+        if self.restarts < self.max_restarts:
+            self.restarts += 1
+            message = (f"stage {self.node.id!r}: its Ray actor died ({why}); the request was lost and the actor "
+                       f"restarted ({self.restarts} of {self.max_restarts} restarts)")
+            log.error("%s", message)
+            self._fail_held(message)
+            self._start()
+            try:
+                self.wait_ready()
+            except Exception as error:  # noqa: BLE001
+                self.engine.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {error}")
+                self.actor = None
+        else:
+            message = (f"stage {self.node.id!r}: its Ray actor died ({why}) and was not restarted "
+                       f"({self.max_restarts} restarts used)")
+            log.error("%s", message)
+            self.engine.dead = EngineDead(message)
+            self._fail_held(message)
+
+    def _fail_held(self, message: str) -> None:
+        for rid in sorted(self.held):
+            self.pending.append(StageFailed(rid, self.node.id, message, "runtime"))
+        self.held.clear()
+
+    # The Stage contract.
+
+    def _call(self, kind: str, item: StageInput):
+        if self.actor is None:
+            raise self.engine.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
+        try:
+            ok, value = self.ray.get(self.actor.process.remote(kind, item))
+        except Exception as exc:  # noqa: BLE001 - the actor died
+            self._died(exc)
+            raise WorkerDied(f"stage {self.node.id!r}: its Ray actor died while processing the input") from None
+        if not ok:
+            raise rebuild(*value)
+        return value
+
+    def check(self, item: StageInput) -> None:
+        self._call("check", item)
+
+    def process(self, item: StageInput) -> StageInput:
+        return self._call("process", item)
+
+    def _add(self, method: str, item: StageInput) -> None:
+        if self.actor is None or self.engine.dead is not None:
+            error = self.engine.dead or f"stage {self.node.id!r}: its Ray actor is gone"
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
+            return
+        self.held.add(item.request_id)
+        getattr(self.actor, method).remote(item)  # in order: Ray keeps one caller's calls to an actor ordered
+
+    def add_request(self, item: StageInput) -> None:
+        self._add("add", item)
+
+    def hand_off(self, item: StageInput) -> None:
+        self._add("hand_off", item)
+
+    def step(self) -> list:
+        self.pump()
+        events, self.pending = self.pending, []
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self.pending = [e for e in self.pending if e.request_id != request_id]
+        if request_id in self.held and self.actor is not None:
+            self.actor.abort.remote(request_id)
+        self.held.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or bool(self.held)
+
+    def request_ids(self) -> set[str]:
+        return set(self.held) | {e.request_id for e in self.pending}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block on the long polls of every Ray stage of the graph at once."""
+        stages = [s for s in self.group.stages if isinstance(s, RayStage)]
+        if any(s.pending for s in stages):
+            return True
+        refs = [s.poll_ref for s in stages if s.actor is not None and s.poll_ref is not None]
+        if refs:
+            self.ray.wait(refs, num_returns=1, timeout=timeout)
+        for stage in stages:
+            stage.pump()
+        return any(s.pending for s in stages)
+
+
+def actor_info() -> dict[str, Any]:
+    """For tests and docs: the Ray version in use."""
+    return {"ray": import_ray().__version__}

@@ -1,0 +1,76 @@
+"""Placement `ray`: the fake pipeline's stages in Ray actors of a local Ray started here (loopback, 2 CPUs).
+
+One module, one `ray.init`, bounded. Skipped, with the reason, where Ray is not installed (the kernel-only venv)
+or cannot start on this machine; never a silent pass."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_kernel import Omni
+from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.events import RequestFailed, RequestFinished
+
+sys.path.insert(0, str(Path(__file__).parent))
+from worker_fakes import make_host  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ray():
+    try:
+        import ray
+    except ImportError as exc:
+        pytest.skip(f"Ray is not installed here ({exc}); `pip install 'omni-kernel[ray]'` (make test does)")
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"a local Ray could not start on this machine: {type(exc).__name__}: {exc}")
+    yield ray
+    ray.shutdown()
+
+
+def run_all(omni, prompts) -> dict:
+    ids = [omni.submit(omni.request(p)) for p in prompts]
+    done = {}
+    while omni.has_unfinished():
+        done.update({e.request_id: e for e in omni.step() if isinstance(e, (RequestFinished, RequestFailed))})
+    return {rid: done[rid] for rid in ids}
+
+
+def test_ray_stages(ray):
+    from omni_kernel.ray_stage import RayStage
+
+    with Omni("fake_slow", host=make_host(sleep_ms=5), placement="ray") as o:
+        assert all(isinstance(s, RayStage) for s in o.graph.stages.values())
+        done = run_all(o, [f"p{i} a b" for i in range(6)] + ["frames please"])
+        assert all(isinstance(e, RequestFinished) for e in done.values()), done
+        result = list(done.values())[-1].result
+        assert result.output.data["frames"].sum() == sum(range(24))  # through the object store
+        trace = result.trace
+        assert len({trace["words.pid"], trace["render.pid"], trace["fake.connector_pid"]}) == 3
+
+        with pytest.raises(InvalidParameter, match="contains bad"):
+            o.submit(o.request("a bad one"))
+        assert not o.has_unfinished()
+
+        rid = o.submit(o.request("x " * 200))
+        o.step()
+        o.abort(rid)
+        events = []
+        while o.has_unfinished():
+            events += o.step()
+        assert events[-1].kind == "aborted"
+
+        # an actor that dies fails its request, naming the stage, and is restarted
+        (failed,) = run_all(o, ["crash here"]).values()
+        assert isinstance(failed, RequestFailed) and failed.kind == "runtime"
+        assert "stage 'words'" in failed.error and "restarted" in failed.error
+        assert o.generate("after that").text == "rendered 2 words"
+
+
+def test_ray_build_error_is_typed(ray):
+    with pytest.raises(ModelError, match="fake model is missing"):
+        Omni("fake_slow", host=make_host(), placement="words=ray", fake_fail_build=True)
