@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 KERNEL_VENV := .venv-kernel
-PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve
+PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
@@ -21,8 +21,8 @@ $(PY):
 # A plain `torch` requirement would pull a multi-GB CUDA build: install the pinned CPU wheel first.
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -c constraints.txt -e '.[test,ray]' $(addprefix -e ,$(PLUGINS))
-	$(PIP) install -q -c constraints.txt -e 'plugins/omni_serve[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test]' $(addprefix -e ,$(PLUGINS))
+	$(PIP) install -q -c constraints.txt -e 'plugins/omni_serve[test]' -e 'plugins/omni_workers[ray]'
 	touch $(STAMP)
 
 # Real weights: make demo AR_MODEL=./models/Qwen2.5-0.5B-Instruct MODEL=./models/Wan2.2-TI2V-5B-Diffusers

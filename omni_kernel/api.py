@@ -9,7 +9,7 @@ from .planner import GraphBuilder, Planner
 from .plugins import PluginHost, load_host
 from .request import Request, RequestResult
 from .stage_scheduler import StageScheduler
-from .workers import RunSettings
+from .placement import RunSettings
 
 
 class Omni:

@@ -21,7 +21,7 @@ from .planner import GraphBuilder, Planner
 from .plugins import load_host
 from .stage_scheduler import StageScheduler
 from .trace import format_trace, jsonable
-from .workers import RunSettings
+from .placement import RunSettings
 
 
 class UserFacingError(click.ClickException):

@@ -148,7 +148,7 @@ class StageGraph:
     connectors: dict[tuple[str, str], Any]
     order: list[str]
     node_types: dict[str, Any] = attrs.Factory(dict)
-    workers: Any = None  # the WorkerGroup of its process / Ray stages, if any
+    workers: Any = None  # what stops its placed stages (a placement plugin's, e.g. a WorkerGroup), if any
 
     def close(self) -> None:
         """Stop the graph's stage workers (a no-op for in-process stages); the graph takes no requests after."""

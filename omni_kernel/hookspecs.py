@@ -24,3 +24,9 @@ def omni_register_pipelines(register):
 @hookspec
 def omni_register_commands(register):
     """Register extra CLI commands: register(click.Command)."""
+
+
+@hookspec
+def omni_register_placements(register):
+    """Register stage placements other than inproc: register(obj) with `name` and
+    `build(nodes, settings, host_factory, workers) -> (stages by node id, workers)` (docs/plugins.md)."""

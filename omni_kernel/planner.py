@@ -9,7 +9,7 @@ from .errors import PluginError, UnknownPipeline
 from .graph import PipelinePlan, StageGraph, validate_plan
 from .params import split
 from .registry import Registry
-from .workers import RunSettings, WorkerGroup, WorkerSpec, build_remote, check_placement_nodes, default_host_factory
+from .placement import RunSettings, check_placement_nodes
 
 
 class Planner:
@@ -45,39 +45,39 @@ class GraphBuilder:
 
     def build(self, plan: PipelinePlan, config: Mapping[str, Any] | None = None,
               settings: RunSettings | None = None, host_factory: Callable[[], Any] | None = None) -> StageGraph:
-        """Build every node's stage where `settings` places it: in this process (the factory here), or in a
-        worker process / Ray actor (the factory there, behind a proxy; docs/distributed.md). `host_factory`
-        rebuilds the plugin host in a worker (default: `load_host()` under the same OMNI_PLUGINS)."""
+        """Build every node's stage where `settings` places it: `inproc` here (the node type's factory), any other
+        placement by the plugin that registered it (e.g. omni-workers: a worker process or a Ray actor behind a
+        proxy; docs/distributed.md). `host_factory` rebuilds the plugin host there (default: the plugin's)."""
         order = self.validate(plan)
         settings = settings or RunSettings()
         settings.check()
-        check_placement_nodes(settings, plan)
+        check_placement_nodes(settings, plan, self.registry.placements)
         configs = self.configs(plan, config)
         types = self.registry.node_types_of(plan)
+        placed: dict[str, list] = {}
+        for node_id in order:
+            placed.setdefault(settings.placement_of(plan.node(node_id)), []).append(node_id)
         stages: dict[str, Any] = {}
-        group = None
+        workers = None
         try:
-            for node_id in order:
-                node_type, node = types[node_id], plan.node(node_id)
-                mode = settings.placement_of(node)
+            for mode, ids in placed.items():  # workers first: they load their models while inproc stages do
                 if mode != "inproc":
-                    group = group or WorkerGroup()
-                    spec = WorkerSpec(node, node_type.kind, configs[node_id], host_factory or default_host_factory(),
-                                      settings.worker_threads)
-                    stages[node_id] = build_remote(mode, spec, group, settings)
-                    continue
-                stage = node_type.factory(node, configs[node_id])
+                    nodes = [(plan.node(n), types[n].kind, configs[n]) for n in ids]
+                    built, workers = self.registry.placements[mode].item.build(nodes, settings, host_factory, workers)
+                    stages.update(built)
+            for node_id in placed.get("inproc", ()):
+                node_type = types[node_id]
+                stages[node_id] = stage = node_type.factory(plan.node(node_id), configs[node_id])
                 if stage.kind != node_type.kind:
                     raise PluginError(f"node type {node_type.name!r} declares kind {node_type.kind!r} but its "
                                       f"factory built a stage of kind {stage.kind!r}")
-                stages[node_id] = stage
-            for stage in stages.values():  # the workers load their models at the same time
+            for stage in stages.values():
                 if hasattr(stage, "wait_ready"):
                     stage.wait_ready()
         except BaseException:
-            if group is not None:
-                group.close()
+            if workers is not None:
+                workers.close()
             raise
         connectors = {(e.source, e.target): self.registry.connectors[e.connector].item for e in plan.edges}
-        return StageGraph(plan=plan, stages=stages, connectors=connectors, order=order, node_types=types,
-                          workers=group)
+        return StageGraph(plan=plan, stages={n: stages[n] for n in order}, connectors=connectors, order=order,
+                          node_types=types, workers=workers)

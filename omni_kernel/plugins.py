@@ -22,6 +22,7 @@ HOOKS = {
     "omni_register_connectors": Registry.add_connector,
     "omni_register_pipelines": Registry.add_pipeline,
     "omni_register_commands": Registry.add_command,
+    "omni_register_placements": Registry.add_placement,
 }
 # The `omni` group's own commands; a plugin command of the same name would never be reachable.
 BUILTIN_COMMANDS = frozenset({"run", "plugins", "pipelines"})

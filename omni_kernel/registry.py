@@ -41,6 +41,7 @@ class Registry:
     connectors: dict[str, Registered] = attrs.Factory(dict)
     pipelines: dict[str, Registered] = attrs.Factory(dict)
     commands: dict[str, Registered] = attrs.Factory(dict)
+    placements: dict[str, Registered] = attrs.Factory(dict)
 
     def copy(self) -> Registry:
         return Registry(*(dict(getattr(self, f.name)) for f in attrs.fields(Registry)))
@@ -63,6 +64,9 @@ class Registry:
     def add_command(self, command: Any, plugin: str) -> None:
         self._add(self.commands, "command", command.name, command, plugin)
 
+    def add_placement(self, placement: Any, plugin: str) -> None:
+        self._add(self.placements, "placement", placement.name, placement, plugin)
+
     def node_kinds(self) -> Mapping[str, str]:
         return {name: r.item.kind for name, r in self.node_types.items()}
 
@@ -71,8 +75,9 @@ class Registry:
 
     def by_plugin(self, plugin: str) -> dict[str, list[str]]:
         tables = {"node types": self.node_types, "connectors": self.connectors, "pipelines": self.pipelines,
-                  "commands": self.commands}
-        return {what: sorted(n for n, r in table.items() if r.plugin == plugin) for what, table in tables.items()}
+                  "commands": self.commands, "placements": self.placements}
+        found = {what: sorted(n for n, r in table.items() if r.plugin == plugin) for what, table in tables.items()}
+        return found if found["placements"] else {k: v for k, v in found.items() if k != "placements"}
 
     def node_types_of(self, plan: PipelinePlan) -> dict[str, NodeType]:
         """Node id -> NodeType for the plan's registered node types."""

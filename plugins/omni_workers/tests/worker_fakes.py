@@ -26,6 +26,7 @@ from omni_kernel.registry import NodeType
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
+from omni_workers import WorkersPlugin
 
 log = logging.getLogger("omni")
 
@@ -156,11 +157,13 @@ class FakePlugin:
 
 
 def make_host(sleep_ms: float = 0, words_placement: str | None = None) -> PluginHost:
-    """The kernel's plugin and the fake one; picklable as `partial(make_host, ...)` for a worker's rebuild."""
+    """The kernel's plugin, the fake one and omni-workers (the placements); picklable as
+    `partial(make_host, ...)` for a worker's rebuild."""
     from functools import partial
 
     host = PluginHost()
     host.register(KernelPlugin(), "omni_kernel")
     host.register(FakePlugin(sleep_ms, words_placement), "fake")
+    host.register(WorkersPlugin(), "omni_workers")
     host.rebuild = partial(make_host, sleep_ms, words_placement)
     return host

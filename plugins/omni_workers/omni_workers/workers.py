@@ -46,98 +46,22 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import attrs
 
-from .errors import EngineDead, InvalidParameter, OmniError, PluginError, RequestError, classify, rebuild
-from .events import StageFailed, StageFinished
-from .graph import NodeSpec
-from .request import StageInput
+from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, classify, rebuild
+from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.graph import NodeSpec
+from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
+from omni_kernel.request import StageInput
 
 log = logging.getLogger("omni")
 
-PLACEMENTS = ("inproc", "process", "ray")
-RUN_KEYS = frozenset({"placement", "max_restarts", "worker_threads", "ray_address"})
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 HELD_LIMIT = 4096  # processed inputs a worker keeps for add_request (a submit that failed later never adds)
-
-
-@attrs.frozen
-class RunSettings:
-    """Kernel-level settings of one run (not a node type's config): where each stage runs and how workers behave.
-
-    `placement`: None (each node's plan placement, else inproc), one mode for every node, or per node
-    ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide mode, which wins over
-    the plan's `NodeSpec.placement`. `max_restarts`: restarts of a worker that died. `worker_threads`: torch /
-    OpenMP threads in each worker (None: the library default). `ray_address`: the Ray cluster (None: a local Ray).
-    """
-
-    placement: Any = None
-    max_restarts: int = 1
-    worker_threads: int | None = None
-    ray_address: str | None = None
-
-    @classmethod
-    def pop(cls, config: dict[str, Any]) -> RunSettings:
-        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives)."""
-        found = {k: config.pop(k) for k in list(config) if k in RUN_KEYS}
-        settings = cls(**{k: v for k, v in found.items() if v is not None})
-        settings.check()
-        return settings
-
-    def check(self) -> None:
-        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
-            raise InvalidParameter("max_restarts", f"{self.max_restarts!r} is not an integer >= 0")
-        if self.worker_threads is not None and (not isinstance(self.worker_threads, int)
-                                                or isinstance(self.worker_threads, bool) or self.worker_threads < 1):
-            raise InvalidParameter("worker_threads", f"{self.worker_threads!r} is not an integer >= 1")
-        parse_placement(self.placement)
-
-    def placement_of(self, node: NodeSpec) -> str:
-        run_wide, per_node = parse_placement(self.placement)
-        return per_node.get(node.id) or run_wide or node.placement or "inproc"
-
-
-def parse_placement(value: Any) -> tuple[str | None, dict[str, str]]:
-    """(run-wide mode, {node id: mode}) of a placement setting: "process", "video=process,bridge=inproc",
-    "process,video=ray", or a mapping of node id to mode."""
-    if value is None or value == "":
-        return None, {}
-    if isinstance(value, Mapping):
-        items = [(str(k), str(v)) for k, v in value.items()]
-    elif isinstance(value, str):
-        items = []
-        for part in (p.strip() for p in value.split(",")):
-            if part:
-                key, sep, mode = part.partition("=")
-                items.append((key.strip(), mode.strip()) if sep else ("", key.strip()))
-    else:
-        raise InvalidParameter("placement", f"{value!r} is not a placement (one of {', '.join(PLACEMENTS)}, or "
-                                            "NODE=MODE pairs)")
-    run_wide, per_node = None, {}
-    for key, mode in items:
-        if mode not in PLACEMENTS:
-            raise InvalidParameter("placement", f"{mode!r} is not one of {', '.join(PLACEMENTS)}")
-        if key:
-            per_node[key] = mode
-        else:
-            run_wide = mode
-    return run_wide, per_node
-
-
-def check_placement_nodes(settings: RunSettings, plan) -> None:
-    _, per_node = parse_placement(settings.placement)
-    ids = [n.id for n in plan.nodes]
-    if unknown := sorted(set(per_node) - set(ids)):
-        raise InvalidParameter("placement", f"pipeline {plan.name!r} has no node {unknown[0]!r}; its nodes: "
-                                            f"{', '.join(ids)}")
-    for node in plan.nodes:
-        if node.placement is not None and node.placement not in PLACEMENTS:
-            raise PluginError(f"node {node.id!r} of pipeline {plan.name!r} has placement {node.placement!r}; "
-                              f"expected one of {', '.join(PLACEMENTS)}")
 
 
 # What the worker needs to rebuild its stage.
@@ -156,7 +80,7 @@ class WorkerSpec:
 
 def default_host_factory() -> Callable[[], Any]:
     """Rebuilds the front's plugins in a worker: `load_host()` under the OMNI_PLUGINS the front had."""
-    from .plugins import ALLOWLIST_ENV, load_host
+    from omni_kernel.plugins import ALLOWLIST_ENV, load_host
 
     return partial(load_host, os.environ.get(ALLOWLIST_ENV))
 
@@ -579,7 +503,7 @@ class ProcessStage:
         if self.spec.threads:
             for var in THREAD_VARS:
                 env[var] = str(self.spec.threads)
-        code = f"from omni_kernel.workers import child_main; child_main({back.fileno()})"
+        code = f"from omni_workers.workers import child_main; child_main({back.fileno()})"
         try:
             self.proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
                                stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
@@ -769,9 +693,27 @@ class ProcessStage:
         return self.group.wait(timeout)
 
 
-def build_remote(mode: str, spec: WorkerSpec, group: WorkerGroup, settings: RunSettings):
-    if mode == "process":
-        return ProcessStage(spec, group, settings.max_restarts)
-    from .ray_stage import RayStage
+@attrs.frozen
+class Placement:
+    """What the plugin registers per placement (`omni_register_placements`): the GraphBuilder calls `build` with
+    the nodes placed here; every placement of one graph shares its WorkerGroup (one wait, one close)."""
 
-    return RayStage(spec, group, settings)
+    name: str
+
+    def build(self, nodes, settings: RunSettings, host_factory: Callable[[], Any] | None, workers):
+        group = workers if isinstance(workers, WorkerGroup) else WorkerGroup()
+        stages = {}
+        try:
+            for node, kind, config in nodes:
+                spec = WorkerSpec(node, kind, config, host_factory or default_host_factory(), settings.worker_threads)
+                if self.name == "process":
+                    stages[node.id] = ProcessStage(spec, group, settings.max_restarts)
+                else:
+                    from .ray_stage import RayStage
+
+                    stages[node.id] = RayStage(spec, group, settings)
+        except BaseException:
+            if group is not workers:
+                group.close()
+            raise
+        return stages, group

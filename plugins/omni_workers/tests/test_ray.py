@@ -23,7 +23,7 @@ def ray():
     try:
         import ray
     except ImportError as exc:
-        pytest.skip(f"Ray is not installed here ({exc}); `pip install 'omni-kernel[ray]'` (make test does)")
+        pytest.skip(f"Ray is not installed here ({exc}); `pip install 'omni-workers[ray]'` (make test does)")
     try:
         ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     except Exception as exc:  # noqa: BLE001
@@ -41,7 +41,7 @@ def run_all(omni, prompts) -> dict:
 
 
 def test_ray_stages(ray):
-    from omni_kernel.ray_stage import RayStage
+    from omni_workers.ray_stage import RayStage
 
     with Omni("fake_slow", host=make_host(sleep_ms=5), placement="ray") as o:
         assert all(isinstance(s, RayStage) for s in o.graph.stages.values())

@@ -18,7 +18,7 @@ from omni_kernel import Omni
 from omni_kernel.cli import main
 from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
-from omni_kernel.workers import ProcessStage, RunSettings, parse_placement
+from omni_workers.workers import ProcessStage, RunSettings, parse_placement
 
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_fakes import make_host  # noqa: E402
@@ -249,7 +249,7 @@ def test_worker_load_lines_are_printed_once_with_the_stage_prefix(tmp_path):
 
 def test_plan_with_an_unknown_placement_is_a_plugin_error():
     from omni_kernel.graph import NodeSpec, PipelinePlan
-    from omni_kernel.workers import check_placement_nodes
+    from omni_workers.workers import check_placement_nodes
 
     plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
     with pytest.raises(PluginError, match="placement 'gpu'"):

@@ -1,4 +1,4 @@
-"""Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-kernel[ray]` extra).
+"""Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-workers[ray]` extra).
 
 The same contract as `workers.ProcessStage`: the front's proxy sends add / hand_off / abort and the process /
 check calls; the actor runs its stage's engine loop on a thread of its own, continuously, and keeps the events
@@ -23,9 +23,10 @@ from typing import Any
 
 import attrs
 
-from .errors import EngineDead, PluginError, RequestError, classify, rebuild
-from .events import StageFailed, StageFinished
-from .request import StageInput
+from omni_kernel.errors import EngineDead, PluginError, RequestError, classify, rebuild
+from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.request import StageInput
+
 from .workers import RemoteEngine, RunSettings, StageHost, WorkerDied, WorkerSpec, build_stage, set_torch_threads, \
     setup_worker
 
@@ -38,7 +39,7 @@ def import_ray():
     try:
         import ray
     except ImportError:
-        raise PluginError("placement 'ray' needs Ray: pip install 'omni-kernel[ray]'") from None
+        raise PluginError("placement 'ray' needs Ray: pip install 'omni-workers[ray]'") from None
     return ray
 
 

@@ -1,0 +1,39 @@
+"""Placements other than inproc come from plugins (omni-workers): without one, a run that asks for one is
+refused in one line naming the plugin to install; inproc needs none."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from omni_kernel import Omni
+from omni_kernel.cli import main
+from omni_kernel.errors import UserError
+from omni_kernel.identity import KernelPlugin
+from omni_kernel.plugins import PluginHost
+
+
+def kernel_only() -> PluginHost:
+    host = PluginHost()
+    host.register(KernelPlugin(), "omni_kernel")
+    return host
+
+
+@pytest.mark.parametrize("placement", ["process", "ray", "echo=process"])
+def test_a_placement_no_plugin_provides_is_refused(placement):
+    with pytest.raises(UserError, match="placement '(process|ray)' needs the omni-workers plugin"):
+        Omni("echo", host=kernel_only(), placement=placement)
+
+
+def test_the_cli_refuses_it_in_one_line_exit_2():
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", "--placement", "process"],
+                                obj={"host": kernel_only()})
+    assert result.exit_code == 2
+    assert "placement 'process' needs the omni-workers plugin" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_inproc_needs_no_plugin():
+    with Omni("echo", host=kernel_only(), placement="inproc") as omni:
+        assert omni.generate("a b c").text == "a b c"
+        assert omni.graph.workers is None
