@@ -1,5 +1,9 @@
 """Every suite in this repository (tests/, plugins/*/tests, examples/plugin_example/tests) runs under these
-fixtures. pytest reads `pytest_plugins` only in the rootdir conftest, so the opt-in lives here; no torch."""
+fixtures, and the reliability suites share the small and read-only file systems below. pytest reads
+`pytest_plugins` only in the rootdir conftest, so the opt-in lives here; no torch."""
+
+import os
+import subprocess
 
 import pytest
 
@@ -14,3 +18,36 @@ def _omni_cache(omni_cache):
 @pytest.fixture(autouse=True)
 def _omni_logger(omni_logger):
     return omni_logger
+
+
+def _mount_tmpfs(target, options: str) -> bool:
+    if os.geteuid() != 0:
+        return False
+    target.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+                          capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def small_fs(tmp_path_factory):
+    """A 64 KiB tmpfs: a disk that fills up (reliability tests)."""
+    path = tmp_path_factory.mktemp("small-fs")
+    if not _mount_tmpfs(path, "size=64k"):
+        pytest.skip("a 64 KiB tmpfs needs root and mount(8) (not available here)")
+    yield path
+    subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.fixture(scope="module")
+def readonly_dir(tmp_path_factory):
+    """A directory nobody can write in: a read-only tmpfs as root (root ignores mode bits), else mode 0555."""
+    path = tmp_path_factory.mktemp("read-only")
+    if _mount_tmpfs(path, "ro,size=16k"):
+        yield path
+        subprocess.run(["umount", str(path)], check=False)
+        return
+    if os.geteuid() == 0:
+        pytest.skip("root ignores mode bits and a read-only tmpfs cannot be mounted here")
+    path.chmod(0o555)
+    yield path
+    path.chmod(0o755)

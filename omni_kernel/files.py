@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import struct
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -142,7 +143,23 @@ def remove_outputs(paths) -> list[str]:
 
 
 # Weights: omni loads safetensors only; nothing is ever unpickled.
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+def safetensors_shapes(folder: str | Path, label: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over a folder's safetensors files, read from their JSON headers (no tensor data),
+    so a checkpoint can be compared with its config before anything loads."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with open(file, "rb") as f:
+                size = struct.unpack("<Q", f.read(8))[0]
+                if size > 100_000_000:
+                    raise ValueError("header too large")
+                header = json.loads(f.read(size))
+            shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise ModelError(f"{label}: {file.name} is not a readable safetensors file "
+                             f"({' '.join(str(exc).split())})") from None
+    return shapes
 
 
 def check_safetensors_index(folder: str | Path, label: str) -> None:

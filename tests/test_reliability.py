@@ -8,7 +8,6 @@ import errno
 import os
 import socket
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,39 +32,6 @@ def snapshot(root: Path) -> dict[str, tuple]:
             found[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), st.st_size if not stat.S_ISDIR(st.st_mode)
                                                else 0, st.st_mtime_ns if not stat.S_ISDIR(st.st_mode) else 0)
     return found
-
-
-def _mount(target: Path, options: str) -> bool:
-    if os.geteuid() != 0:
-        return False
-    target.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-                          capture_output=True).returncode == 0
-
-
-@pytest.fixture(scope="module")
-def small_fs(tmp_path_factory):
-    """A 64 KiB tmpfs: a disk that fills up."""
-    path = tmp_path_factory.mktemp("small-fs")
-    if not _mount(path, "size=64k"):
-        pytest.skip("a 64 KiB tmpfs needs root and mount(8) (not available here)")
-    yield path
-    subprocess.run(["umount", str(path)], check=False)
-
-
-@pytest.fixture(scope="module")
-def readonly_dir(tmp_path_factory):
-    """A directory nobody can write in: a read-only tmpfs as root (root ignores mode bits), else mode 0555."""
-    path = tmp_path_factory.mktemp("read-only")
-    if _mount(path, "ro,size=16k"):
-        yield path
-        subprocess.run(["umount", str(path)], check=False)
-        return
-    if os.geteuid() == 0:
-        pytest.skip("root ignores mode bits and a read-only tmpfs cannot be mounted here")
-    path.chmod(0o555)
-    yield path
-    path.chmod(0o755)
 
 
 @pytest.fixture

@@ -8,9 +8,7 @@ the KV backends (backends.py); tokenizing a prompt to the stage's input processo
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import struct
 import time
 import warnings
 from pathlib import Path
@@ -22,7 +20,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from transformers.utils import logging as hf_logging
 
 from omni_kernel.errors import InvalidParameter, ModelError
-from omni_kernel.files import check_safetensors_index
+from omni_kernel.files import check_safetensors_index, safetensors_shapes
 
 log = logging.getLogger("omni")
 
@@ -115,7 +113,7 @@ def check_shapes(path: Path, config, trust_remote_code: bool) -> None:
     built on the meta device: a tensor whose shape differs is refused in one line before loading."""
     if trust_remote_code:
         return
-    shapes = safetensors_shapes(path)
+    shapes = safetensors_shapes(path, f"AR model directory {str(path)!r} could not be loaded as a causal LM")
     try:
         with torch.device("meta"), quiet_progress():
             expected = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
@@ -126,23 +124,6 @@ def check_shapes(path: Path, config, trust_remote_code: bool) -> None:
         if shapes[key] != expected[key]:
             raise ModelError(f"AR model directory {str(path)!r} does not match its config.json: tensor {key} has "
                              f"shape {list(shapes[key])}, the config needs {list(expected[key])}")
-
-
-def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over the folder's safetensors files, from their JSON headers."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with open(file, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                if size > 100_000_000:
-                    raise ValueError("header too large")
-                header = json.loads(f.read(size))
-            shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            raise ModelError(f"AR model directory {str(folder)!r} could not be loaded as a causal LM: {file.name} is "
-                             f"not a readable safetensors file ({' '.join(str(exc).split())})") from None
-    return shapes
 
 
 def check_model_dir(path: Path, trust_remote_code: bool = False):

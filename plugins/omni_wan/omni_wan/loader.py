@@ -12,6 +12,7 @@ from pathlib import Path
 
 import attrs
 from omni_kernel.errors import ModelError
+from omni_kernel.files import safetensors_shapes
 
 from .device import Placement
 from .layout import WEIGHTS
@@ -88,7 +89,7 @@ def check_tensors(path: Path) -> None:
         except Exception as exc:  # noqa: BLE001 - a config that no model can be built from
             raise ModelError(f"{folder}: config.json describes no {name}: "
                              f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}") from None
-        problem = tensor_problem(model, safetensors_shapes(folder))
+        problem = tensor_problem(model, safetensors_shapes(folder, str(folder)))
         if problem:
             raise ModelError(f"{folder} does not match its config.json: {problem}")
 
@@ -113,25 +114,6 @@ def tensor_problem(model, shapes: dict[str, tuple[int, ...]]) -> str | None:
         k = shaped[0]
         return f"tensor {k} has shape {list(shapes[k])}, the config needs {list(expected[k])}"
     return None
-
-
-def safetensors_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape over the folder's safetensors files, from their JSON headers."""
-    import json
-    import struct
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        try:
-            with open(file, "rb") as f:
-                size = struct.unpack("<Q", f.read(8))[0]
-                if size > 100_000_000:
-                    raise ValueError("header too large")
-                header = json.loads(f.read(size))
-            shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
-            raise ModelError(f"{file} is not a readable safetensors file: {' '.join(str(exc).split())}") from None
-    return shapes
 
 
 @contextmanager
@@ -177,4 +159,3 @@ class _ToDebug(logging.Handler):
 
 def _no_unpickling(*args, **kwargs):
     raise ModelError("the checkpoint asks to unpickle a file (torch.load); omni loads safetensors only")
-
