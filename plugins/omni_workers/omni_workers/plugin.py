@@ -1,8 +1,42 @@
 """The omni-workers plugin: registers the placements `process` and `ray` (docs/distributed.md)."""
 
-from omni_kernel import hookimpl
+from collections.abc import Callable
+from typing import Any
 
-from .workers import Placement
+import attrs
+
+from omni_kernel import hookimpl
+from omni_kernel.placement import RunSettings
+
+from .worker import WorkerSpec, default_host_factory
+from .workers import ProcessStage, WorkerGroup
+
+
+@attrs.frozen
+class Placement:
+    """What the plugin registers per placement (`omni_register_placements`): the GraphBuilder calls `build` with
+    the nodes placed here; every placement of one graph shares its WorkerGroup (one wait, one close)."""
+
+    name: str
+
+    def build(self, nodes, settings: RunSettings, host_factory: Callable[[], Any] | None, workers):
+        group = workers if isinstance(workers, WorkerGroup) else WorkerGroup()
+        stages = {}
+        try:
+            for node, kind, config in nodes:
+                spec = WorkerSpec(node, kind, config, host_factory or default_host_factory(), settings.worker_threads)
+                if self.name == "process":
+                    stages[node.id] = ProcessStage(spec, group, settings.max_restarts)
+                else:
+                    from .ray_stage import RayStage
+
+                    stages[node.id] = RayStage(spec, group, settings)
+        except BaseException:
+            if group is not workers:
+                group.close()
+            raise
+        return stages, group
+
 
 
 class WorkersPlugin:

@@ -27,8 +27,10 @@ from omni_kernel.errors import EngineDead, PluginError, RequestError, classify, 
 from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.request import StageInput
 
-from .workers import RemoteEngine, RunSettings, StageHost, WorkerDied, WorkerSpec, build_stage, set_torch_threads, \
-    setup_worker
+from omni_kernel.placement import RunSettings
+
+from .worker import StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .workers import RemoteEngine, WorkerDied
 
 log = logging.getLogger("omni")
 POLL_S = 1.0  # the longest one long poll stays in the actor
