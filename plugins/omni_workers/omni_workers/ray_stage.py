@@ -30,7 +30,7 @@ from omni_kernel.request import StageInput
 from omni_kernel.placement import RunSettings
 
 from .worker import StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
-from .workers import RemoteEngine, WorkerDied
+from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
 POLL_S = 1.0  # the longest one long poll stays in the actor
@@ -164,7 +164,7 @@ def _actor_class(ray):
     return _ACTOR
 
 
-class RayStage:
+class RayStage(StageProxy):
     """The Stage contract over a Ray actor (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, group, settings: RunSettings):
@@ -313,42 +313,17 @@ class RayStage:
             raise rebuild(*value)
         return value
 
-    def check(self, item: StageInput) -> None:
-        self._call("check", item)
-
-    def process(self, item: StageInput) -> StageInput:
-        return self._call("process", item)
-
-    def _add(self, method: str, item: StageInput) -> None:
+    def _gone(self):
         if self.actor is None or self.engine.dead is not None:
-            error = self.engine.dead or f"stage {self.node.id!r}: its Ray actor is gone"
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
-            return
-        self.held.add(item.request_id)
-        getattr(self.actor, method).remote(item)  # in order: Ray keeps one caller's calls to an actor ordered
+            return self.engine.dead or f"stage {self.node.id!r}: its Ray actor is gone"
+        return None
 
-    def add_request(self, item: StageInput) -> None:
-        self._add("add", item)
+    def _send_add(self, kind: str, item: StageInput) -> None:
+        getattr(self.actor, kind).remote(item)  # in order: Ray keeps one caller's calls to an actor ordered
 
-    def hand_off(self, item: StageInput) -> None:
-        self._add("hand_off", item)
-
-    def step(self) -> list:
-        self.pump()
-        events, self.pending = self.pending, []
-        return events
-
-    def abort(self, request_id: str) -> None:
-        self.pending = [e for e in self.pending if e.request_id != request_id]
-        if request_id in self.held and self.actor is not None:
+    def _send_abort(self, request_id: str) -> None:
+        if self.actor is not None:
             self.actor.abort.remote(request_id)
-        self.held.discard(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.pending) or bool(self.held)
-
-    def request_ids(self) -> set[str]:
-        return set(self.held) | {e.request_id for e in self.pending}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block on the long polls of every Ray stage of the graph at once."""

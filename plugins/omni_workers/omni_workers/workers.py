@@ -153,7 +153,56 @@ def _launcher(requests: queue.Queue) -> None:
             done.put((False, exc))
 
 
-class ProcessStage:
+class StageProxy:
+    """The Stage contract shared by ProcessStage and RayStage, over `pending` (events the worker sent back, not
+    yet stepped out) and `held` (requests the worker holds). A subclass provides `pump`, `_call` (an RPC answered
+    between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
+    `_send_abort`."""
+
+    pending: list
+    held: set[str]
+
+    def check(self, item: StageInput) -> None:
+        self._call("check", item)
+
+    def process(self, item: StageInput) -> StageInput:
+        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
+        return self._call("process", item)
+
+    def add_request(self, item: StageInput) -> None:
+        self._add("add", item)
+
+    def hand_off(self, item: StageInput) -> None:
+        """A downstream input: processed and added in the worker, so the front never waits for a step there."""
+        self._add("hand_off", item)
+
+    def _add(self, kind: str, item: StageInput) -> None:
+        error = self._gone()
+        if error is not None:
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
+            return
+        self.held.add(item.request_id)
+        self._send_add(kind, item)
+
+    def step(self) -> list:
+        self.pump()
+        events, self.pending = self.pending, []
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self.pending = [e for e in self.pending if e.request_id != request_id]
+        if request_id in self.held:
+            self._send_abort(request_id)
+        self.held.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or bool(self.held)
+
+    def request_ids(self) -> set[str]:
+        return set(self.held) | {e.request_id for e in self.pending}
+
+
+class ProcessStage(StageProxy):
     """The Stage contract over a worker process (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, group: WorkerGroup, max_restarts: int = 1):
@@ -333,46 +382,17 @@ class ProcessStage:
         except (OSError, ValueError):
             self.pump()
 
-    # The Stage contract.
-
-    def check(self, item: StageInput) -> None:
-        self._call("check", item)
-
-    def process(self, item: StageInput) -> StageInput:
-        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
-        return self._call("process", item)
-
-    def add_request(self, item: StageInput) -> None:
-        self._add("add", item)
-
-    def hand_off(self, item: StageInput) -> None:
-        """A downstream input: processed and added in the worker, so the front never waits for a step there."""
-        self._add("hand_off", item)
-
-    def _add(self, kind: str, item: StageInput) -> None:
+    def _gone(self):
         if self.conn is None or self.engine.dead is not None:
-            error = self.engine.dead or self._dead_error()
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
-            return
-        self.held.add(item.request_id)
+            return self.engine.dead or self._dead_error()
+        return None
+
+    def _send_add(self, kind: str, item: StageInput) -> None:
         self._send((kind, item))
 
-    def step(self) -> list:
-        self.pump()
-        events, self.pending = self.pending, []
-        return events
-
-    def abort(self, request_id: str) -> None:
-        self.pending = [e for e in self.pending if e.request_id != request_id]
-        if request_id in self.held and self.conn is not None:
+    def _send_abort(self, request_id: str) -> None:
+        if self.conn is not None:
             self._send(("abort", request_id))
-        self.held.discard(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.pending) or bool(self.held)
-
-    def request_ids(self) -> set[str]:
-        return set(self.held) | {e.request_id for e in self.pending}
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.group.wait(timeout)
