@@ -9,6 +9,7 @@ call with the same seed and settings.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,30 @@ import attrs
 import numpy as np
 import torch
 
+from .cpu_conv import use_mkldnn_conv3d
+from .crossattn import CrossKV, TextKV
 from .device import Placement, torch_dtype
 
 log = logging.getLogger("omni")
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline
 
 
+@attrs.frozen(eq=False)
+class Text:
+    """One encoded text, and its cross-attention keys and values (None: the blocks project it every step)."""
+
+    embeds: torch.Tensor
+    kv: TextKV | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.embeds.numel() * self.embeds.element_size() + (self.kv.nbytes if self.kv else 0)
+
+
 @attrs.frozen
 class TextEmbeds:
-    prompt: torch.Tensor
-    negative: torch.Tensor | None
+    prompt: Text
+    negative: Text | None
 
 
 @attrs.define
@@ -54,6 +69,8 @@ class Wan22I2VPipeline:
     def __init__(self, pipe, placement: Placement):
         self.pipe = pipe
         self.placement = placement
+        # Offloaded, the transformer's weights reach the GPU only inside a forward: project the text there.
+        self.cross_kv = None if placement.offloaded else CrossKV(pipe.transformer)
 
     @classmethod
     def load(cls, path: str | Path, placement: Placement) -> Wan22I2VPipeline:
@@ -70,6 +87,8 @@ class Wan22I2VPipeline:
             pipe.enable_model_cpu_offload()
         elif placement.device != "cpu":
             pipe.to(placement.device)
+        else:
+            use_mkldnn_conv3d(pipe.vae)
         return cls(pipe, placement)
 
     @property
@@ -81,12 +100,12 @@ class Wan22I2VPipeline:
         return self.pipe.transformer.dtype
 
     @torch.no_grad()
-    def encode_text(self, prompt: str, negative_prompt: str, guidance_scale: float) -> TextEmbeds:
-        prompt_embeds, negative_embeds = self.pipe.encode_prompt(
-            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guidance_scale > 1,
-            num_videos_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
-        dtype = self.transformer_dtype
-        return TextEmbeds(prompt_embeds.to(dtype), None if negative_embeds is None else negative_embeds.to(dtype))
+    def encode_text(self, prompt: str) -> Text:
+        """One text (a prompt or a negative prompt) as the pipeline encodes it, with its keys and values."""
+        embeds, _ = self.pipe.encode_prompt(prompt=prompt, do_classifier_free_guidance=False, num_videos_per_prompt=1,
+                                            max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
+        embeds = embeds.to(self.transformer_dtype)
+        return Text(embeds, self.cross_kv.project(embeds) if self.cross_kv else None)
 
     @torch.no_grad()
     def encode_image(self, image, height: int, width: int) -> torch.Tensor:
@@ -142,9 +161,9 @@ class Wan22I2VPipeline:
             passes = [cond, uncond]
         noise = []
         for name, latents, timesteps, texts in passes:
-            with model.cache_context(name):
+            with model.cache_context(name), self._context(texts) as context:
                 noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
-                                   encoder_hidden_states=torch.cat(texts), encoder_hidden_states_image=None,
+                                   encoder_hidden_states=context, encoder_hidden_states_image=None,
                                    attention_kwargs=None, return_dict=False)[0].split(1))
         for i, (state, t) in enumerate(zip(states, ts)):
             pred = noise[i]
@@ -153,6 +172,20 @@ class Wan22I2VPipeline:
                 pred = negative + state.guidance_scale * (pred - negative)
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
             state.step += 1
+
+    @contextmanager
+    def _context(self, texts: list[Text]):
+        """The forward's text: the rows' projected keys and values when every row has them, else the embeddings."""
+        if self.cross_kv is None or any(t.kv is None for t in texts):
+            yield torch.cat([t.embeds for t in texts])
+            return
+        with self.cross_kv.use([t.kv for t in texts]):
+            yield self.cross_kv.placeholder(len(texts), texts[0].embeds.dtype, texts[0].embeds.device)
+
+    def forget_batch(self) -> None:
+        """Drop the joined keys and values of the last batch (its requests have left)."""
+        if self.cross_kv is not None:
+            self.cross_kv.forget()
 
     def decode(self, state: DenoiseState) -> np.ndarray:
         """VAE decode and postprocess: frames as float32 (num_frames, height, width, 3) in [0, 1]."""

@@ -1,8 +1,9 @@
 """The prepare-stage cache: text embeddings and image conditioning, reused across requests in one process.
 
-Keys name the model (directory and placement) and what the tensor depends on: the prompt, negative prompt
-and whether guidance is on for text; the image's content hash and the target size for the image latent.
-Entries are read-only tensors, evicted least-recently-used.
+Keys name the model (directory and placement) and what the value depends on: the text for an encoded prompt or
+negative prompt (so every request with Wan's default negative prompt shares one), the image's content hash and
+the target size for the image latent. Entries are read-only, evicted least-recently-used beyond `max_entries`
+or `max_bytes` (an encoded text holds every block's cross-attention keys and values: ~190 MB for the 5B model).
 """
 
 from __future__ import annotations
@@ -13,12 +14,22 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 MAX_ENTRIES = 32
+MAX_BYTES = 2 << 30
+
+
+def nbytes(value: Any) -> int:
+    size = getattr(value, "nbytes", 0)  # torch.Tensor has none; ours and numpy's do
+    if not size and hasattr(value, "element_size"):
+        size = value.numel() * value.element_size()
+    return size
 
 
 class PrepareCache:
-    def __init__(self, max_entries: int = MAX_ENTRIES):
+    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES):
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def get_or_compute(self, key: Hashable, compute: Callable[[], Any]) -> tuple[Any, bool]:
@@ -29,18 +40,21 @@ class PrepareCache:
                 return self._entries[key], True
         value = compute()
         with self._lock:
-            self._entries[key] = value
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+            if key not in self._entries:
+                self._entries[key] = value
+                self._bytes += nbytes(value)
+            while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
+                self._bytes -= nbytes(self._entries.popitem(last=False)[1])
         return value, False
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._bytes = 0
 
 
-def text_key(model_key: Hashable, prompt: str, negative_prompt: str, guidance: bool) -> tuple:
-    return ("text", model_key, prompt, negative_prompt, guidance)
+def text_key(model_key: Hashable, text: str) -> tuple:
+    return ("text", model_key, text)
 
 
 def image_key(model_key: Hashable, digest: str, height: int, width: int) -> tuple:

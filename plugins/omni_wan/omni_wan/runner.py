@@ -21,6 +21,7 @@ from . import prepare_cache
 from .device import Placement
 from .layout import ModelLayout
 from .loader import ModelPool
+from .model import TextEmbeds
 from .presets import DEFAULT_NEGATIVE_PROMPT
 from .profiler import Profiler, profile_path
 from .stage import Denoised, WanInput
@@ -70,7 +71,9 @@ class WanRunner:
         return {rid: phase(self.jobs[rid]) for rid in batch.request_ids}
 
     def free(self, request_id: str) -> None:
-        self.jobs.pop(request_id, None)
+        job = self.jobs.pop(request_id, None)
+        if job is not None and job.model is not None and not self.jobs:
+            job.model.forget_batch()
 
     def prepare(self, job: Job) -> Denoised:
         s, image = job.input.settings, job.input.image
@@ -81,11 +84,11 @@ class WanRunner:
         if loaded.cold:
             job.profiler.add("load", loaded.load_ms / 1000)
         model = job.model = loaded.model
-        guidance = s.guidance_scale > 1
         with job.profiler.span("text_encode"):
-            text, text_hit = self.cache.get_or_compute(
-                prepare_cache.text_key(loaded.key, job.item.prompt, s.negative_prompt, guidance),
-                lambda: model.encode_text(job.item.prompt, s.negative_prompt, s.guidance_scale))
+            text, text_hit = self._text(loaded.key, model, job.item.prompt)
+            negative, negative_hit = (self._text(loaded.key, model, s.negative_prompt) if s.guidance_scale > 1
+                                      else (None, True))
+            text, text_hit = TextEmbeds(text, negative), text_hit and negative_hit
         with job.profiler.span("image_prepare"):
             condition, image_hit = self.cache.get_or_compute(
                 prepare_cache.image_key(loaded.key, job.input.digest, s.height, s.width),
@@ -103,6 +106,9 @@ class WanRunner:
                           "diffusion.image_cache": "hit" if image_hit else "miss",
                           "diffusion.prepare_cache_hit": text_hit and image_hit})
         return Denoised(0, job.state.total)
+
+    def _text(self, model_key, model, text: str):
+        return self.cache.get_or_compute(prepare_cache.text_key(model_key, text), lambda: model.encode_text(text))
 
     def denoise(self, jobs: list[Job]) -> dict[str, Denoised]:
         """One step of every job, at its own step, in one forward; each job's profile gets the batch's span."""
