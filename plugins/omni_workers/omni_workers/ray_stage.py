@@ -13,6 +13,7 @@ Ray is imported only when a node is placed on it; the kernel stays importable wi
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import pickle
@@ -55,13 +56,21 @@ def ensure_ray(address: str | None):
 
 
 class StageActor:
-    """The body of the Ray actor (wrapped by `ray.remote` at first use): a StageHost and its engine thread."""
+    """The body of the Ray actor (wrapped by `ray.remote` at first use): a StageHost and its engine thread.
+
+    The actor's methods run on Ray's threads and only queue work (`inbox`) or take results (`out`) under a short
+    lock; the engine thread alone touches the stage (except `check`, model-free by contract, answered at once) and
+    steps it without holding the lock, so a call never starves behind back-to-back steps. `process` is answered
+    by the engine thread between two steps, as in a worker process."""
 
     def __init__(self, sys_path: list[str], spec_bytes: bytes):
         for entry in sys_path:  # what the front imports (plugins, test modules), where it exists here
             if entry not in sys.path:
                 sys.path.append(entry)
-        self.cond = threading.Condition(threading.RLock())
+        self.lock = threading.Lock()
+        self.work = threading.Condition(self.lock)  # the engine thread waits here for the inbox
+        self.emitted = threading.Condition(self.lock)  # a long poll waits here for `out`
+        self.inbox: collections.deque = collections.deque()
         self.out: list = []
         self.aborted: dict[str, None] = {}
         self.status: tuple = ("starting",)
@@ -75,6 +84,7 @@ class StageActor:
             self.status = ("failed", *classify(exc))
             return
         self.host = StageHost(stage, spec.node.id)
+        self.threads = spec.threads
         self.status = ("ready", stage.kind)
         threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
 
@@ -82,76 +92,103 @@ class StageActor:
         return self.status
 
     def _loop(self) -> None:
+        set_torch_threads(self.threads)  # OpenMP's thread count is per calling thread
+        busy = False
         while True:
-            with self.cond:
-                while not self.stop and not self.host.stage.has_unfinished():
-                    self.cond.wait()
+            with self.lock:
+                while not self.stop and not self.inbox and not busy:
+                    self.work.wait()
                 if self.stop:
                     return
-                events = self.host.step()  # under the lock: calls wait for the step, as in a worker process
-                dead = self.host.newly_dead()
-                if events or dead:
-                    self.out.extend(events)
-                    if dead:
-                        self.out.append(("dead", dead))
-                    self.cond.notify_all()
+                messages = list(self.inbox)
+                self.inbox.clear()
+            events: list = []
+            for message in messages:
+                events.extend(self._handle(*message))
+            if self.host.stage.has_unfinished():
+                events.extend(self.host.step())
+                if (dead := self.host.newly_dead()) is not None:
+                    events.append(("dead", dead))
+            busy = self.host.stage.has_unfinished()
+            self._emit(events)
 
-    def _call(self, fn, *args):
-        with self.cond:
-            try:
-                value = fn(*args)
-            finally:
-                self.cond.notify_all()
-            return value
-
-    # Calls run on the actor's thread pool, so an abort can overtake the add it follows: remember it.
-
-    def add(self, item: StageInput) -> None:
-        if not self._aborted(item.request_id):
-            self._emit(self._call(self.host.add, item))
-
-    def hand_off(self, item: StageInput) -> None:
-        if not self._aborted(item.request_id):
-            self._emit(self._call(self.host.hand_off, item))
-
-    def abort(self, request_id: str) -> None:
-        with self.cond:
-            if request_id not in self.host.stage.request_ids():
-                self.aborted[request_id] = None
+    def _handle(self, kind: str, arg, reply=None) -> list:
+        """One queued message, on the engine thread. Ray runs a threaded actor's calls in any order, so an abort
+        can overtake the add it follows: remember it."""
+        if kind == "abort":
+            if arg not in self.host.stage.request_ids():
+                self.aborted[arg] = None
                 while len(self.aborted) > 4096:
                     self.aborted.pop(next(iter(self.aborted)))
-            self._call(self.host.abort, request_id)
+            self.host.abort(arg)
+            return []
+        if kind == "process":
+            try:
+                reply.append((True, self.host.process(arg)))
+            except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+                reply.append((False, classify(exc)))
+            return []
+        if self.aborted.pop(arg.request_id, 0) is None:
+            return []
+        return self.host.add(arg) if kind == "add" else self.host.hand_off(arg)
 
-    def _aborted(self, request_id: str) -> bool:
-        with self.cond:
-            return self.aborted.pop(request_id, 0) is None
+    def _queue(self, message: tuple) -> None:
+        with self.lock:
+            self.inbox.append(message)
+            self.work.notify()
+
+    def add(self, item: StageInput) -> None:
+        self._queue(("add", item))
+
+    def hand_off(self, item: StageInput) -> None:
+        self._queue(("hand_off", item))
+
+    def abort(self, request_id: str) -> None:
+        self._queue(("abort", request_id))
 
     def process(self, kind: str, item: StageInput) -> tuple:
-        try:
-            value = self._call(self.host.process if kind == "process" else self.host.check, item)
-        except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
-            return False, classify(exc)
-        return True, value
+        if kind == "check":  # model-free by contract: answered now, not after the running step
+            try:
+                self.host.check(item)
+            except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+                return False, classify(exc)
+            return True, None
+        reply: list = []
+        done = threading.Event()
+        self._queue(("process", item, _Reply(reply, done)))
+        done.wait()
+        return reply[0]
 
     def _emit(self, events: list) -> None:
         if events:
-            with self.cond:
+            with self.lock:
                 self.out.extend(events)
-                self.cond.notify_all()
+                self.emitted.notify_all()
 
     def poll(self, timeout: float) -> list:
         """Everything the stage emitted since the last poll; waits up to `timeout` for something."""
-        with self.cond:
+        with self.lock:
             deadline = time.monotonic() + timeout
             while not self.out and (left := deadline - time.monotonic()) > 0:
-                self.cond.wait(left)
+                self.emitted.wait(left)
             out, self.out = self.out, []
             return out
 
     def shutdown(self) -> None:
-        with self.cond:
+        with self.lock:
             self.stop = True
-            self.cond.notify_all()
+            self.work.notify_all()
+
+
+class _Reply:
+    """Where the engine thread puts a `process` answer, waking the Ray thread that waits for it."""
+
+    def __init__(self, values: list, done: threading.Event):
+        self.values, self.done = values, done
+
+    def append(self, value) -> None:
+        self.values.append(value)
+        self.done.set()
 
 
 _ACTOR = None
