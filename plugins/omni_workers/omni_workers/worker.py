@@ -276,10 +276,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         return
     outbox.put(("ready", stage.kind))
     host = StageHost(stage, spec.node.id)
-    try:
-        _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir)
-    except (EOFError, OSError):  # the front closed its end
-        pass
+    _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir)
     outbox.put(None)
     sender.join(5)
 
@@ -293,22 +290,47 @@ def _send_loop(conn, outbox: queue.Queue) -> None:
             os._exit(0)  # the front is gone
 
 
+def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -> None:
+    """Reads the front's messages as they come: `check` (model-free by contract) is answered at once, not after
+    the running step; everything else goes to the engine loop, which takes it between two steps."""
+    try:
+        while True:
+            message = conn.recv()
+            if message[0] == "check":
+                outbox.put(_handle(host, message))
+                continue
+            inbox.put(message)
+            if message[0] == "stop":
+                return
+    except (EOFError, OSError):  # the front closed its end
+        inbox.put(("stop",))
+
+
 def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None) -> None:
+    inbox: queue.Queue = queue.Queue()
+    threading.Thread(target=_read_loop, args=(conn, inbox, outbox, host), name="omni-worker-read",
+                     daemon=True).start()
     checked = time.monotonic()
     while True:
         if time.monotonic() - checked > 1.0:
             checked = time.monotonic()
             if os.getppid() != parent_pid:
                 return
-        if not host.stage.has_unfinished() and not conn.poll(1.0):
-            continue
-        while conn.poll(0):
-            message = conn.recv()
+        busy = host.stage.has_unfinished()
+        try:
+            message = inbox.get_nowait() if busy else inbox.get(timeout=1.0)
+        except queue.Empty:
+            message = None
+        while message is not None:
             if message[0] == "stop":
                 return
             reply = _handle(host, message)
             if reply is not None:
                 outbox.put(reply)
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = None
         if host.stage.has_unfinished():
             events = host.step()
             if events:
@@ -337,3 +359,4 @@ def _handle(host: StageHost, message):
 
 
 # The front side.
+

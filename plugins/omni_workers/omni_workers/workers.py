@@ -5,15 +5,16 @@ The StageScheduler sees a `ProcessStage` like any Stage and knows nothing of pro
 would) rebuilds its stage from picklable parts: a plugin host (`load_host()` under the same
 OMNI_PLUGINS, or the host's own `rebuild` callable), then `registry.node_types[type].item.factory(node, config)`,
 so models load once, in the worker, and bound methods never cross. The worker runs its engine loop
-continuously: it drains its inbox (add_request / hand_off / abort / the process and check RPCs), steps its
-stage while it has work and sends the events back; when idle it blocks on its inbox. The front blocks on every
+continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps its stage while it
+has work and sends the events back (from a sender thread); when idle it blocks on its inbox. The front blocks on every
 worker's pipe at once (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in `Stage.wait`;
 `step()` returns the events received so far.
 
-Input processing: `process`/`check` are calls answered by the worker between two of its steps, so a user
-error stays synchronous at submit, but the call waits for the step running now. A downstream input is handed
-off in one message (`hand_off`: process then add, in the worker), so the front never waits at a hand-off. (A
-front-side processor that needs only the tokenizer would remove the wait at submit: a later improvement.)
+Input processing: `process`/`check` are calls, so a user error stays synchronous at submit. The worker's
+reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
+denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it
+waits for the step running now: one decode step for an AR entry stage). A downstream input is handed off in
+one message (`hand_off`: process then add, in the worker), so the front never waits at a hand-off.
 
 What crosses: requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's
 own processes (never anything read from a network socket). A processed input stays in the worker: the process
@@ -163,6 +164,7 @@ class StageProxy:
     held: set[str]
 
     def check(self, item: StageInput) -> None:
+        """Answered by the worker at once, beside the step running now (check is model-free)."""
         self._call("check", item)
 
     def process(self, item: StageInput) -> StageInput:
