@@ -1,0 +1,81 @@
+"""The Wan node's compute shortcuts against the computation they replace, on the tiny checkpoint's real modules:
+cross-attention keys and values projected once per text, and the VAE's batch-one convolutions through oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omni_wan.cpu_conv import use_mkldnn_conv3d
+from omni_wan.crossattn import CrossKV
+from omni_wan.model import Text
+from omni_wan.prepare_cache import PrepareCache
+
+
+@pytest.fixture(scope="module")
+def parts(tiny_model):
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+    transformer = WanTransformer3DModel.from_pretrained(str(tiny_model), subfolder="transformer").eval()
+    vae = AutoencoderKLWan.from_pretrained(str(tiny_model), subfolder="vae").eval()
+    return transformer, vae
+
+
+def _forward(transformer, latents, timesteps, text):
+    with torch.no_grad():
+        return transformer(hidden_states=latents, timestep=timesteps, encoder_hidden_states=text,
+                           return_dict=False)[0]
+
+
+def test_projected_text_rows_give_the_forward_of_the_embeddings(parts):
+    transformer, _ = parts
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(3, 48, 3, 4, 6, generator=generator)
+    timesteps = torch.tensor([999.0, 500.0, 20.0]).repeat_interleave(3 * 2 * 3).view(3, -1)
+    texts = torch.randn(3, 512, transformer.config.text_dim, generator=generator)
+    expected = _forward(transformer, latents, timesteps, texts)
+
+    cross = CrossKV(transformer)
+    try:
+        rows = [cross.project(texts[i:i + 1]) for i in range(3)]
+        with cross.use(rows):
+            got = _forward(transformer, latents, timesteps, cross.placeholder(3, torch.float32, "cpu"))
+        with cross.use(rows[::-1]):  # other rows: joined anew, not the last batch's keys
+            flipped = _forward(transformer, latents.flip(0), timesteps.flip(0), cross.placeholder(3, torch.float32, "cpu"))
+        outside = _forward(transformer, latents, timesteps, texts)  # outside `use`: diffusers' own processor
+    finally:
+        for block in transformer.blocks:
+            block.attn2.set_processor(block.attn2.processor.fallback)
+    assert float((got - expected).abs().max()) <= 1e-5
+    assert float((flipped - expected.flip(0)).abs().max()) <= 1e-5
+    assert torch.equal(outside, expected)
+    assert rows[0].nbytes == 2 * len(transformer.blocks) * 512 * transformer.config.num_attention_heads \
+        * transformer.config.attention_head_dim * 4
+
+
+def test_batch_one_convolutions_through_onednn_decode_the_same_video(parts):
+    _, vae = parts
+    latents = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = vae.decode(latents, return_dict=False)[0]
+        patched = use_mkldnn_conv3d(vae)
+        try:
+            got = vae.decode(latents, return_dict=False)[0]
+        finally:
+            for conv in vae.modules():
+                conv.__dict__.pop("_conv_forward", None)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: the patch is a no-op")
+    assert patched > 10
+    assert float((got - expected).abs().max()) <= 1e-4
+
+
+def test_prepare_cache_keeps_to_its_byte_budget():
+    texts = {key: Text(torch.zeros(1024)) for key in "abc"}  # 4 KiB each
+    cache = PrepareCache(max_bytes=9000)
+    for key, text in texts.items():
+        cache.get_or_compute(key, lambda t=text: t)
+    assert cache.get_or_compute("a", lambda: "recomputed") == ("recomputed", False)  # evicted for c
+    assert cache.get_or_compute("c", lambda: "recomputed")[1] is True
+    huge = PrepareCache(max_bytes=10)
+    assert huge.get_or_compute("x", lambda: texts["a"]) == (texts["a"], False)
+    assert huge.get_or_compute("x", lambda: "recomputed")[1] is True  # the newest entry stays, even over budget
