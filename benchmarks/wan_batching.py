@@ -6,7 +6,9 @@ Three ways to serve them, all in this process on the same loaded model:
 
 - continuous: the stage's default (every denoising request of one shape shares one forward per step; a new
   request is prepared at the next step boundary and joins the batch);
-- sequential: `wan_max_batch=1`, one request per forward (the stage's behaviour before batching);
+- sequential: `wan_max_batch=1` with the CFG rows in two forwards: one request at a time, as the stage ran before
+  batching (and as diffusers runs Wan); `ratio_vs_sequential_cfg_batched` is against `wan_max_batch=1` with the
+  CFG rows in one forward, so request batching alone is seen apart from CFG batching;
 - static: the continuous engine, but requests are held until 4 are queued and the engine is idle, then run as
   one batch (the last batch is whatever is left once every request has arrived).
 
@@ -16,7 +18,7 @@ before every run so all sides do the same work. `cfg_batch_speedup` is one reque
 rows in two forwards over one forward. `max_abs_diff` is the largest difference between a request's frames
 in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
 
-    HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 .venv/bin/python benchmarks/wan_batching.py [--quick]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--quick]
 
 The last line printed is one JSON object.
 """
@@ -43,6 +45,11 @@ PROMPTS = ["a cat surfing on a blue wave at sunset", "a red fox running through 
            "a train crossing a stone bridge in autumn", "a robot watering plants in a greenhouse"]
 
 
+# mode: (engine, CFG rows in one forward)
+MODES = {"continuous": ("continuous", True), "sequential": ("sequential", False),
+         "sequential_cfg_batched": ("sequential", True), "static": ("continuous", True)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--height", type=int, default=128)
@@ -56,7 +63,7 @@ def main() -> None:
     parser.add_argument("--arrival-factor", type=float, default=0.25,
                         help="mean time between arrivals, as a fraction of one request's solo time")
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
     args = parser.parse_args()
     if args.quick:
@@ -77,7 +84,6 @@ def main() -> None:
         host = load_host()
         engines = {"continuous": Omni("wan_i2v", host=host, model=str(model), device="cpu"),
                    "sequential": Omni("wan_i2v", host=host, model=str(model), device="cpu", wan_max_batch=1)}
-        engines["static"] = engines["continuous"]
         cache = host.pm.get_plugin("omni_wan").stages.cache
         sizes = {"base": (args.height, args.width),
                  "large": (args.height * args.large_scale, args.width * args.large_scale)}
@@ -129,13 +135,16 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
         arrivals.append(clock)
         clock += rng.expovariate(1 / mean_gap)
 
-    times = {"continuous": [], "sequential": [], "static": []}
+    times = {mode: [] for mode in MODES}
     frames, batch_means = {}, []
     for r in range(rounds):
-        order = ["continuous", "sequential", "static"]
-        for mode in (order if r % 2 == 0 else order[::-1]):
+        for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
             cache.clear()
-            elapsed, results = _serve(engines[mode], mode, images, params, arrivals, out / f"{mode}{r}")
+            engine, cfg_batched = MODES[mode]
+            engine = engines[engine]
+            engine.graph.stages["wan"].engine.runner.cfg_batched = cfg_batched
+            elapsed, results = _serve(engine, mode, images, params, arrivals, out / f"{mode}{r}")
+            engine.graph.stages["wan"].engine.runner.cfg_batched = True
             times[mode].append(elapsed)
             if r == 0 and mode in ("continuous", "sequential"):
                 frames[mode] = {rid: res.output.data["frames"] for rid, res in results.items()}
@@ -143,9 +152,10 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
                 batch_means += [res.trace["diffusion.batch_size_mean"] for res in results.values()]
             print(f"round {r} {mode:<11} {elapsed:8.3f} s", flush=True)
     diff = max(float(abs(frames["continuous"][rid] - frames["sequential"][rid]).max()) for rid in frames["sequential"])
-    pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])] for other in ("sequential", "static")}
+    pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])] for other in MODES if other != "continuous"}
     return {"ratio_vs_sequential": round(statistics.median(pairs["sequential"]), 3),
             "ratio_vs_static": round(statistics.median(pairs["static"]), 3),
+            "ratio_vs_sequential_cfg_batched": round(statistics.median(pairs["sequential_cfg_batched"]), 3),
             "pairs_vs_sequential": [round(x, 3) for x in pairs["sequential"]],
             "pairs_vs_static": [round(x, 3) for x in pairs["static"]],
             "throughput_rps": {m: round(args.requests / statistics.median(t), 4) for m, t in times.items()},
