@@ -1,9 +1,9 @@
 """Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-workers[ray]` extra).
 
 The same contract as `workers.ProcessStage`: the front's proxy sends add / hand_off / abort and the process /
-check calls; the actor runs its stage's engine loop on a thread of its own, continuously, and keeps the events
-until the front's long poll (`poll`) takes them. Outputs come back as the poll's return value through Ray's
-object store (arrays included); the front relays them to the next stage (a Ray stream cannot be handed to
+check calls; the actor runs its stage's engine loop on a thread of its own, continuously, and streams its events
+(`events`, a Ray streaming generator read by a thread of the front). Outputs come back as stream items through
+Ray's object store (arrays included); the front relays them to the next stage (a Ray stream cannot be handed to
 another actor). Each actor gets its own placement group of one bundle, `NodeSpec.resources` (default
 {"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that dies
 fails its requests with one error naming the stage and is restarted, `max_restarts` times.
@@ -17,9 +17,10 @@ import collections
 import itertools
 import logging
 import pickle
+import queue
+import socket
 import sys
 import threading
-import time
 from typing import Any
 
 import attrs
@@ -34,7 +35,6 @@ from .worker import StageHost, WorkerSpec, build_stage, set_torch_threads, setup
 from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
-POLL_S = 1.0  # the longest one long poll stays in the actor
 START_TIMEOUT_S = 600.0
 
 
@@ -165,19 +165,24 @@ class StageActor:
                 self.out.extend(events)
                 self.emitted.notify_all()
 
-    def poll(self, timeout: float) -> list:
-        """Everything the stage emitted since the last poll; waits up to `timeout` for something."""
-        with self.lock:
-            deadline = time.monotonic() + timeout
-            while not self.out and (left := deadline - time.monotonic()) > 0:
-                self.emitted.wait(left)
-            out, self.out = self.out, []
-            return out
+    def events(self):
+        """The stage's events as a Ray stream (one call for the actor's life, `num_returns="streaming"`): each
+        item is everything emitted since the last, so a slow reader gets them in fewer, larger items. A stream
+        item costs a fraction of a call's round trip (about 0.14 ms of CPU on each side against 0.55 ms here)."""
+        while True:
+            with self.lock:
+                while not self.out and not self.stop:
+                    self.emitted.wait()
+                if not self.out:
+                    return
+                out, self.out = self.out, []
+            yield out
 
     def shutdown(self) -> None:
         with self.lock:
             self.stop = True
             self.work.notify_all()
+            self.emitted.notify_all()
 
 
 class _Reply:
@@ -216,9 +221,13 @@ class RayStage(StageProxy):
         self.pending: list = []
         self.held: set[str] = set()
         self.actor = None
-        self.poll_ref = None
         self.ready = False
         self.calls = itertools.count()
+        # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);
+        # what it brings back waits in `mailbox`, and a byte on `bell` wakes the front's one wait over every pipe.
+        self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.bell, self.ringer = socket.socketpair()
+        self.bell.setblocking(False)
         resources = dict(spec.node.resources or {"CPU": 1})
         self.resources = resources
         from ray.util.placement_group import placement_group
@@ -243,7 +252,6 @@ class RayStage(StageProxy):
             options["resources"] = custom
         self.actor = _actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
         self.ready_ref = self.actor.ready.remote()
-        self.poll_ref = None
         self.ready = False
 
     def wait_ready(self, timeout: float | None = START_TIMEOUT_S) -> None:
@@ -265,13 +273,32 @@ class RayStage(StageProxy):
             raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
                               f"stage of kind {status[1]!r}")
         self.ready = True
-        self._poll()
+        threading.Thread(target=self._poller, args=(self.actor,), name=f"omni-ray-poll-{self.node.id}",
+                         daemon=True).start()
 
-    def _poll(self) -> None:
-        self.poll_ref = self.actor.poll.remote(POLL_S)
+    def _poller(self, actor) -> None:
+        """Reads one actor's event stream until the proxy moves on from it (closed, or restarted)."""
+        try:
+            for ref in actor.events.options(num_returns="streaming").remote():
+                events = self.ray.get(ref)
+                if self.actor is not actor:
+                    return
+                self._deliver(actor, events)
+            raise RequestError("the event stream ended")
+        except Exception as exc:  # noqa: BLE001 - RayActorError: the actor died; handled by pump
+            self._deliver(actor, exc)
+
+    def _deliver(self, actor, payload) -> None:
+        self.mailbox.put((actor, payload))
+        try:
+            self.ringer.send(b"\0")
+        except OSError:  # closed, or the bell is full (it will ring anyway)
+            pass
 
     def close(self) -> None:
         actor, self.actor = self.actor, None
+        for sock in (self.bell, self.ringer):
+            sock.close()
         if actor is not None:
             try:
                 self.ray.kill(actor)
@@ -287,27 +314,32 @@ class RayStage(StageProxy):
     # Receiving.
 
     def handles(self) -> list:
-        return []
+        return [] if self.bell.fileno() < 0 else [self.bell]
 
     def pump(self) -> None:
-        if self.actor is None or self.poll_ref is None:
-            return
-        done, _ = self.ray.wait([self.poll_ref], timeout=0)
-        if not done:
-            return
+        """Take what the pollers brought back so far (no Ray call here)."""
         try:
-            events = self.ray.get(self.poll_ref)
-        except Exception as exc:  # noqa: BLE001 - RayActorError: the actor died
-            self._died(exc)
-            return
-        self._poll()
-        for event in events:
-            if isinstance(event, tuple) and event[0] == "dead":
-                self.engine.dead = EngineDead(event[1])
+            while self.bell.recv(4096):
+                pass
+        except OSError:  # nothing more to read (or closed)
+            pass
+        while True:
+            try:
+                actor, payload = self.mailbox.get_nowait()
+            except queue.Empty:
+                return
+            if actor is not self.actor:
+                continue  # from an actor already given up (restarted, or closed)
+            if isinstance(payload, BaseException):
+                self._died(payload)
                 continue
-            if isinstance(event, (StageFinished, StageFailed)):
-                self.held.discard(event.request_id)
-            self.pending.append(event)
+            for event in payload:
+                if isinstance(event, tuple) and event[0] == "dead":
+                    self.engine.dead = EngineDead(event[1])
+                    continue
+                if isinstance(event, (StageFinished, StageFailed)):
+                    self.held.discard(event.request_id)
+                self.pending.append(event)
 
     def _died(self, exc: BaseException) -> None:
         why = type(exc).__name__
@@ -363,16 +395,8 @@ class RayStage(StageProxy):
             self.actor.abort.remote(request_id)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block on the long polls of every Ray stage of the graph at once."""
-        stages = [s for s in self.group.stages if isinstance(s, RayStage)]
-        if any(s.pending for s in stages):
-            return True
-        refs = [s.poll_ref for s in stages if s.actor is not None and s.poll_ref is not None]
-        if refs:
-            self.ray.wait(refs, num_returns=1, timeout=timeout)
-        for stage in stages:
-            stage.pump()
-        return any(s.pending for s in stages)
+        """Block on the bells of every Ray stage and the pipes of every worker process of the graph at once."""
+        return self.group.wait(timeout)
 
 
 def actor_info() -> dict[str, Any]:
