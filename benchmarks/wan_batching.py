@@ -152,7 +152,8 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
                 batch_means += [res.trace["diffusion.batch_size_mean"] for res in results.values()]
             print(f"round {r} {mode:<11} {elapsed:8.3f} s", flush=True)
     diff = max(float(abs(frames["continuous"][rid] - frames["sequential"][rid]).max()) for rid in frames["sequential"])
-    pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])] for other in MODES if other != "continuous"}
+    pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])]
+             for other in MODES if other != "continuous"}
     return {"ratio_vs_sequential": round(statistics.median(pairs["sequential"]), 3),
             "ratio_vs_static": round(statistics.median(pairs["static"]), 3),
             "ratio_vs_sequential_cfg_batched": round(statistics.median(pairs["sequential_cfg_batched"]), 3),

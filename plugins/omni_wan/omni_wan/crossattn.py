@@ -41,15 +41,17 @@ class CrossKV:
             block.attn2.set_processor(_Processor(self, index, block.attn2.processor))
 
     @torch.no_grad()
-    def project(self, embeds: torch.Tensor) -> TextKV:
-        """The keys and values every block computes from these text embeddings (1, text_len, text_dim)."""
+    def project(self, embeds: torch.Tensor) -> list[TextKV]:
+        """The keys and values every block computes from each row of these text embeddings
+        (texts, text_len, text_dim): one TextKV per row."""
         context = self.transformer.condition_embedder.text_embedder(embeds)
         keys, values = [], []
         for block in self.transformer.blocks:
             attn = block.attn2
             keys.append(attn.norm_k(attn.to_k(context)).unflatten(2, (attn.heads, -1)))
             values.append(attn.to_v(context).unflatten(2, (attn.heads, -1)))
-        return TextKV(tuple(keys), tuple(values))
+        return [TextKV(tuple(k[i:i + 1].clone() for k in keys), tuple(v[i:i + 1].clone() for v in values))
+                for i in range(len(embeds))]
 
     def placeholder(self, batch: int, dtype: torch.dtype, device) -> torch.Tensor:
         """What the forward gets as `encoder_hidden_states` while rows are in use: its dtype is the text's."""

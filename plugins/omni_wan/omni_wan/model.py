@@ -99,27 +99,36 @@ class Wan22I2VPipeline:
     def transformer_dtype(self) -> torch.dtype:
         return self.pipe.transformer.dtype
 
-    @torch.no_grad()
-    def encode_text(self, prompt: str) -> Text:
-        """One text (a prompt or a negative prompt) as the pipeline encodes it, with its keys and values."""
-        embeds, _ = self.pipe.encode_prompt(prompt=prompt, do_classifier_free_guidance=False, num_videos_per_prompt=1,
-                                            max_sequence_length=MAX_SEQUENCE_LENGTH, device=self.device)
-        embeds = embeds.to(self.transformer_dtype)
-        return Text(embeds, self.cross_kv.project(embeds) if self.cross_kv else None)
+    def encode_text(self, text: str) -> Text:
+        return self.encode_texts([text])[0]
 
     @torch.no_grad()
+    def encode_texts(self, texts: list[str]) -> list[Text]:
+        """Texts (prompts or negative prompts) as the pipeline encodes each one (padded to 512 tokens, masked), in
+        one text-encoder call, with their keys and values."""
+        embeds, _ = self.pipe.encode_prompt(prompt=list(texts), do_classifier_free_guidance=False,
+                                            num_videos_per_prompt=1, max_sequence_length=MAX_SEQUENCE_LENGTH,
+                                            device=self.device)
+        embeds = embeds.to(self.transformer_dtype)
+        kvs = self.cross_kv.project(embeds) if self.cross_kv else [None] * len(texts)
+        return [Text(row.unsqueeze(0).clone(), kv) for row, kv in zip(embeds, kvs)]
+
     def encode_image(self, image, height: int, width: int) -> torch.Tensor:
-        """The first-frame condition: the VAE latent (mode) of the resized image, normalized."""
+        return self.encode_images([image], height, width)[0]
+
+    @torch.no_grad()
+    def encode_images(self, images: list, height: int, width: int) -> list[torch.Tensor]:
+        """Each image's first-frame condition, in one VAE encode: the latent (mode) of the resized image,
+        normalized."""
         from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
         from diffusers.utils.torch_utils import get_module_execution_device
 
         pipe, device = self.pipe, self.device
-        pixels = pipe.video_processor.preprocess(image, height=height, width=width).to(device, dtype=torch.float32)
+        pixels = pipe.video_processor.preprocess(list(images), height=height, width=width)
         video = pixels.unsqueeze(2).to(device=get_module_execution_device(pipe.vae), dtype=pipe.vae.dtype)
-        latent = retrieve_latents(pipe.vae.encode(video), sample_mode="argmax").repeat(1, 1, 1, 1, 1)
-        latent = latent.to(device=device, dtype=torch.float32)
+        latents = retrieve_latents(pipe.vae.encode(video), sample_mode="argmax").to(device=device, dtype=torch.float32)
         mean, inv_std = self._latent_stats(device, torch.float32)
-        return (latent - mean) * inv_std
+        return [((row - mean) * inv_std).clone() for row in latents.split(1)]
 
     def prepare(self, text: TextEmbeds, condition: torch.Tensor, height: int, width: int, num_frames: int,
                 steps: int, guidance_scale: float, generator: torch.Generator) -> DenoiseState:

@@ -18,10 +18,7 @@ MAX_BYTES = 2 << 30
 
 
 def nbytes(value: Any) -> int:
-    size = getattr(value, "nbytes", 0)  # torch.Tensor has none; ours and numpy's do
-    if not size and hasattr(value, "element_size"):
-        size = value.numel() * value.element_size()
-    return size
+    return getattr(value, "nbytes", 0)  # tensors, arrays and omni_wan.model.Text have it
 
 
 class PrepareCache:
@@ -39,13 +36,20 @@ class PrepareCache:
                 self._entries.move_to_end(key)
                 return self._entries[key], True
         value = compute()
+        self.put(key, value)
+        return value, False
+
+    def contains(self, key: Hashable) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def put(self, key: Hashable, value: Any) -> None:
         with self._lock:
             if key not in self._entries:
                 self._entries[key] = value
                 self._bytes += nbytes(value)
             while len(self._entries) > 1 and (len(self._entries) > self.max_entries or self._bytes > self.max_bytes):
                 self._bytes -= nbytes(self._entries.popitem(last=False)[1])
-        return value, False
 
     def clear(self) -> None:
         with self._lock:

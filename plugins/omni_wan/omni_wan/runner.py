@@ -56,7 +56,6 @@ class WanRunner:
         self.pool = pool
         self.cache = cache
         self.jobs: dict[str, Job] = {}
-        self.phases = {"prepare": self.prepare, "export": self.export}
         self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
         self.budget = budget  # logged once, with the first request
 
@@ -64,35 +63,85 @@ class WanRunner:
         self.jobs[item.request_id] = Job(item, Profiler(sync=self._sync()))
 
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
-        if batch.phase in ("denoise", "decode"):
-            jobs = [self.jobs[rid] for rid in batch.request_ids]
-            return self.denoise(jobs) if batch.phase == "denoise" else self.decode(jobs)
-        phase = self.phases[batch.phase]
-        return {rid: phase(self.jobs[rid]) for rid in batch.request_ids}
+        jobs = [self.jobs[rid] for rid in batch.request_ids]
+        if batch.phase == "export":
+            return {j.item.request_id: self.export(j) for j in jobs}
+        return {"prepare": self.prepare, "denoise": self.denoise, "decode": self.decode}[batch.phase](jobs)
 
     def free(self, request_id: str) -> None:
         job = self.jobs.pop(request_id, None)
         if job is not None and job.model is not None and not self.jobs:
             job.model.forget_batch()
 
-    def prepare(self, job: Job) -> Denoised:
-        s, image = job.input.settings, job.input.image
+    def prepare(self, jobs: list[Job]) -> dict[str, Any]:
+        """Requests prepared at the same step share one text-encoder call for the texts the cache lacks and one VAE
+        encode for the images it lacks (one size: the batch key); each then draws its own noise. If the shared
+        encode fails, each request encodes its own, so one bad request fails alone."""
         loaded = self.pool.acquire(self.layout.path, self.placement)
         if self.budget:
             log.info("%s: %s", self.node_id, self.budget)
             self.budget = ""
-        if loaded.cold:
-            job.profiler.add("load", loaded.load_ms / 1000)
+        start = time.perf_counter()
+        fresh, texts_done = self._encode_missing(loaded, jobs)
+        images_done = self._synced()
+        results = {}
+        for job in jobs:
+            if loaded.cold:
+                job.profiler.add("load", loaded.load_ms / 1000)
+            job.profiler.record("text_encode", start, texts_done, batch_size=len(jobs))
+            job.profiler.record("image_prepare", texts_done, images_done, batch_size=len(jobs))
+            try:
+                results[job.item.request_id] = self._prepare_one(job, loaded, fresh)
+            except Exception as exc:  # noqa: BLE001 - this request fails, its neighbours go on
+                results[job.item.request_id] = exc
+        return results
+
+    def _encode_missing(self, loaded, jobs: list[Job]) -> tuple[set, float]:
+        """Encode every text and image of `jobs` that the cache lacks, texts in one call and images in one;
+        returns the keys computed and when the texts were done."""
+        model, fresh = loaded.model, set()
+        texts = {}
+        for job in jobs:
+            s = job.input.settings
+            for text in (job.item.prompt, s.negative_prompt) if s.guidance_scale > 1 else (job.item.prompt,):
+                texts.setdefault(prepare_cache.text_key(loaded.key, text), text)
+        images = {prepare_cache.image_key(loaded.key, j.input.digest, j.input.settings.height,
+                                          j.input.settings.width): j for j in jobs}
+        for keys, encode in ((texts, lambda missing: model.encode_texts([texts[k] for k in missing])),
+                             (images, lambda missing: self._encode_images(model, [images[k] for k in missing]))):
+            missing = [k for k in keys if not self.cache.contains(k)]
+            if len(missing) > 1:  # one is left to the request itself: the same call, and its own error
+                try:
+                    for key, value in zip(missing, encode(missing)):
+                        self.cache.put(key, value)
+                        fresh.add(key)
+                except Exception:  # noqa: BLE001 - each request retries alone in _prepare_one
+                    log.debug("shared prepare of %d requests failed; preparing each alone", len(jobs), exc_info=True)
+            if keys is texts:
+                texts_done = self._synced()
+        return fresh, texts_done
+
+    @staticmethod
+    def _encode_images(model, jobs: list[Job]) -> list:
+        s = jobs[0].input.settings
+        return model.encode_images([j.input.image for j in jobs], s.height, s.width)
+
+    def _prepare_one(self, job: Job, loaded, fresh: set) -> Denoised:
+        s, image = job.input.settings, job.input.image
         model = job.model = loaded.model
+
+        def cached(key, compute):
+            value, hit = self.cache.get_or_compute(key, compute)
+            return value, hit and key not in fresh
+
         with job.profiler.span("text_encode"):
-            text, text_hit = self._text(loaded.key, model, job.item.prompt)
-            negative, negative_hit = (self._text(loaded.key, model, s.negative_prompt) if s.guidance_scale > 1
-                                      else (None, True))
+            text, text_hit = self._text(loaded.key, model, job.item.prompt, cached)
+            negative, negative_hit = (self._text(loaded.key, model, s.negative_prompt, cached)
+                                      if s.guidance_scale > 1 else (None, True))
             text, text_hit = TextEmbeds(text, negative), text_hit and negative_hit
         with job.profiler.span("image_prepare"):
-            condition, image_hit = self.cache.get_or_compute(
-                prepare_cache.image_key(loaded.key, job.input.digest, s.height, s.width),
-                lambda: model.encode_image(image, s.height, s.width))
+            condition, image_hit = cached(prepare_cache.image_key(loaded.key, job.input.digest, s.height, s.width),
+                                          lambda: model.encode_image(image, s.height, s.width))
         with job.profiler.span("latents"):
             import torch
 
@@ -107,8 +156,9 @@ class WanRunner:
                           "diffusion.prepare_cache_hit": text_hit and image_hit})
         return Denoised(0, job.state.total)
 
-    def _text(self, model_key, model, text: str):
-        return self.cache.get_or_compute(prepare_cache.text_key(model_key, text), lambda: model.encode_text(text))
+    @staticmethod
+    def _text(model_key, model, text: str, cached):
+        return cached(prepare_cache.text_key(model_key, text), lambda: model.encode_text(text))
 
     def denoise(self, jobs: list[Job]) -> dict[str, Denoised]:
         """One step of every job, at its own step, in one forward; each job's profile gets the batch's span."""

@@ -203,3 +203,60 @@ def test_phase_order_lets_newcomers_prepare_and_join_the_denoise_batch():
     assert advance() == ("decode", ("a",), (4,))  # a leaves as soon as it is done
     assert advance() == ("export", ("a",), (5,))
     assert advance() == ("denoise", ("b",), (3,))
+
+
+def _model(omni):
+    runner = omni.graph.stages["wan"].engine.runner
+    return runner, runner.pool.acquire(runner.layout.path, runner.placement).model
+
+
+def _run(omni, requests):
+    for request in requests:
+        omni.submit(request)
+    events = []
+    while omni.has_unfinished():
+        events += omni.step()
+    return events
+
+
+def test_requests_prepared_together_share_one_text_encode_and_one_image_encode(omni, images, tmp_path):
+    runner, model = _model(omni)
+    runner.cache.clear()
+    calls = []
+    real_texts, real_images = model.encode_texts, model.encode_images
+    model.encode_texts = lambda texts: calls.append(("texts", len(texts))) or real_texts(texts)
+    model.encode_images = lambda imgs, h, w: calls.append(("images", len(imgs))) or real_images(imgs, h, w)
+    try:
+        events = _run(omni, [_request(omni, rid, images, tmp_path) for rid in "abc"])
+    finally:
+        del model.encode_texts, model.encode_images
+    # three prompts and Wan's default negative prompt (shared by all three); three different images
+    assert calls == [("texts", 4), ("images", 3)]
+    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    assert {rid: r.trace["diffusion.text_cache"] for rid, r in finished.items()} == dict.fromkeys("abc", "miss")
+    runner.cache.clear()
+    for rid in "abc":  # each prepared alone, from an empty cache: the same frames
+        solo = omni.scheduler.generate(_request(omni, rid, images, tmp_path / "solo"))
+        assert float(np.abs(solo.output.data["frames"] - finished[rid].output.data["frames"]).max()) <= 1e-3
+
+
+def test_a_request_whose_prepare_fails_fails_alone(omni, images, tmp_path):
+    runner, model = _model(omni)
+    runner.cache.clear()
+    bad = Image.open(images["noise"]).convert("RGB")
+    real = model.encode_images
+
+    def encode_images(imgs, h, w):
+        if any(np.array_equal(np.asarray(i), np.asarray(bad)) for i in imgs):
+            raise RuntimeError("VAE encode failed")
+        return real(imgs, h, w)
+
+    model.encode_images = encode_images
+    try:
+        events = _run(omni, [_request(omni, rid, images, tmp_path) for rid in "abc"])  # b has the noise image
+    finally:
+        del model.encode_images
+    failed = {e.request_id: e.error for e in events if isinstance(e, RequestFailed)}
+    assert list(failed) == ["b"] and "VAE encode failed" in failed["b"]
+    assert sorted(e.request_id for e in events if isinstance(e, RequestFinished)) == ["a", "c"]
+    assert (tmp_path / "a.mp4").is_file() and not (tmp_path / "b.mp4").exists()

@@ -36,11 +36,12 @@ def test_projected_text_rows_give_the_forward_of_the_embeddings(parts):
 
     cross = CrossKV(transformer)
     try:
-        rows = [cross.project(texts[i:i + 1]) for i in range(3)]
+        rows = cross.project(texts)  # one call, one TextKV per row
+        placeholder = cross.placeholder(3, torch.float32, "cpu")
         with cross.use(rows):
-            got = _forward(transformer, latents, timesteps, cross.placeholder(3, torch.float32, "cpu"))
+            got = _forward(transformer, latents, timesteps, placeholder)
         with cross.use(rows[::-1]):  # other rows: joined anew, not the last batch's keys
-            flipped = _forward(transformer, latents.flip(0), timesteps.flip(0), cross.placeholder(3, torch.float32, "cpu"))
+            flipped = _forward(transformer, latents.flip(0), timesteps.flip(0), placeholder)
         outside = _forward(transformer, latents, timesteps, texts)  # outside `use`: diffusers' own processor
     finally:
         for block in transformer.blocks:
