@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omni_wan.cpu_conv import use_mkldnn_conv3d
-from omni_wan.crossattn import CrossKV
+from omni_wan.crossattn import CrossKV, num_pad
 from omni_wan.model import Text
 from omni_wan.prepare_cache import PrepareCache
 
@@ -27,11 +27,16 @@ def _forward(transformer, latents, timesteps, text):
 
 
 def test_projected_text_rows_give_the_forward_of_the_embeddings(parts):
+    """Texts padded with zero rows as the pipeline pads them (20 and 7 real tokens) and one without padding: the
+    cached keys and values of the real tokens plus one padding token with its multiplicity give the forward of the
+    full 512-token embeddings."""
     transformer, _ = parts
     generator = torch.Generator().manual_seed(0)
     latents = torch.randn(3, 48, 3, 4, 6, generator=generator)
     timesteps = torch.tensor([999.0, 500.0, 20.0]).repeat_interleave(3 * 2 * 3).view(3, -1)
     texts = torch.randn(3, 512, transformer.config.text_dim, generator=generator)
+    texts[0, 20:] = 0
+    texts[1, 7:] = 0
     expected = _forward(transformer, latents, timesteps, texts)
 
     cross = CrossKV(transformer)
@@ -42,15 +47,29 @@ def test_projected_text_rows_give_the_forward_of_the_embeddings(parts):
             got = _forward(transformer, latents, timesteps, placeholder)
         with cross.use(rows[::-1]):  # other rows: joined anew, not the last batch's keys
             flipped = _forward(transformer, latents.flip(0), timesteps.flip(0), placeholder)
+        with cross.use(rows[:2]):  # padded texts only: a shorter one's empty slots get no weight
+            padded = _forward(transformer, latents[:2], timesteps[:2], placeholder[:2])
         outside = _forward(transformer, latents, timesteps, texts)  # outside `use`: diffusers' own processor
     finally:
         for block in transformer.blocks:
             block.attn2.set_processor(block.attn2.processor.fallback)
+    assert [(r.num_tokens, r.num_pad) for r in rows] == [(21, 492), (8, 505), (512, 0)]
     assert float((got - expected).abs().max()) <= 1e-5
     assert float((flipped - expected.flip(0)).abs().max()) <= 1e-5
+    assert float((padded - expected[:2]).abs().max()) <= 1e-5
     assert torch.equal(outside, expected)
-    assert rows[0].nbytes == 2 * len(transformer.blocks) * 512 * transformer.config.num_attention_heads \
+    per_token = 2 * len(transformer.blocks) * transformer.config.num_attention_heads \
         * transformer.config.attention_head_dim * 4
+    assert rows[1].nbytes == 8 * per_token
+
+
+def test_num_pad_counts_the_zero_rows_at_the_end_only():
+    text = torch.ones(10, 4)
+    assert num_pad(text) == 0
+    text[6:] = 0
+    text[2] = 0  # a zero row inside the text is a token, not padding
+    assert num_pad(text) == 4
+    assert num_pad(torch.zeros(5, 4)) == 5
 
 
 def test_batch_one_convolutions_through_onednn_decode_the_same_video(parts):
