@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -79,6 +80,17 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
+
+
+@contextmanager
+def running(args: list[str], log_path: Path, **kwargs):
+    """A server started and ready; on exit stopped with SIGTERM, which must end it cleanly (exit status 0)."""
+    proc = ServerProcess(args, log_path, **kwargs)
+    try:
+        yield proc.wait_ready()
+    finally:
+        code = proc.stop()
+        assert code == 0, proc.output()
 
 
 def fuzz(url: str, headers: dict | None = None, max_examples: int = 12, bodies: dict | None = None) -> list[str]:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serving import ServerProcess, fuzz
+from serving import ServerProcess, fuzz, running
 
 KEY = "sk-test-0123456789"
 
@@ -18,13 +18,10 @@ KEY = "sk-test-0123456789"
 @pytest.fixture(scope="module")
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guards")
-    proc = ServerProcess(["--pipeline", "echo", "--pipeline", "fault", "--served-model-name", "parrot=echo",
-                          "--max-body-mb", "0.01", "--output-dir", str(tmp / "out")], tmp / "server.log",
-                         plugins=("fault_plugin:FaultPlugin",), env={"OMNI_API_KEY": KEY})
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.output()
+    with running(["--pipeline", "echo", "--pipeline", "fault", "--served-model-name", "parrot=echo", "--max-body-mb",
+                  "0.01", "--output-dir", str(tmp / "out")], tmp / "server.log", plugins=("fault_plugin:FaultPlugin",),
+                 env={"OMNI_API_KEY": KEY}) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from PIL import Image
-from serving import ServerProcess
+from serving import running
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -25,13 +25,10 @@ SMALL = {"model": "qwen_to_wan_i2v", "size": "64x96", "num_frames": "9", "num_in
 @pytest.fixture(scope="module")
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-videos")
-    proc = ServerProcess(["--pipeline", "qwen_to_wan_i2v", "--output-dir", str(tmp / "videos"), "--video-ttl",
-                          str(TTL_S), "--allowed-origins", ORIGIN, "--shutdown-timeout", "5"], tmp / "server.log")
-    proc.videos = tmp / "videos"
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.output()
+    with running(["--pipeline", "qwen_to_wan_i2v", "--output-dir", str(tmp / "videos"), "--video-ttl", str(TTL_S),
+                  "--allowed-origins", ORIGIN, "--shutdown-timeout", "5"], tmp / "server.log") as proc:
+        proc.videos = tmp / "videos"
+        yield proc
 
 
 @pytest.fixture(scope="module")
