@@ -2,18 +2,24 @@
 turns.
 
 On random-weight checkpoints built locally (the Wan demo; a Qwen2 of hidden 512 x 8 layers, so a token costs
-milliseconds rather than Python overhead), with the AR budget calibrated so that one request's AR stage costs
-about what its diffusion stage costs:
+milliseconds rather than Python overhead). The workload: a burst of 8 `qwen_to_wan_i2v` requests (all submitted at
+t=0) whose AR budgets are evenly staggered (longest/16, 3 longest/16, ... 15 longest/16), so the AR stage hands
+requests to the diffusion stage one after another while it decodes the longer ones. `longest` is calibrated on
+the `process` placement so that, over the whole burst, the AR worker's busy time (CPU seconds, one torch thread)
+matches the diffusion worker's: AR and diffusion cost about the same per request, as served (both stages batch,
+so a one-request calibration would leave one stage the bottleneck and nothing to overlap).
 
-- `overlap_throughput_ratio`: 8 `qwen_to_wan_i2v` requests arriving one every `gap` seconds (gap = one video
-  request's time), throughput with `process` placement over `inproc`. Threads: inproc, the one process uses
-  torch with 2 threads (both cores); process, each of the two workers uses 1 (`worker_threads=1`) and the front
-  runs no torch.
+- `overlap_throughput_ratio`: the burst's throughput with `process` placement over `inproc`. Threads: process,
+  each of the two workers uses torch with 1 thread (`worker_threads=1`) and the front runs no torch; inproc runs
+  twice per round, torch with 2 threads (both cores for whichever stage steps) and with 1; the ratio is taken
+  against the faster inproc run of each round (`overlap_throughput_ratio_vs_inproc_2t` against 2 threads).
 - `itl_p99_under_video_ratio`: a streaming `ar_text` chat's inter-token latency p99 while a `wan_i2v` job runs,
   over the chat alone, both with `process` placement (the two pipelines' workers, one front loop blocking on all
   their pipes); `itl_p99_under_video_ratio_inproc` is the same with both pipelines in one process (bounded below
   by a denoise step).
-- `ray_over_process`: the first workload's time with `ray` placement (a local Ray, 2 CPUs) over `process`.
+- `ray_over_process`: the first workload's time with `ray` placement (a local Ray, 2 CPUs) over `process`;
+  `ray_cpu_s` gives, per round, the CPU seconds of the workers and the front (process) and of the actors, Ray's
+  own processes and the front (ray).
 
 Runs alternate A B A B; each ratio is the median over pairs. The last line printed is one JSON object.
 
@@ -50,7 +56,6 @@ def drive(omnis, submits, on_event=None) -> dict:
     for o in omnis:
         o.scheduler.step_wait_s = 0
     handles = [h for o in omnis for s in o.graph.stages.values() if hasattr(s, "handles") for h in s.handles()]
-    ray_stages = [s for o in omnis for s in o.graph.stages.values() if type(s).__name__ == "RayStage"]
     queue = sorted(submits, key=lambda s: s[0])
     start = time.perf_counter()
     finished, ids = {}, set()
@@ -76,9 +81,7 @@ def drive(omnis, submits, on_event=None) -> dict:
             continue
         timeout = (queue[0][0] - (time.perf_counter() - start)) if queue else 0.05
         timeout = max(0.0, min(timeout, 0.05))
-        if ray_stages:
-            ray_stages[0].wait(timeout)
-        elif handles:
+        if handles:
             multiprocessing.connection.wait(handles, timeout)
         elif queue:
             time.sleep(timeout)
@@ -88,12 +91,95 @@ def drive(omnis, submits, on_event=None) -> dict:
     return finished
 
 
-def workload(omni, n: int, gap: float, max_tokens: int, steps: int, out: Path, tag: str) -> float:
-    submits = [(i * gap, omni, omni.request(f"a red fox in the snow, take {i}", image=IMAGE, max_tokens=max_tokens,
+def lengths(n: int, longest: int) -> list[int]:
+    """The AR budgets of the burst, evenly staggered (longest/2n, 3 longest/2n, ... up to about longest), so the
+    AR stage hands requests to the diffusion stage one after another while it decodes the longer ones (equal
+    budgets would all finish together, leaving nothing to overlap)."""
+    return [max(1, round(longest * (2 * i + 1) / (2 * n))) for i in range(n)]
+
+
+def workload(omni, tokens: list[int], gap: float, steps: int, out: Path, tag: str,
+             ar_done: dict | None = None) -> float:
+    """The requests' time; `ar_done` gets, per request index, when its AR stage finished (seconds)."""
+    from omni_kernel.events import StageFinished
+
+    submits = [(i * gap, omni, omni.request(f"a red fox in the snow, take {i}", image=IMAGE, max_tokens=t,
                                             ignore_eos=True, num_inference_steps=steps, seed=i,
-                                            output=str(out / f"{tag}_{i}.mp4"), **VIDEO)) for i in range(n)]
-    done = drive([omni], submits)
+                                            output=str(out / f"{tag}_{i}.mp4"), **VIDEO)) for i, t in enumerate(tokens)]
+    index = {request.request_id: i for i, (_, _, request) in enumerate(submits)}
+    ar_node = omni.graph.order[0]
+    start = time.perf_counter()
+
+    def on_event(event, at):
+        if ar_done is not None and isinstance(event, StageFinished) and event.node_id == ar_node:
+            ar_done[index[event.request_id]] = at - start
+
+    done = drive([omni], submits, on_event)
     return max(t for _, t in done.values())
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def ray_cpu() -> dict[str, float]:
+    """CPU seconds so far of the local Ray's processes: the stage actors, and Ray's own (raylet, GCS, agents)."""
+    total = {"actors": 0.0, "ray_daemons": 0.0}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if "StageActor" in cmd:
+                total["actors"] += cpu_s(int(entry.name))
+            elif "ray" in cmd and ("raylet" in cmd or "gcs_server" in cmd or "site-packages/ray/" in cmd):
+                total["ray_daemons"] += cpu_s(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def busy(omni, run) -> tuple[float, dict[str, float]]:
+    """Run `run()` on a `process`-placed omni; its time and each stage worker's CPU seconds meanwhile (one torch
+    thread per worker, and a worker blocks when idle: its busy time)."""
+    stages = {node: s for node, s in omni.graph.stages.items()}
+    before = {node: cpu_s(s.proc.pid) for node, s in stages.items()}
+    elapsed = run()
+    return elapsed, {node: cpu_s(s.proc.pid) - before[node] for node, s in stages.items()}
+
+
+def calibrate(process, n: int, steps: int, out: Path) -> tuple[list[int], dict]:
+    """The AR budgets of the burst, from a few runs on the `process` placement (one torch thread per worker):
+    - scaled so that over the whole burst the AR worker's busy time (CPU seconds) matches the diffusion worker's,
+      so AR and diffusion cost about the same per request, as served (both stages batch, so a one-request
+      calibration would leave one stage the bottleneck and nothing to overlap);
+    - spread so that the AR stage finishes one request every so often (hand-offs evenly paced from the first to
+      the last): the burst decodes in lockstep, so the last run's AR finish times give the tokens decoded by any
+      time, and the next budgets are those at evenly spaced times. Starts from evenly spaced budgets."""
+    import numpy as np
+
+    ar_node, video_node = process.graph.order
+    tokens, history = lengths(n, 120), []
+    for it in range(6):
+        ends: dict[int, float] = {}
+        elapsed, cpu = busy(process, lambda tokens=tuple(tokens), tag=f"cal{it}", ends=ends:
+                            workload(process, list(tokens), 0.0, steps, out, tag, ends))
+        scale = cpu[video_node] / max(cpu[ar_node], 1e-3)
+        history.append({"max_tokens": list(tokens), "ar_busy_s": round(cpu[ar_node], 3),
+                        "diffusion_busy_s": round(cpu[video_node], 3), "elapsed_s": round(elapsed, 3),
+                        "ar_finished_s": [round(ends[i], 3) for i in range(n)]})
+        log(f"calibration {it}: AR budgets {tokens} -> AR busy {cpu[ar_node]:.2f}s, diffusion busy "
+            f"{cpu[video_node]:.2f}s, burst {elapsed:.2f}s, AR finished at {[round(ends[i], 2) for i in range(n)]}")
+        if it >= 2 and abs(scale - 1) < 0.06:
+            break
+        done = sorted((ends[i], tokens[i]) for i in range(n))
+        times = [0.0] + [t for t, _ in done]
+        decoded = [0] + list(np.maximum.accumulate([k for _, k in done]))
+        paced = np.linspace(done[0][0], done[-1][0], n)
+        tokens = [int(max(1, min(1000, round(scale * float(np.interp(t, times, decoded)))))) for t in paced]
+    return tokens, {"iterations": history}
 
 
 def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> float:
@@ -150,30 +236,31 @@ def main() -> None:
     ar_model = bench_ar_model()
     inproc = Omni("qwen_to_wan_i2v", device="cpu", ar_model=ar_model)
     process = Omni("qwen_to_wan_i2v", device="cpu", placement="process", worker_threads=1, ar_model=ar_model)
-
-    # Calibrate on the process workers (1 thread each): the AR budget whose time matches one video request.
     chat_p = Omni("ar_text", placement="process", worker_threads=1, ar_model=ar_model)
 
-    def chat_time(tokens: int) -> float:
-        start = time.perf_counter()
-        drive([chat_p], [(0, chat_p, chat_p.request("hello", max_tokens=tokens, ignore_eos=True, seed=0))])
-        return time.perf_counter() - start
+    workload(process, lengths(2, 20), 0.0, steps, out, "pwarm")
+    tokens, calibration = calibrate(process, n, steps, out)
+    log(f"AR budgets: {tokens}")
 
-    t_video = min(workload(process, 1, 0, 1, steps, out, "cal") for _ in range(2))
-    per_token = max((min(chat_time(65) for _ in range(2)) - min(chat_time(1) for _ in range(2))) / 64, 1e-4)
-    max_tokens = int(min(400, max(8, t_video / per_token)))
-    log(f"calibration: one video request {t_video:.3f}s, {per_token * 1000:.2f} ms/token -> max_tokens={max_tokens}")
-    gap = t_video / 4  # faster than either placement serves them: the run measures capacity, not arrivals
-
-    ratios, times = [], {"inproc": [], "process": []}
-    workload(inproc, 2, gap, max_tokens, steps, out, "warm")
+    # inproc at both torch settings (2 threads: both cores for whichever stage steps; 1 thread), against the
+    # process placement; the ratio is taken against the faster inproc run of each round.
+    ratios, ratios2, times = [], [], {"inproc_2t": [], "inproc_1t": [], "process": []}
+    workload(inproc, lengths(2, 20), 0.0, steps, out, "warm")
     for r in range(pairs):
-        a = workload(inproc, n, gap, max_tokens, steps, out, f"i{r}")
-        b = workload(process, n, gap, max_tokens, steps, out, f"p{r}")
-        times["inproc"].append(a)
+        torch.set_num_threads(2)
+        a2 = workload(inproc, tokens, 0.0, steps, out, f"i{r}")
+        b, cpu = busy(process, lambda tag=f"p{r}": workload(process, tokens, 0.0, steps, out, tag))
+        torch.set_num_threads(1)
+        a1 = workload(inproc, tokens, 0.0, steps, out, f"j{r}")
+        torch.set_num_threads(2)
+        times["inproc_2t"].append(a2)
+        times["inproc_1t"].append(a1)
         times["process"].append(b)
-        ratios.append(a / b)
-        log(f"pair {r}: inproc {a:.2f}s process {b:.2f}s -> throughput ratio {a / b:.2f}")
+        ratios.append(min(a1, a2) / b)
+        ratios2.append(a2 / b)
+        log(f"round {r}: inproc 2 threads {a2:.2f}s, inproc 1 thread {a1:.2f}s, process {b:.2f}s "
+            f"(worker busy {', '.join(f'{k} {v:.2f}s' for k, v in cpu.items())}) -> throughput ratio "
+            f"{min(a1, a2) / b:.2f}")
     overlap = statistics.median(ratios)
 
     # Chat ITL under a video job.
@@ -197,19 +284,26 @@ def main() -> None:
         o.close()
 
     # Ray over process.
-    ray_ratio, ray_note = None, None
+    ray_ratio, ray_note, ray_cpu_s = None, None, []
     try:
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
         rayo = Omni("qwen_to_wan_i2v", device="cpu", placement="ray", worker_threads=1, ar_model=ar_model)
-        workload(rayo, 2, gap, max_tokens, steps, out, "rwarm")
+        workload(rayo, lengths(2, 20), 0.0, steps, out, "rwarm")
         rr = []
         for r in range(pairs):
-            b = workload(process, n, gap, max_tokens, steps, out, f"pp{r}")
-            c = workload(rayo, n, gap, max_tokens, steps, out, f"r{r}")
+            front = time.process_time()
+            b, cpu = busy(process, lambda tag=f"pp{r}": workload(process, tokens, 0.0, steps, out, tag))
+            cpu_process = {"workers": sum(cpu.values()), "front": time.process_time() - front}
+            front, before = time.process_time(), ray_cpu()
+            c = workload(rayo, tokens, 0.0, steps, out, f"r{r}")
+            after = ray_cpu()
+            cpu_ray = {k: after[k] - before[k] for k in after} | {"front": time.process_time() - front}
             rr.append(c / b)
-            log(f"pair {r}: process {b:.2f}s ray {c:.2f}s -> {c / b:.2f}")
+            ray_cpu_s.append({"process": {k: round(v, 2) for k, v in cpu_process.items()},
+                              "ray": {k: round(v, 2) for k, v in cpu_ray.items()}})
+            log(f"pair {r}: process {b:.2f}s ray {c:.2f}s -> {c / b:.2f}; CPU seconds {ray_cpu_s[-1]}")
         ray_ratio = statistics.median(rr)
         rayo.close()
         ray.shutdown()
@@ -219,15 +313,18 @@ def main() -> None:
     process.close()
 
     result = {
-        "requests": n, "pairs": pairs, "quick": args.quick, "max_tokens": max_tokens, "video": VIDEO,
-        "num_inference_steps": steps, "arrival_gap_s": round(gap, 4),
-        "threads": {"inproc": "one process, torch 2 threads", "process": "two workers, torch 1 thread each "
-                    "(worker_threads=1), front without torch", "cpus": os.cpu_count()},
-        "inproc_s": [round(t, 3) for t in times["inproc"]], "process_s": [round(t, 3) for t in times["process"]],
+        "requests": n, "pairs": pairs, "quick": args.quick, "max_tokens": tokens, "video": VIDEO,
+        "num_inference_steps": steps, "arrivals": "a burst: all at t=0", "calibration": calibration,
+        "threads": {"inproc_2t": "one process, torch 2 threads", "inproc_1t": "one process, torch 1 thread",
+                    "process": "two workers, torch 1 thread each (worker_threads=1), front without torch",
+                    "ray": "two actors of {CPU: 1}, torch 1 thread each, local Ray num_cpus=2", "cpus": os.cpu_count()},
+        **{f"{k}_s": [round(t, 3) for t in v] for k, v in times.items()},
         "overlap_throughput_ratio": round(overlap, 3),
+        "overlap_throughput_ratio_vs_inproc_2t": round(statistics.median(ratios2), 3),
         "itl_p99_under_video_ratio": round(statistics.median(itl_ratios), 3),
         "itl_p99_under_video_ratio_inproc": round(statistics.median(itl_inproc), 3),
         "ray_over_process": None if ray_ratio is None else round(ray_ratio, 3),
+        "ray_cpu_s": ray_cpu_s,
     }
     if ray_note:
         result["ray_error"] = ray_note
