@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,31 @@ def test_input_errors_stay_synchronous_and_typed():
         assert info.value.field == "prompt" and "contains bad" in str(info.value)
         assert not o.has_unfinished()
         assert o.generate("fine now").text == "rendered 2 words"
+
+
+def test_check_is_answered_while_a_downstream_step_runs(tmp_path):
+    """A submit calls the downstream stage's `check`: the worker answers it beside the step it is running, so a
+    submit does not wait for a long denoise step (here a render step held until the test opens its gate)."""
+    gate = tmp_path / "gate"
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        held = o.submit(o.request(f"hold={gate} a"))
+        deadline = time.monotonic() + 60
+        events = []
+        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
+            events += o.step()
+        assert gate.with_suffix(".started").exists(), "the render step never started"
+        submitted = []
+        thread = threading.Thread(target=lambda: submitted.append(o.submit(o.request("next one please"))))
+        thread.start()
+        thread.join(30)
+        answered, still_held = bool(submitted), not gate.exists()
+        gate.touch()
+        thread.join()
+        assert answered and still_held  # the submit came back while the render step was still held
+        while o.has_unfinished():
+            events += o.step()
+        finished = {e.request_id for e in events if isinstance(e, RequestFinished)}
+        assert finished == {held, submitted[0]}
 
 
 def test_abort_reaches_the_worker():
@@ -257,7 +283,6 @@ def test_plan_with_an_unknown_placement_is_a_plugin_error():
 
 
 def test_workers_built_from_a_thread_outlive_that_thread():
-    import threading
 
     built = []
     thread = threading.Thread(target=lambda: built.append(Omni("fake_slow", host=make_host(), placement="process")))

@@ -2,7 +2,8 @@
 
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
-step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`.
+step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, and a word
+"hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import attrs
 
@@ -42,9 +44,10 @@ class FakeParams:
 
 
 class SleepyRunner:
-    def __init__(self, sleep_s: float, pieces):
+    def __init__(self, sleep_s: float, pieces, hold: bool = False):
         self.sleep_s = sleep_s
         self.pieces = pieces
+        self.hold = hold
         self.items: dict[str, StageInput] = {}
 
     def add_request(self, item: StageInput) -> None:
@@ -52,6 +55,14 @@ class SleepyRunner:
 
     def run(self, batch) -> dict:
         time.sleep(self.sleep_s)
+        for rid in batch.request_ids if self.hold else ():
+            for word in self.items[rid].prompt.split(" "):
+                if word.startswith("hold="):
+                    gate = Path(word[5:])
+                    gate.with_suffix(".started").touch()
+                    deadline = time.monotonic() + 120
+                    while not gate.exists() and time.monotonic() < deadline:
+                        time.sleep(0.01)
         out = {}
         for rid, step in zip(batch.request_ids, batch.steps):
             item = self.items[rid]
@@ -117,7 +128,7 @@ def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
 def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
     log.info("loading the fake render model")
     steps = lambda item: item.params.fake_steps or item.processed  # noqa: E731
-    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item))
+    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item), hold=True)
     return RenderStage(node, "video", Engine(StepScheduler(max_batch=8, num_steps=steps), runner))
 
 
