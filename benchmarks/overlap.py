@@ -13,10 +13,12 @@ so a one-request calibration would leave one stage the bottleneck and nothing to
   each of the two workers uses torch with 1 thread (`worker_threads=1`) and the front runs no torch; inproc runs
   twice per round, torch with 2 threads (both cores for whichever stage steps) and with 1; the ratio is taken
   against the faster inproc run of each round (`overlap_throughput_ratio_vs_inproc_2t` against 2 threads).
-- `itl_p99_under_video_ratio`: a streaming `ar_text` chat's inter-token latency p99 while a `wan_i2v` job runs,
-  over the chat alone, both with `process` placement (the two pipelines' workers, one front loop blocking on all
-  their pipes); `itl_p99_under_video_ratio_inproc` is the same with both pipelines in one process (bounded below
-  by a denoise step).
+- `itl_p99_under_video_ratio`: a streaming `ar_text` chat's inter-token latency p99 while a `wan_i2v` job
+  denoises (the chat starts 0.15 s after it; the video's steps are set from a two-point timing so that its
+  denoising outlasts the chat, and `itl_video_outlasted_chat` says it did), over the chat alone, both with
+  `process` placement (the two pipelines' workers, one front loop blocking on all their pipes);
+  `itl_p99_under_video_ratio_inproc` is the same with both pipelines in one process (bounded below by a denoise
+  step).
 - `ray_over_process`: the first workload's time with `ray` placement (a local Ray, 2 CPUs) over `process`;
   `ray_cpu_s` gives, per round, the CPU seconds of the workers and the front (process) and of the actors, Ray's
   own processes and the front (ray).
@@ -42,6 +44,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE = str(ROOT / "examples" / "assets" / "image.png")
 VIDEO = dict(num_frames=9, height=128, width=128)
+CHAT_AFTER_S = 0.15  # the ITL chat starts this long after the video job
 
 
 def log(*args) -> None:
@@ -182,19 +185,24 @@ def calibrate(process, n: int, steps: int, out: Path) -> tuple[list[int], dict]:
     return tokens, {"iterations": history}
 
 
-def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> float:
-    from omni_kernel.events import TokenDelta
+def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> tuple[float, float, bool]:
+    """The chat's inter-token p99, how long it streamed, and whether the video job was still running when the
+    chat's last token came (so the chat ran under it throughout)."""
+    from omni_kernel.events import RequestFinished, TokenDelta
 
     times: list[float] = []
+    video_done: list[float] = []
     chat_ids = set()
 
     def on_event(event, at):
         if isinstance(event, TokenDelta) and event.request_id in chat_ids:
             times.append(at)
+        elif isinstance(event, RequestFinished) and event.request_id not in chat_ids:
+            video_done.append(at)
 
     request = chat.request("tell me about foxes", max_tokens=max_tokens, ignore_eos=True, stream=True, seed=0)
     chat_ids.add(request.request_id)
-    submits = [(0.3 if video is not None else 0.0, chat, request)]
+    submits = [(CHAT_AFTER_S if video is not None else 0.0, chat, request)]
     omnis = [chat]
     if video is not None:
         submits.append((0.0, video, video.request("a fox", image=IMAGE, num_inference_steps=steps, seed=1,
@@ -202,7 +210,15 @@ def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> float:
         omnis.append(video)
     drive(omnis, submits, on_event)
     gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))]
+    covered = video is None or bool(video_done and video_done[0] > times[-1])
+    return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], times[-1] - times[0], covered
+
+
+def video_time(video, steps: int, out: Path) -> float:
+    start = time.perf_counter()
+    drive([video], [(0.0, video, video.request("a fox", image=IMAGE, num_inference_steps=steps, seed=1,
+                                               output=str(out / f"vt_{time.time_ns()}.mp4"), **VIDEO))])
+    return time.perf_counter() - start
 
 
 def bench_ar_model() -> str:
@@ -245,7 +261,7 @@ def main() -> None:
     # inproc at both torch settings (2 threads: both cores for whichever stage steps; 1 thread), against the
     # process placement; the ratio is taken against the faster inproc run of each round.
     ratios, ratios2, times = [], [], {"inproc_2t": [], "inproc_1t": [], "process": []}
-    workload(inproc, lengths(2, 20), 0.0, steps, out, "warm")
+    workload(inproc, tokens, 0.0, steps, out, "warm")  # warmed by one burst, as process was by calibration
     for r in range(pairs):
         torch.set_num_threads(2)
         a2 = workload(inproc, tokens, 0.0, steps, out, f"i{r}")
@@ -264,22 +280,30 @@ def main() -> None:
     overlap = statistics.median(ratios)
 
     # Chat ITL under a video job.
+    # The video's denoising must outlast the chat (which starts CHAT_AFTER_S later): steps from a two-point timing.
     chat_tokens = 48
-    video_steps = 4 * steps
     video_p = Omni("wan_i2v", device="cpu", placement="process", worker_threads=1)
     chat_i = Omni("ar_text", ar_model=ar_model)
     video_i = Omni("wan_i2v", device="cpu")
-    itl_ratios, itl_inproc = [], []
+    itl_ratios, itl_inproc, covered = [], [], []
     itl_p99(chat_p, None, 8, steps, out)
+    _, chat_s, _ = itl_p99(chat_p, None, chat_tokens, steps, out)
+    video_time(video_p, steps, out)
+    per_step = max((min(video_time(video_p, 5 * steps, out) for _ in range(2)) -
+                    min(video_time(video_p, steps, out) for _ in range(2))) / (4 * steps), 1e-4)
+    video_steps = int(min(200, max(4 * steps, (CHAT_AFTER_S + 1.5 * chat_s) / per_step)))  # 250 fails in Wan
+    log(f"chat streams {chat_s:.2f}s; a denoise step {per_step * 1000:.1f} ms -> video of {video_steps} steps")
     for r in range(pairs):
-        alone = itl_p99(chat_p, None, chat_tokens, video_steps, out)
-        under = itl_p99(chat_p, video_p, chat_tokens, video_steps, out)
-        alone_i = itl_p99(chat_i, None, chat_tokens, video_steps, out)
-        under_i = itl_p99(chat_i, video_i, chat_tokens, video_steps, out)
+        alone, _, _ = itl_p99(chat_p, None, chat_tokens, video_steps, out)
+        under, _, cov = itl_p99(chat_p, video_p, chat_tokens, video_steps, out)
+        alone_i, _, _ = itl_p99(chat_i, None, chat_tokens, video_steps, out)
+        under_i, _, cov_i = itl_p99(chat_i, video_i, chat_tokens, video_steps, out)
         itl_ratios.append(under / alone)
         itl_inproc.append(under_i / alone_i)
+        covered += [cov, cov_i]
         log(f"pair {r}: process ITL p99 alone {alone * 1000:.2f} ms, under video {under * 1000:.2f} ms; "
-            f"inproc alone {alone_i * 1000:.2f} ms, under video {under_i * 1000:.2f} ms")
+            f"inproc alone {alone_i * 1000:.2f} ms, under video {under_i * 1000:.2f} ms; video outlasted the "
+            f"chat: {cov}, {cov_i}")
     for o in (chat_p, video_p, inproc):
         o.close()
 
@@ -290,7 +314,7 @@ def main() -> None:
 
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
         rayo = Omni("qwen_to_wan_i2v", device="cpu", placement="ray", worker_threads=1, ar_model=ar_model)
-        workload(rayo, lengths(2, 20), 0.0, steps, out, "rwarm")
+        workload(rayo, tokens, 0.0, steps, out, "rwarm")  # warmed by one burst, as process was by calibration
         rr = []
         for r in range(pairs):
             front = time.process_time()
@@ -323,6 +347,7 @@ def main() -> None:
         "overlap_throughput_ratio_vs_inproc_2t": round(statistics.median(ratios2), 3),
         "itl_p99_under_video_ratio": round(statistics.median(itl_ratios), 3),
         "itl_p99_under_video_ratio_inproc": round(statistics.median(itl_inproc), 3),
+        "itl_video_steps": video_steps, "itl_video_outlasted_chat": all(covered),
         "ray_over_process": None if ray_ratio is None else round(ray_ratio, 3),
         "ray_cpu_s": ray_cpu_s,
     }
