@@ -7,7 +7,8 @@ t=0) whose AR budgets are evenly staggered (longest/16, 3 longest/16, ... 15 lon
 requests to the diffusion stage one after another while it decodes the longer ones. `longest` is calibrated on
 the `process` placement so that, over the whole burst, the AR worker's busy time (CPU seconds, one torch thread)
 matches the diffusion worker's: AR and diffusion cost about the same per request, as served (both stages batch,
-so a one-request calibration would leave one stage the bottleneck and nothing to overlap).
+so a one-request calibration would leave one stage the bottleneck and nothing to overlap). Every placement
+runs one full burst before it is measured (`process`: the calibration runs).
 
 - `overlap_throughput_ratio`: the burst's throughput with `process` placement over `inproc`. Threads: process,
   each of the two workers uses torch with 1 thread (`worker_threads=1`) and the front runs no torch; inproc runs
@@ -38,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,35 +156,26 @@ def busy(omni, run) -> tuple[float, dict[str, float]]:
 
 
 def calibrate(process, n: int, steps: int, out: Path) -> tuple[list[int], dict]:
-    """The AR budgets of the burst, from a few runs on the `process` placement (one torch thread per worker):
-    - scaled so that over the whole burst the AR worker's busy time (CPU seconds) matches the diffusion worker's,
-      so AR and diffusion cost about the same per request, as served (both stages batch, so a one-request
-      calibration would leave one stage the bottleneck and nothing to overlap);
-    - spread so that the AR stage finishes one request every so often (hand-offs evenly paced from the first to
-      the last): the burst decodes in lockstep, so the last run's AR finish times give the tokens decoded by any
-      time, and the next budgets are those at evenly spaced times. Starts from evenly spaced budgets."""
-    import numpy as np
-
+    """Scale the evenly staggered AR budgets until, over the whole burst, the AR worker's busy time (CPU seconds,
+    one torch thread) matches the diffusion worker's on the `process` placement: AR and diffusion cost about the
+    same per request, as served (both stages batch, so a one-request calibration would leave one stage the
+    bottleneck and nothing to overlap)."""
     ar_node, video_node = process.graph.order
-    tokens, history = lengths(n, 120), []
-    for it in range(6):
+    longest, history = 120, []
+    for it in range(5):
         ends: dict[int, float] = {}
-        elapsed, cpu = busy(process, lambda tokens=tuple(tokens), tag=f"cal{it}", ends=ends:
-                            workload(process, list(tokens), 0.0, steps, out, tag, ends))
-        scale = cpu[video_node] / max(cpu[ar_node], 1e-3)
-        history.append({"max_tokens": list(tokens), "ar_busy_s": round(cpu[ar_node], 3),
+        run = partial(workload, process, lengths(n, longest), 0.0, steps, out, f"cal{it}", ends)
+        elapsed, cpu = busy(process, run)
+        balance = cpu[ar_node] / max(cpu[video_node], 1e-3)
+        history.append({"longest": longest, "ar_busy_s": round(cpu[ar_node], 3),
                         "diffusion_busy_s": round(cpu[video_node], 3), "elapsed_s": round(elapsed, 3),
                         "ar_finished_s": [round(ends[i], 3) for i in range(n)]})
-        log(f"calibration {it}: AR budgets {tokens} -> AR busy {cpu[ar_node]:.2f}s, diffusion busy "
+        log(f"calibration {it}: AR budgets up to {longest} tokens -> AR busy {cpu[ar_node]:.2f}s, diffusion busy "
             f"{cpu[video_node]:.2f}s, burst {elapsed:.2f}s, AR finished at {[round(ends[i], 2) for i in range(n)]}")
-        if it >= 2 and abs(scale - 1) < 0.06:
+        if abs(balance - 1) < 0.05 and it:
             break
-        done = sorted((ends[i], tokens[i]) for i in range(n))
-        times = [0.0] + [t for t, _ in done]
-        decoded = [0] + list(np.maximum.accumulate([k for _, k in done]))
-        paced = np.linspace(done[0][0], done[-1][0], n)
-        tokens = [int(max(1, min(1000, round(scale * float(np.interp(t, times, decoded)))))) for t in paced]
-    return tokens, {"iterations": history}
+        longest = int(min(1000, max(8, round(longest / balance))))
+    return lengths(n, longest), {"longest": longest, "iterations": history}
 
 
 def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> tuple[float, float, bool]:
@@ -265,7 +258,7 @@ def main() -> None:
     for r in range(pairs):
         torch.set_num_threads(2)
         a2 = workload(inproc, tokens, 0.0, steps, out, f"i{r}")
-        b, cpu = busy(process, lambda tag=f"p{r}": workload(process, tokens, 0.0, steps, out, tag))
+        b, cpu = busy(process, partial(workload, process, tokens, 0.0, steps, out, f"p{r}"))
         torch.set_num_threads(1)
         a1 = workload(inproc, tokens, 0.0, steps, out, f"j{r}")
         torch.set_num_threads(2)
@@ -318,7 +311,7 @@ def main() -> None:
         rr = []
         for r in range(pairs):
             front = time.process_time()
-            b, cpu = busy(process, lambda tag=f"pp{r}": workload(process, tokens, 0.0, steps, out, tag))
+            b, cpu = busy(process, partial(workload, process, tokens, 0.0, steps, out, f"pp{r}"))
             cpu_process = {"workers": sum(cpu.values()), "front": time.process_time() - front}
             front, before = time.process_time(), ray_cpu()
             c = workload(rayo, tokens, 0.0, steps, out, f"r{r}")
