@@ -104,7 +104,12 @@ class StageActor:
                 self.inbox.clear()
             events: list = []
             for message in messages:
-                events.extend(self._handle(*message))
+                try:
+                    events.extend(self._handle(*message))
+                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the engine thread
+                    log.error("stage actor: %s failed: %s: %s", message[0], type(exc).__name__, exc, exc_info=exc)
+                    if message[0] == "process":
+                        message[2].append((False, classify(exc)))
             if self.host.stage.has_unfinished():
                 events.extend(self.host.step())
                 if (dead := self.host.newly_dead()) is not None:
