@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
@@ -20,6 +23,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
+SAFE_STEPS = 100  # below this no scheduler config is read (every Wan2.2 scheduler gives distinct timesteps)
 
 
 @attrs.frozen
@@ -96,6 +100,27 @@ def validate(settings: Settings, layout: ModelLayout) -> None:
                                              f"{MAX_FRAMES}; nearest valid: {_nearest(frames, t, 1, 1, MAX_FRAMES)}")
     if settings.steps > MAX_STEPS:
         raise InvalidParameter("steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
+    if settings.steps > SAFE_STEPS and layout.path is not None and settings.steps > (limit := max_steps(layout.path)):
+        raise InvalidParameter("steps", f"{settings.steps} is more than this checkpoint's noise scheduler can take: "
+                                         f"past {limit} steps it rounds two timesteps to the same one")
+
+
+@functools.lru_cache(maxsize=8)
+def max_steps(path: Path) -> int:
+    """The most denoise steps the checkpoint's scheduler gives distinct timesteps for (UniPC fails mid-run on a
+    repeated one: Wan2.2's, with flow_shift 5, from 201 steps)."""
+    import diffusers
+
+    try:
+        config = json.loads((Path(path) / "scheduler" / "scheduler_config.json").read_text(encoding="utf-8"))
+        scheduler = getattr(diffusers, config["_class_name"]).from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return MAX_STEPS  # loading the model reports a broken scheduler config, with its path
+    for steps in range(SAFE_STEPS, MAX_STEPS + 1):
+        scheduler.set_timesteps(steps)
+        if len(set(scheduler.timesteps.tolist())) < steps:
+            return steps - 1
+    return MAX_STEPS
 
 
 def _given(value, default):

@@ -183,3 +183,16 @@ def test_a_portrait_image_gets_a_portrait_video(omni, tmp_path):
     item = stage.process(StageInput("r1", "a tower", image=str(tmp_path / "tall.png"), params=WanParams(preset="fast")))
     settings = item.processed.settings
     assert (settings.height, settings.width) == (640, 352) and item.processed.image.size == (90, 160)
+
+
+def test_more_steps_than_the_scheduler_can_take_is_refused_before_any_work(omni, image_path, tmp_path):
+    from omni_kernel import InvalidParameter
+    from omni_wan.presets import max_steps
+
+    runner = omni.graph.stages["wan"].engine.runner
+    limit = max_steps(runner.layout.path)
+    assert limit == 200  # UniPC with flow_shift 5 repeats a timestep from 201 steps
+    with pytest.raises(InvalidParameter, match=f"past {limit} steps"):
+        omni.generate("a fox", image=str(image_path), preset="smoke", num_inference_steps=limit + 1,
+                      output=str(tmp_path / "x.mp4"))
+    assert not (tmp_path / "x.mp4").exists() and not runner.jobs
