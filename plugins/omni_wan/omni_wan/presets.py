@@ -99,10 +99,11 @@ def validate(settings: Settings, layout: ModelLayout) -> None:
         raise InvalidParameter("num_frames", f"{frames} must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...) and at most "
                                              f"{MAX_FRAMES}; nearest valid: {_nearest(frames, t, 1, 1, MAX_FRAMES)}")
     if settings.steps > MAX_STEPS:
-        raise InvalidParameter("steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
+        raise InvalidParameter("num_inference_steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
     if settings.steps > SAFE_STEPS and layout.path is not None and settings.steps > (limit := max_steps(layout.path)):
-        raise InvalidParameter("steps", f"{settings.steps} is more than this checkpoint's noise scheduler can take: "
-                                         f"past {limit} steps it rounds two timesteps to the same one")
+        raise InvalidParameter("num_inference_steps", f"{settings.steps} is more than this checkpoint's noise "
+                                                       f"scheduler can take: past {limit} steps it rounds two "
+                                                       "timesteps to the same one")
 
 
 @functools.lru_cache(maxsize=8)
