@@ -17,8 +17,9 @@ Throughput is requests / (last finish - first arrival); each ratio is the median
 before every run so all sides do the same work. `cfg_batch_speedup` is one request's denoise time with the CFG
 rows in two forwards over one forward. `max_abs_diff` is the largest difference between a request's frames
 in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
+With `--steps-spread N` each request's steps are drawn from steps +- N (fixed seed) instead of all equal.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--quick]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--steps-spread N] [--quick]
 
 The last line printed is one JSON object.
 """
@@ -62,7 +63,9 @@ def main() -> None:
     parser.add_argument("--large-scale", type=int, default=2, help="height and width factor of the larger size")
     parser.add_argument("--arrival-factor", type=float, default=0.25,
                         help="mean time between arrivals, as a fraction of one request's solo time")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times (and of --steps-spread)")
+    parser.add_argument("--steps-spread", type=int, default=0,
+                        help="each request's steps drawn from steps +- this (0: every request has --steps)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
     args = parser.parse_args()
@@ -91,6 +94,7 @@ def main() -> None:
                   "settings": {"num_frames": args.num_frames, "steps": args.steps, "guidance_scale": 5.0,
                                "requests": args.requests, "rounds": args.rounds, "large_rounds": args.large_rounds,
                                "arrival_factor": args.arrival_factor, "arrival_seed": args.seed,
+                               "steps_spread": args.steps_spread,
                                "threads": torch.get_num_threads(),
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
         for label, rounds in (("base", args.rounds), ("large", args.large_rounds)):
@@ -134,6 +138,9 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
     for _ in range(args.requests):
         arrivals.append(clock)
         clock += rng.expovariate(1 / mean_gap)
+    spread = random.Random(args.seed + 1)
+    steps = [params["num_inference_steps"] + spread.randint(-args.steps_spread, args.steps_spread)
+             for _ in range(args.requests)]
 
     times = {mode: [] for mode in MODES}
     frames, batch_means = {}, []
@@ -143,7 +150,7 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
             engine, cfg_batched = MODES[mode]
             engine = engines[engine]
             engine.graph.stages["wan"].engine.runner.cfg_batched = cfg_batched
-            elapsed, results = _serve(engine, mode, images, params, arrivals, out / f"{mode}{r}")
+            elapsed, results = _serve(engine, mode, images, params, arrivals, steps, out / f"{mode}{r}")
             engine.graph.stages["wan"].engine.runner.cfg_batched = True
             times[mode].append(elapsed)
             if r == 0 and mode in ("continuous", "sequential"):
@@ -162,7 +169,7 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
             "throughput_rps": {m: round(args.requests / statistics.median(t), 4) for m, t in times.items()},
             "makespan_s": {m: [round(x, 3) for x in t] for m, t in times.items()},
             "solo_request_s": round(solo_s, 3), "mean_arrival_gap_s": round(mean_gap, 3),
-            "arrivals_s": [round(a, 3) for a in arrivals],
+            "arrivals_s": [round(a, 3) for a in arrivals], "steps_per_request": steps,
             "continuous_batch_size_mean": round(statistics.mean(batch_means), 3),
             "cfg_batch_speedup": round(statistics.median(d for _, d in two) / statistics.median(d for _, d in one), 3),
             "cfg_denoise_ms": {"one_forward": round(statistics.median(d for _, d in one), 1),
@@ -170,13 +177,14 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
             "max_abs_diff": diff}
 
 
-def _serve(omni, mode: str, images, params, arrivals, out: Path):
+def _serve(omni, mode: str, images, params, arrivals, steps, out: Path):
     """Submit each request at its arrival time (static: in groups of 4, when the engine is idle); step the
     engine until every request has finished. Returns (last finish - first arrival, {request id: result})."""
     from omni_kernel import RequestFailed, RequestFinished
 
-    pending = [omni.request(PROMPTS[i % len(PROMPTS)], image=images[i], request_id=f"r{i}", **params, seed=i,
-                            output=str(out / f"r{i}.mp4"), return_frames=True) for i in range(len(arrivals))]
+    pending = [omni.request(PROMPTS[i % len(PROMPTS)], image=images[i], request_id=f"r{i}",
+                            **{**params, "num_inference_steps": steps[i]}, seed=i, output=str(out / f"r{i}.mp4"),
+                            return_frames=True) for i in range(len(arrivals))]
     queued, results = [], {}
     start = time.perf_counter()
     while len(results) < len(arrivals):
