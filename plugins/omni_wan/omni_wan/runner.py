@@ -107,19 +107,25 @@ class WanRunner:
                 texts.setdefault(prepare_cache.text_key(loaded.key, text), text)
         images = {prepare_cache.image_key(loaded.key, j.input.digest, j.input.settings.height,
                                           j.input.settings.width): j for j in jobs}
-        for keys, encode in ((texts, lambda missing: model.encode_texts([texts[k] for k in missing])),
-                             (images, lambda missing: self._encode_images(model, [images[k] for k in missing]))):
-            missing = [k for k in keys if not self.cache.contains(k)]
-            if len(missing) > 1:  # one is left to the request itself: the same call, and its own error
-                try:
-                    for key, value in zip(missing, encode(missing)):
-                        self.cache.put(key, value)
-                        fresh.add(key)
-                except Exception:  # noqa: BLE001 - each request retries alone in _prepare_one
-                    log.debug("shared prepare of %d requests failed; preparing each alone", len(jobs), exc_info=True)
-            if keys is texts:
-                texts_done = self._synced()
+        fresh |= self._fill(texts, lambda missing: model.encode_texts([texts[k] for k in missing]))
+        texts_done = self._synced()
+        fresh |= self._fill(images, lambda missing: self._encode_images(model, [images[k] for k in missing]))
         return fresh, texts_done
+
+    def _fill(self, keys, encode) -> set:
+        """Put what `encode` makes for the keys the cache lacks, when two or more do (one is left to its request:
+        the same call, with its own error). A failure leaves each request to encode its own."""
+        missing = [k for k in keys if not self.cache.contains(k)]
+        if len(missing) < 2:
+            return set()
+        try:
+            for key, value in zip(missing, encode(missing)):
+                self.cache.put(key, value)
+        except Exception:  # noqa: BLE001 - each request retries alone in _prepare_one
+            log.debug("a shared prepare of %d inputs failed; each request prepares its own", len(missing),
+                      exc_info=True)
+            return set()
+        return set(missing)
 
     @staticmethod
     def _encode_images(model, jobs: list[Job]) -> list:
