@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import torch
 
-from .cpu_conv import use_mkldnn_conv3d
+from .cpu_vae import speed_up_cpu_vae
 from .crossattn import CrossKV, TextKV
 from .device import Placement, torch_dtype
 
@@ -88,7 +88,7 @@ class Wan22I2VPipeline:
         elif placement.device != "cpu":
             pipe.to(placement.device)
         else:
-            use_mkldnn_conv3d(pipe.vae)
+            speed_up_cpu_vae(pipe.vae)
         return cls(pipe, placement)
 
     @property

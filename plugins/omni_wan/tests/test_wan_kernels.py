@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omni_wan.cpu_conv import use_mkldnn_conv3d
+from omni_wan.cpu_vae import speed_up_cpu_vae
 from omni_wan.crossattn import CrossKV, num_pad
 from omni_wan.model import Text
 from omni_wan.prepare_cache import PrepareCache
@@ -72,21 +72,25 @@ def test_num_pad_counts_the_zero_rows_at_the_end_only():
     assert num_pad(torch.zeros(5, 4)) == 5
 
 
-def test_batch_one_convolutions_through_onednn_decode_the_same_video(parts):
+def test_the_cpu_vae_fast_paths_decode_and_encode_the_same_video(parts):
+    """oneDNN for batch-one convolutions and the RMS norm as a sum of squares, against the stock modules."""
     _, vae = parts
     latents = torch.randn(1, 48, 3, 4, 6, generator=torch.Generator().manual_seed(1))
+    video = torch.rand(1, 3, 1, 64, 96, generator=torch.Generator().manual_seed(2)) * 2 - 1
     with torch.no_grad():
-        expected = vae.decode(latents, return_dict=False)[0]
-        patched = use_mkldnn_conv3d(vae)
+        expected = vae.decode(latents, return_dict=False)[0], vae.encode(video).latent_dist.mode()
+        counts = speed_up_cpu_vae(vae)
         try:
-            got = vae.decode(latents, return_dict=False)[0]
+            got = vae.decode(latents, return_dict=False)[0], vae.encode(video).latent_dist.mode()
         finally:
-            for conv in vae.modules():
-                conv.__dict__.pop("_conv_forward", None)
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("this torch build has no oneDNN: the patch is a no-op")
-    assert patched > 10
-    assert float((got - expected).abs().max()) <= 1e-4
+            for module in vae.modules():
+                module.__dict__.pop("_conv_forward", None)
+                module.__dict__.pop("forward", None)
+    assert counts["rms_norm"] > 10
+    assert counts["conv3d"] > 10 or not torch.backends.mkldnn.is_available()
+    for ours, stock in zip(got, expected):
+        assert ours.shape == stock.shape
+        assert float((ours - stock).abs().max()) <= 1e-4
 
 
 def test_prepare_cache_keeps_to_its_byte_budget():
