@@ -241,10 +241,6 @@ class RayStage(StageProxy):
         group.add(self)
         self._start()
 
-    @property
-    def node_id(self) -> str:
-        return self.node.id
-
     def _start(self) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

@@ -51,11 +51,14 @@ import attrs
 
 from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, rebuild
 from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.graph import NodeSpec
 from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 from omni_kernel.request import StageInput
 
-log = logging.getLogger("omni")
 from .worker import THREAD_VARS, WorkerSpec, unspill
+
+log = logging.getLogger("omni")
+
 
 class WorkerDied(RequestError):
     """A stage's worker process exited while it held requests."""
@@ -160,8 +163,13 @@ class StageProxy:
     between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
     `_send_abort`."""
 
+    node: NodeSpec
     pending: list
     held: set[str]
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
 
     def check(self, item: StageInput) -> None:
         """Answered by the worker at once, beside the step running now (check is model-free)."""
@@ -224,10 +232,6 @@ class ProcessStage(StageProxy):
         self.conn = None
         group.add(self)
         self._start()
-
-    @property
-    def node_id(self) -> str:
-        return self.node.id
 
     # Lifecycle.
 
