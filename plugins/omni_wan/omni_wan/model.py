@@ -145,9 +145,6 @@ class Wan22I2VPipeline:
         mask[:, :, 0] = 0
         return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
 
-    def denoise_step(self, state: DenoiseState) -> None:
-        self.denoise_batch([state], cfg_batched=False)
-
     @torch.no_grad()
     def denoise_batch(self, states: list[DenoiseState], cfg_batched: bool = True) -> None:
         """One denoise step of every request in `states` (same latent shape), each at its own timestep, with its
