@@ -19,7 +19,15 @@ rows in two forwards over one forward. `max_abs_diff` is the largest difference 
 in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
 With `--steps-spread N` each request's steps are drawn from steps +- N (fixed seed) instead of all equal.
 
-    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--steps-spread N] [--quick]
+`busy_s` is the time each run spent inside the engine's steps (the rest it waited for arrivals).
+`ratio_vs_static_ceiling` is static's makespan over its busy time: what continuous batching would reach doing
+static's work (the same cost per request) with no idle moment, so the most it can gain over static unless its
+own batches cost less per request than static's batches of 4. With `--sweep 0.5,1` one more round runs at each
+of those arrival factors (mean gap between arrivals over one request's solo time; the headline's is
+`--arrival-factor`, 0.25): slower arrivals make static wait longer for its 4th request but let sequential keep up.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--steps-spread N] [--sweep F,..]
+        [--quick]
 
 The last line printed is one JSON object.
 """
@@ -66,6 +74,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the arrival times (and of --steps-spread)")
     parser.add_argument("--steps-spread", type=int, default=0,
                         help="each request's steps drawn from steps +- this (0: every request has --steps)")
+    parser.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",")], default=[],
+                        help="also one round at each of these arrival factors (comma-separated), base size only")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
     args = parser.parse_args()
@@ -94,7 +104,7 @@ def main() -> None:
                   "settings": {"num_frames": args.num_frames, "steps": args.steps, "guidance_scale": 5.0,
                                "requests": args.requests, "rounds": args.rounds, "large_rounds": args.large_rounds,
                                "arrival_factor": args.arrival_factor, "arrival_seed": args.seed,
-                               "steps_spread": args.steps_spread,
+                               "steps_spread": args.steps_spread, "sweep": args.sweep,
                                "threads": torch.get_num_threads(),
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
         for label, rounds in (("base", args.rounds), ("large", args.large_rounds)):
@@ -103,7 +113,9 @@ def main() -> None:
             height, width = sizes[label]
             params = dict(height=height, width=width, num_frames=args.num_frames, num_inference_steps=args.steps,
                           guidance_scale=5.0)
+            sweep, args.sweep = args.sweep, (args.sweep if label == "base" else [])
             result = _compare(engines, cache, images, params, rounds, args, work / label)
+            args.sweep = sweep
             result["size"] = f"{width}x{height}x{args.num_frames}"
             if label == "base":
                 report.update(result)
@@ -114,7 +126,8 @@ def main() -> None:
 
 
 def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
-    """Warm up, measure one request's solo time (sets the arrival rate) and the CFG speedup, then rounds."""
+    """Warm up, measure one request's solo time (sets the arrival rate) and the CFG speedup, then rounds; then
+    one round at each `--sweep` arrival factor."""
     omni = engines["continuous"]
     runner = omni.graph.stages["wan"].engine.runner
 
@@ -132,17 +145,45 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
         for batched in ((True, False) if i % 2 == 0 else (False, True)):
             (one if batched else two).append(solo(batched))
     solo_s = statistics.median(t for t, _ in one)
-    mean_gap = args.arrival_factor * solo_s
-    rng = random.Random(args.seed)
-    arrivals, clock = [], 0.0
-    for _ in range(args.requests):
-        arrivals.append(clock)
-        clock += rng.expovariate(1 / mean_gap)
     spread = random.Random(args.seed + 1)
     steps = [params["num_inference_steps"] + spread.randint(-args.steps_spread, args.steps_spread)
              for _ in range(args.requests)]
+    arrivals = _arrivals(args.requests, args.arrival_factor * solo_s, args.seed)
+    result = _rounds(engines, cache, images, params, arrivals, steps, rounds, out, keep_frames=True)
+    result.update({"solo_request_s": round(solo_s, 3), "mean_arrival_gap_s": round(args.arrival_factor * solo_s, 3),
+                   "arrivals_s": [round(a, 3) for a in arrivals], "steps_per_request": steps,
+                   "cfg_batch_speedup": round(statistics.median(d for _, d in two) /
+                                              statistics.median(d for _, d in one), 3),
+                   "cfg_denoise_ms": {"one_forward": round(statistics.median(d for _, d in one), 1),
+                                      "two_forwards": round(statistics.median(d for _, d in two), 1)}})
+    sweep = []
+    for factor in args.sweep:
+        arrivals = _arrivals(args.requests, factor * solo_s, args.seed)
+        row = _rounds(engines, cache, images, params, arrivals, steps, 1, out / f"sweep{factor}")
+        sweep.append({"arrival_factor": factor, **{k: row[k] for k in SWEEP_KEYS}})
+        print(f"arrival factor {factor}: {json.dumps(sweep[-1])}", flush=True)
+    if sweep:
+        result["sweep"] = sweep
+    return result
 
+
+SWEEP_KEYS = ("ratio_vs_sequential", "ratio_vs_static", "ratio_vs_static_ceiling", "ratio_vs_sequential_cfg_batched",
+              "makespan_s", "busy_s", "continuous_batch_size_mean")
+
+
+def _arrivals(count: int, mean_gap: float, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    arrivals, clock = [], 0.0
+    for _ in range(count):
+        arrivals.append(clock)
+        clock += rng.expovariate(1 / mean_gap)
+    return arrivals
+
+
+def _rounds(engines, cache, images, params, arrivals, steps, rounds, out: Path, keep_frames: bool = False) -> dict:
+    """Every mode once per round, the order alternating between rounds; the ratios are medians over rounds."""
     times = {mode: [] for mode in MODES}
+    busy = {mode: [] for mode in MODES}
     frames, batch_means = {}, []
     for r in range(rounds):
         for mode in (list(MODES) if r % 2 == 0 else list(MODES)[::-1]):
@@ -150,42 +191,47 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
             engine, cfg_batched = MODES[mode]
             engine = engines[engine]
             engine.graph.stages["wan"].engine.runner.cfg_batched = cfg_batched
-            elapsed, results = _serve(engine, mode, images, params, arrivals, steps, out / f"{mode}{r}")
+            elapsed, stepping, results = _serve(engine, mode, images, params, arrivals, steps, out / f"{mode}{r}")
             engine.graph.stages["wan"].engine.runner.cfg_batched = True
             times[mode].append(elapsed)
-            if r == 0 and mode in ("continuous", "sequential"):
+            busy[mode].append(stepping)
+            if r == 0 and keep_frames and mode in ("continuous", "sequential"):
                 frames[mode] = {rid: res.output.data["frames"] for rid, res in results.items()}
             if mode == "continuous":
                 batch_means += [res.trace["diffusion.batch_size_mean"] for res in results.values()]
-            print(f"round {r} {mode:<11} {elapsed:8.3f} s", flush=True)
-    diff = max(float(abs(frames["continuous"][rid] - frames["sequential"][rid]).max()) for rid in frames["sequential"])
+            print(f"round {r} {mode:<11} {elapsed:8.3f} s (stepping {stepping:.3f} s)", flush=True)
     pairs = {other: [o / c for o, c in zip(times[other], times["continuous"])]
              for other in MODES if other != "continuous"}
-    return {"ratio_vs_sequential": round(statistics.median(pairs["sequential"]), 3),
-            "ratio_vs_static": round(statistics.median(pairs["static"]), 3),
-            "ratio_vs_sequential_cfg_batched": round(statistics.median(pairs["sequential_cfg_batched"]), 3),
-            "pairs_vs_sequential": [round(x, 3) for x in pairs["sequential"]],
-            "pairs_vs_static": [round(x, 3) for x in pairs["static"]],
-            "throughput_rps": {m: round(args.requests / statistics.median(t), 4) for m, t in times.items()},
-            "makespan_s": {m: [round(x, 3) for x in t] for m, t in times.items()},
-            "solo_request_s": round(solo_s, 3), "mean_arrival_gap_s": round(mean_gap, 3),
-            "arrivals_s": [round(a, 3) for a in arrivals], "steps_per_request": steps,
-            "continuous_batch_size_mean": round(statistics.mean(batch_means), 3),
-            "cfg_batch_speedup": round(statistics.median(d for _, d in two) / statistics.median(d for _, d in one), 3),
-            "cfg_denoise_ms": {"one_forward": round(statistics.median(d for _, d in one), 1),
-                               "two_forwards": round(statistics.median(d for _, d in two), 1)},
-            "max_abs_diff": diff}
+    result = {"ratio_vs_sequential": round(statistics.median(pairs["sequential"]), 3),
+              "ratio_vs_static": round(statistics.median(pairs["static"]), 3),
+              # static's makespan over the time its engine stepped: what continuous batching would reach doing
+              # static's work (same cost per request) without a moment idle, the most it can gain over static
+              # unless its batches cost less per request than static's batches of 4
+              "ratio_vs_static_ceiling": round(statistics.median(t / b for t, b in zip(times["static"],
+                                                                                      busy["static"])), 3),
+              "ratio_vs_sequential_cfg_batched": round(statistics.median(pairs["sequential_cfg_batched"]), 3),
+              "pairs_vs_sequential": [round(x, 3) for x in pairs["sequential"]],
+              "pairs_vs_static": [round(x, 3) for x in pairs["static"]],
+              "throughput_rps": {m: round(len(arrivals) / statistics.median(t), 4) for m, t in times.items()},
+              "makespan_s": {m: [round(x, 3) for x in t] for m, t in times.items()},
+              "busy_s": {m: [round(x, 3) for x in t] for m, t in busy.items()},
+              "continuous_batch_size_mean": round(statistics.mean(batch_means), 3)}
+    if keep_frames:
+        result["max_abs_diff"] = max(float(abs(frames["continuous"][rid] - frames["sequential"][rid]).max())
+                                     for rid in frames["sequential"])
+    return result
 
 
 def _serve(omni, mode: str, images, params, arrivals, steps, out: Path):
     """Submit each request at its arrival time (static: in groups of 4, when the engine is idle); step the
-    engine until every request has finished. Returns (last finish - first arrival, {request id: result})."""
+    engine until every request has finished. Returns (last finish - first arrival, time spent stepping,
+    {request id: result})."""
     from omni_kernel import RequestFailed, RequestFinished
 
     pending = [omni.request(PROMPTS[i % len(PROMPTS)], image=images[i], request_id=f"r{i}",
                             **{**params, "num_inference_steps": steps[i]}, seed=i, output=str(out / f"r{i}.mp4"),
                             return_frames=True) for i in range(len(arrivals))]
-    queued, results = [], {}
+    queued, results, stepping = [], {}, 0.0
     start = time.perf_counter()
     while len(results) < len(arrivals):
         now = time.perf_counter() - start
@@ -197,14 +243,17 @@ def _serve(omni, mode: str, images, params, arrivals, steps, out: Path):
                 omni.submit(request)
             queued = []
         if omni.has_unfinished():
-            for event in omni.step():
+            began = time.perf_counter()
+            events = omni.step()
+            stepping += time.perf_counter() - began
+            for event in events:
                 if isinstance(event, RequestFailed):
                     raise RuntimeError(f"{event.request_id} failed: {event.error}")
                 if isinstance(event, RequestFinished):
                     results[event.request_id] = event.result
         elif pending:
             time.sleep(max(0.0, arrivals[len(arrivals) - len(pending)] - (time.perf_counter() - start)))
-    return time.perf_counter() - start, results
+    return time.perf_counter() - start, stepping, results
 
 
 def _images(work: Path, count: int) -> list[str]:
