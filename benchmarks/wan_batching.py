@@ -27,7 +27,7 @@ of those arrival factors (mean gap between arrivals over one request's solo time
 `--arrival-factor`, 0.25): slower arrivals make static wait longer for its 4th request but let sequential keep up.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--steps-spread N] [--sweep F,..]
-        [--quick]
+        [--device cuda] [--quick]
 
 The last line printed is one JSON object.
 """
@@ -76,6 +76,8 @@ def main() -> None:
                         help="each request's steps drawn from steps +- this (0: every request has --steps)")
     parser.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",")], default=[],
                         help="also one round at each of these arrival factors (comma-separated), base size only")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: the whole model on the GPU (offload off, so the text key/value cache is used)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
     args = parser.parse_args()
@@ -95,8 +97,9 @@ def main() -> None:
         model = build_tiny_checkpoint(work / "model", dims=BENCH_DIMS)
         images = _images(work, args.requests)
         host = load_host()
-        engines = {"continuous": Omni("wan_i2v", host=host, model=str(model), device="cpu"),
-                   "sequential": Omni("wan_i2v", host=host, model=str(model), device="cpu", wan_max_batch=1)}
+        where = {"device": args.device} | ({"disable_cpu_offload": True} if args.device == "cuda" else {})
+        engines = {"continuous": Omni("wan_i2v", host=host, model=str(model), **where),
+                   "sequential": Omni("wan_i2v", host=host, model=str(model), **where, wan_max_batch=1)}
         cache = host.pm.get_plugin("omni_wan").stages.cache
         sizes = {"base": (args.height, args.width),
                  "large": (args.height * args.large_scale, args.width * args.large_scale)}
@@ -104,7 +107,7 @@ def main() -> None:
                   "settings": {"num_frames": args.num_frames, "steps": args.steps, "guidance_scale": 5.0,
                                "requests": args.requests, "rounds": args.rounds, "large_rounds": args.large_rounds,
                                "arrival_factor": args.arrival_factor, "arrival_seed": args.seed,
-                               "steps_spread": args.steps_spread, "sweep": args.sweep,
+                               "steps_spread": args.steps_spread, "sweep": args.sweep, "device": args.device,
                                "threads": torch.get_num_threads(),
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
         for label, rounds in (("base", args.rounds), ("large", args.large_rounds)):
