@@ -4,13 +4,16 @@ The DiffusionScheduler owns each request's phase and step index: prepare -> deno
 step) -> decode -> export. The runner only runs what it is given; a request can be aborted between any two
 steps (the engine calls `free`), and nothing is written before export, which writes the MP4 atomically.
 A denoise batch (requests of one shape, each at its own step) is one transformer forward: `denoise`; requests
-that reach decode at the same step share one VAE decode; prepare and export run request by request.
+that reach decode at the same step share one VAE decode; prepare runs batched too. Export (ffmpeg) runs on the
+runner's export thread, so the engine steps on while a finished video is encoded: the export step's result is a
+Future of the StageOutput, which DiffusionStage reports when it is done.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -58,6 +61,7 @@ class WanRunner:
         self.jobs: dict[str, Job] = {}
         self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
         self.budget = budget  # logged once, with the first request
+        self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
 
     def add_request(self, item: StageInput) -> None:
         self.jobs[item.request_id] = Job(item, Profiler(sync=self._sync()))
@@ -65,7 +69,7 @@ class WanRunner:
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
         jobs = [self.jobs[rid] for rid in batch.request_ids]
         if batch.phase == "export":
-            return {j.item.request_id: self.export(j) for j in jobs}
+            return {j.item.request_id: self.exports.submit(self.export, j) for j in jobs}
         return {"prepare": self.prepare, "denoise": self.denoise, "decode": self.decode}[batch.phase](jobs)
 
     def free(self, request_id: str) -> None:
@@ -187,9 +191,11 @@ class WanRunner:
         return dict.fromkeys((j.item.request_id for j in jobs), None)
 
     def export(self, job: Job) -> StageOutput:
+        """Write the MP4 (on the export thread: CPU work only, so its span needs no device sync)."""
         params, output = job.item.params, job.input.output
-        with job.profiler.span("export", frames=len(job.frames)):
-            write_mp4(job.frames, output, fps=self.layout.fps)
+        start = time.perf_counter()
+        write_mp4(job.frames, output, fps=self.layout.fps)
+        job.profiler.record("export", start, time.perf_counter(), frames=len(job.frames))
         trace = self._trace(job, params.profile)
         if params.profile:
             log.info("profile of request %s (%s):\n%s", job.item.request_id, self.node_id, job.profiler.table())

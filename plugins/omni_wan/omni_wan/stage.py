@@ -3,19 +3,23 @@
 The engine is the kernel's: Engine(DiffusionScheduler, WanRunner); one engine step is one phase (prepare,
 one denoise step, decode, export). Finishing and newly arrived requests go first (export, decode, prepare),
 then every denoising request of one batch key (size, frames, CFG on/off, dtype) shares one denoise forward,
-each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens` latent tokens.
+each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens` latent tokens. The export step
+only hands the frames to the runner's export thread; the stage reports the request when its MP4 is written, and
+blocks on that in `wait`, not in `step`.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import attrs
 from omni_kernel.engine import Engine
 from omni_kernel.errors import InvalidParameter
-from omni_kernel.events import StageProgress
+from omni_kernel.events import StageFailed, StageFinished, StageProgress
 from omni_kernel.graph import NodeSpec
 from omni_kernel.request import StageInput
 from omni_kernel.scheduler import DiffusionScheduler, RequestOutput
@@ -51,6 +55,7 @@ class DiffusionStage(Stage):
         super().__init__(node, "diffusion", engine)
         self.layout = layout
         self.default_preset = default_preset
+        self.exporting: dict[str, Future] = {}  # request id -> its StageOutput, once the export thread wrote it
 
     def check(self, item: StageInput) -> None:
         # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
@@ -69,10 +74,56 @@ class DiffusionStage(Stage):
         processed = WanInput(settings, image, image_digest(image), output.absolute())
         return attrs.evolve(item, processed=processed)
 
+    def step(self) -> list:
+        return self.postprocess(self.engine.step()) + self._exported()
+
     def postprocess(self, outputs: list[RequestOutput]) -> list:
         events = [StageProgress(o.request_id, self.node_id, o.result.step, o.result.total, "denoise")
                   for o in outputs if o.error is None and isinstance(o.result, Denoised)]
-        return events + super().postprocess(outputs)
+        for out in outputs:
+            if out.finished is not None and isinstance(out.result, Future):
+                self.exporting[out.request_id] = out.result
+        return events + super().postprocess([o for o in outputs if o.request_id not in self.exporting])
+
+    def _exported(self) -> list:
+        """Events of the exports that ended since the last step, in the order they were handed over."""
+        events = []
+        for rid, future in list(self.exporting.items()):
+            if not future.done():
+                continue
+            del self.exporting[rid]
+            try:
+                events.append(StageFinished(rid, self.node_id, future.result()))
+            except Exception as exc:  # noqa: BLE001 - e.g. the disk is full: this request fails alone
+                events.append(StageFailed.of(rid, self.node_id, exc))
+        return events
+
+    def abort(self, request_id: str) -> None:
+        future = self.exporting.pop(request_id, None)
+        if future is not None and not future.cancel():
+            future.add_done_callback(_remove_output)  # an aborted request leaves no MP4 behind
+        super().abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self.exporting)
+
+    def request_ids(self) -> set[str]:
+        return super().request_ids() | set(self.exporting)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Ready at once with engine work; with only exports running, block until one ends (or `timeout`)."""
+        if self.engine.has_unfinished():
+            return True
+        if not self.exporting:
+            return False
+        done, _ = concurrent.futures.wait(list(self.exporting.values()), timeout,
+                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        return bool(done)
+
+
+def _remove_output(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        Path(future.result().path).unlink(missing_ok=True)
 
 
 def check_output(output: str | None) -> None:
