@@ -11,18 +11,23 @@ so a one-request calibration would leave one stage the bottleneck and nothing to
 runs one full burst before it is measured (`process`: the calibration runs).
 
 - `overlap_throughput_ratio`: the burst's throughput with `process` placement over `inproc`. Threads: process,
-  each of the two workers uses torch with 1 thread (`worker_threads=1`) and the front runs no torch; inproc runs
-  twice per round, torch with 2 threads (both cores for whichever stage steps) and with 1; the ratio is taken
-  against the faster inproc run of each round (`overlap_throughput_ratio_vs_inproc_2t` against 2 threads).
+  the two workers share the cores (`worker_threads="shared"`: before each step a worker takes cores // busy
+  workers torch threads, so one busy alone gets both) and the front runs no torch;
+  `overlap_throughput_ratio_fixed_split` is the same with 1 thread per worker (`worker_threads=1`, which the
+  calibration uses); inproc runs twice per round, torch with 2 threads (both cores for whichever stage steps)
+  and with 1; the ratios are taken against the faster inproc run of each round
+  (`overlap_throughput_ratio_vs_inproc_2t` against 2 threads). `single_request_s`: one request (the longest
+  budget) alone, per round.
 - `itl_p99_under_video_ratio`: a streaming `ar_text` chat's inter-token latency p99 while a `wan_i2v` job
   denoises (the chat starts 0.15 s after it; the video's steps are set from a two-point timing so that its
   denoising outlasts the chat, and `itl_video_outlasted_chat` says it did), over the chat alone, both with
-  `process` placement (the two pipelines' workers, one front loop blocking on all their pipes);
-  `itl_p99_under_video_ratio_inproc` is the same with both pipelines in one process (bounded below by a denoise
-  step).
-- `ray_over_process`: the first workload's time with `ray` placement (a local Ray, 2 CPUs) over `process`;
-  `ray_cpu_s` gives, per round, the CPU seconds of the workers and the front (process) and of the actors, Ray's
-  own processes and the front (ray).
+  `process` placement and 1 thread per worker (the two pipelines' workers, one front loop blocking on all their
+  pipes); `_shared` is the same with shared cores (the chat alone then steps with both cores, so its
+  denominator shrinks) and `_inproc` with both pipelines in one process (bounded below by a denoise step);
+  `itl_p99_ms_alone_under_video` gives the milliseconds.
+- `ray_over_process`: the first workload's time with `ray` placement (a local Ray, 2 CPUs, actors of 1 thread)
+  over `process` with 1 thread per worker; `ray_cpu_s` gives, per round, the CPU seconds of the workers and the
+  front (process) and of the actors, Ray's own processes and the front (ray).
 
 Runs alternate A B A B; each ratio is the median over pairs. The last line printed is one JSON object.
 
@@ -245,40 +250,55 @@ def main() -> None:
     ar_model = bench_ar_model()
     inproc = Omni("qwen_to_wan_i2v", device="cpu", ar_model=ar_model)
     process = Omni("qwen_to_wan_i2v", device="cpu", placement="process", worker_threads=1, ar_model=ar_model)
-    chat_p = Omni("ar_text", placement="process", worker_threads=1, ar_model=ar_model)
+    shared = Omni("qwen_to_wan_i2v", device="cpu", placement="process", worker_threads="shared", ar_model=ar_model)
 
     workload(process, lengths(2, 20), 0.0, steps, out, "pwarm")
     tokens, calibration = calibrate(process, n, steps, out)
     log(f"AR budgets: {tokens}")
 
     # inproc at both torch settings (2 threads: both cores for whichever stage steps; 1 thread), against the
-    # process placement; the ratio is taken against the faster inproc run of each round.
-    ratios, ratios2, times = [], [], {"inproc_2t": [], "inproc_1t": [], "process": []}
+    # process placement with shared cores and with the fixed split; the ratios are taken against the faster
+    # inproc run of each round.
+    ratios, ratios2, ratios_fixed = [], [], []
+    times = {"inproc_2t": [], "inproc_1t": [], "process": [], "process_fixed_split": []}
+    lone = {"inproc_2t": [], "process": [], "process_fixed_split": []}  # one request alone (the longest budget)
     workload(inproc, tokens, 0.0, steps, out, "warm")  # warmed by one burst, as process was by calibration
+    workload(shared, tokens, 0.0, steps, out, "swarm")
     for r in range(pairs):
         torch.set_num_threads(2)
         a2 = workload(inproc, tokens, 0.0, steps, out, f"i{r}")
-        b, cpu = busy(process, partial(workload, process, tokens, 0.0, steps, out, f"p{r}"))
+        b, cpu = busy(shared, partial(workload, shared, tokens, 0.0, steps, out, f"s{r}"))
         torch.set_num_threads(1)
         a1 = workload(inproc, tokens, 0.0, steps, out, f"j{r}")
         torch.set_num_threads(2)
-        times["inproc_2t"].append(a2)
-        times["inproc_1t"].append(a1)
-        times["process"].append(b)
+        f, cpu_f = busy(process, partial(workload, process, tokens, 0.0, steps, out, f"p{r}"))
+        for key, value in (("inproc_2t", a2), ("inproc_1t", a1), ("process", b), ("process_fixed_split", f)):
+            times[key].append(value)
+        for key, omni in (("inproc_2t", inproc), ("process", shared), ("process_fixed_split", process)):
+            lone[key].append(workload(omni, tokens[-1:], 0.0, steps, out, f"l{key}{r}"))
         ratios.append(min(a1, a2) / b)
         ratios2.append(a2 / b)
-        log(f"round {r}: inproc 2 threads {a2:.2f}s, inproc 1 thread {a1:.2f}s, process {b:.2f}s "
-            f"(worker busy {', '.join(f'{k} {v:.2f}s' for k, v in cpu.items())}) -> throughput ratio "
-            f"{min(a1, a2) / b:.2f}")
+        ratios_fixed.append(min(a1, a2) / f)
+        log(f"round {r}: inproc 2 threads {a2:.2f}s, inproc 1 thread {a1:.2f}s, process shared cores {b:.2f}s "
+            f"(worker CPU {', '.join(f'{k} {v:.2f}s' for k, v in cpu.items())}), fixed split {f:.2f}s (worker "
+            f"busy {', '.join(f'{k} {v:.2f}s' for k, v in cpu_f.items())}) -> throughput ratio "
+            f"{min(a1, a2) / b:.2f}, fixed split {min(a1, a2) / f:.2f}; one request alone: "
+            f"{', '.join(f'{k} {v[-1]:.2f}s' for k, v in lone.items())}")
     overlap = statistics.median(ratios)
+    shared.close()
+    chat_p = Omni("ar_text", placement="process", worker_threads=1, ar_model=ar_model)
 
     # Chat ITL under a video job.
     # The video's denoising must outlast the chat (which starts CHAT_AFTER_S later): steps from a two-point timing.
     chat_tokens = 48
     video_p = Omni("wan_i2v", device="cpu", placement="process", worker_threads=1)
+    chat_sh = Omni("ar_text", placement="process", worker_threads="shared", ar_model=ar_model)
+    video_sh = Omni("wan_i2v", device="cpu", placement="process", worker_threads="shared")
     chat_i = Omni("ar_text", ar_model=ar_model)
     video_i = Omni("wan_i2v", device="cpu")
-    itl_ratios, itl_inproc, covered = [], [], []
+    itl_ratios, itl_shared, itl_inproc, covered = [], [], [], []
+    itl_ms = {"process_fixed_split": [], "process_shared": [], "inproc": []}
+    itl_p99(chat_sh, None, 8, steps, out)
     itl_p99(chat_p, None, 8, steps, out)
     _, chat_s, _ = itl_p99(chat_p, None, chat_tokens, steps, out)
     video_time(video_p, steps, out)
@@ -287,17 +307,24 @@ def main() -> None:
     video_steps = int(min(200, max(4 * steps, (CHAT_AFTER_S + 1.5 * chat_s) / per_step)))  # 250 fails in Wan
     log(f"chat streams {chat_s:.2f}s; a denoise step {per_step * 1000:.1f} ms -> video of {video_steps} steps")
     for r in range(pairs):
-        alone, _, _ = itl_p99(chat_p, None, chat_tokens, video_steps, out)
-        under, _, cov = itl_p99(chat_p, video_p, chat_tokens, video_steps, out)
+        alone, _, _ = itl_p99(chat_sh, None, chat_tokens, video_steps, out)
+        under, _, cov = itl_p99(chat_sh, video_sh, chat_tokens, video_steps, out)
+        alone_f, _, _ = itl_p99(chat_p, None, chat_tokens, video_steps, out)
+        under_f, _, cov_f = itl_p99(chat_p, video_p, chat_tokens, video_steps, out)
         alone_i, _, _ = itl_p99(chat_i, None, chat_tokens, video_steps, out)
         under_i, _, cov_i = itl_p99(chat_i, video_i, chat_tokens, video_steps, out)
-        itl_ratios.append(under / alone)
+        itl_shared.append(under / alone)
+        itl_ratios.append(under_f / alone_f)
         itl_inproc.append(under_i / alone_i)
-        covered += [cov, cov_i]
-        log(f"pair {r}: process ITL p99 alone {alone * 1000:.2f} ms, under video {under * 1000:.2f} ms; "
-            f"inproc alone {alone_i * 1000:.2f} ms, under video {under_i * 1000:.2f} ms; video outlasted the "
-            f"chat: {cov}, {cov_i}")
-    for o in (chat_p, video_p, inproc):
+        covered += [cov, cov_f, cov_i]
+        for key, pair in (("process_fixed_split", (alone_f, under_f)), ("process_shared", (alone, under)),
+                          ("inproc", (alone_i, under_i))):
+            itl_ms[key].append([round(x * 1000, 2) for x in pair])
+        log(f"pair {r}: process ITL p99 alone {alone_f * 1000:.2f} ms, under video {under_f * 1000:.2f} ms; shared "
+            f"cores alone {alone * 1000:.2f} ms, under video {under * 1000:.2f} ms; inproc alone "
+            f"{alone_i * 1000:.2f} ms, under video {under_i * 1000:.2f} ms; video outlasted the chat: {cov_f}, {cov}, "
+            f"{cov_i}")
+    for o in (chat_p, video_p, chat_sh, video_sh, inproc):
         o.close()
 
     # Ray over process.
@@ -333,12 +360,25 @@ def main() -> None:
         "requests": n, "pairs": pairs, "quick": args.quick, "max_tokens": tokens, "video": VIDEO,
         "num_inference_steps": steps, "arrivals": "a burst: all at t=0", "calibration": calibration,
         "threads": {"inproc_2t": "one process, torch 2 threads", "inproc_1t": "one process, torch 1 thread",
-                    "process": "two workers, torch 1 thread each (worker_threads=1), front without torch",
-                    "ray": "two actors of {CPU: 1}, torch 1 thread each, local Ray num_cpus=2", "cpus": os.cpu_count()},
+                    "process": "two workers sharing the cores (worker_threads='shared'): torch threads = "
+                               "cores // busy workers before each step, front without torch",
+                    "process_fixed_split": "two workers, torch 1 thread each (worker_threads=1)",
+                    "itl": "chat and video pipelines, process placement, 1 thread per worker (worker_threads=1); "
+                           "_shared: worker_threads='shared' (one board: the chat alone steps with 2 threads, "
+                           "under the video with 1); _inproc: one process, torch 2 threads",
+                    "ray": "two actors of {CPU: 1}, torch 1 thread each, local Ray num_cpus=2; ray_over_process is "
+                           "against the process placement with the fixed split (1 thread each, like the actors)",
+                    "cpus": os.cpu_count()},
         **{f"{k}_s": [round(t, 3) for t in v] for k, v in times.items()},
+        "single_request_s": {k: [round(t, 3) for t in v] for k, v in lone.items()},
         "overlap_throughput_ratio": round(overlap, 3),
         "overlap_throughput_ratio_vs_inproc_2t": round(statistics.median(ratios2), 3),
+        "overlap_throughput_ratio_fixed_split": round(statistics.median(ratios_fixed), 3),
+        "overlap_throughput_ratios": [round(x, 3) for x in ratios],
+        "overlap_throughput_ratios_fixed_split": [round(x, 3) for x in ratios_fixed],
         "itl_p99_under_video_ratio": round(statistics.median(itl_ratios), 3),
+        "itl_p99_under_video_ratio_shared": round(statistics.median(itl_shared), 3),
+        "itl_p99_ms_alone_under_video": itl_ms,
         "itl_p99_under_video_ratio_inproc": round(statistics.median(itl_inproc), 3),
         "itl_video_steps": video_steps, "itl_video_outlasted_chat": all(covered),
         "ray_over_process": None if ray_ratio is None else round(ray_ratio, 3),

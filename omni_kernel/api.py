@@ -21,9 +21,10 @@ class Omni:
 
     Run settings (the kernel's, not a node type's; docs/distributed.md): `placement` ("inproc", "process",
     "ray", or per node "video=process,bridge=inproc"), `max_restarts` (of a stage worker that died, default 1),
-    `worker_threads` (torch threads per worker), `ray_address`. With stage workers, call `close()` (or use
-    `with Omni(...) as omni:`) to stop them; they also stop when this process exits or dies. A worker rebuilds
-    the plugin host with `host.rebuild()` when the host has one, else with `load_host()`.
+    `worker_threads` (torch threads per worker, or "shared": the workers lend each other their cores),
+    `ray_address`. With stage workers, call `close()` (or use `with Omni(...) as omni:`) to stop them; they also
+    stop when this process exits or dies. A worker rebuilds the plugin host with `host.rebuild()` when the host
+    has one, else with `load_host()`.
     """
 
     def __init__(self, pipeline: str, host: PluginHost | None = None, **config: Any):

@@ -25,12 +25,14 @@ class RunSettings:
     `placement`: None (each node's plan placement, else inproc), one mode for every node, or per node
     ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide mode, which wins over
     the plan's `NodeSpec.placement`. `max_restarts`: restarts of a worker that died. `worker_threads`: torch /
-    OpenMP threads in each worker (None: the library default). `ray_address`: the Ray cluster (None: a local Ray).
+    OpenMP threads in each worker (None: the library default), or "shared": the worker processes of one front
+    lend their cores to each other, so the only busy one uses all of them (Ray actors: their bundle's CPUs).
+    `ray_address`: the Ray cluster (None: a local Ray).
     """
 
     placement: Any = None
     max_restarts: int = 1
-    worker_threads: int | None = None
+    worker_threads: int | str | None = None
     ray_address: str | None = None
 
     @classmethod
@@ -44,9 +46,10 @@ class RunSettings:
     def check(self) -> None:
         if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
             raise InvalidParameter("max_restarts", f"{self.max_restarts!r} is not an integer >= 0")
-        if self.worker_threads is not None and (not isinstance(self.worker_threads, int)
-                                                or isinstance(self.worker_threads, bool) or self.worker_threads < 1):
-            raise InvalidParameter("worker_threads", f"{self.worker_threads!r} is not an integer >= 1")
+        threads = self.worker_threads
+        if threads is not None and threads != "shared" and (not isinstance(threads, int) or isinstance(threads, bool)
+                                                            or threads < 1):
+            raise InvalidParameter("worker_threads", f"{threads!r} is not an integer >= 1 or 'shared'")
         parse_placement(self.placement)
 
     def placement_of(self, node) -> str:

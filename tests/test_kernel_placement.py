@@ -37,3 +37,14 @@ def test_inproc_needs_no_plugin():
     with Omni("echo", host=kernel_only(), placement="inproc") as omni:
         assert omni.generate("a b c").text == "a b c"
         assert omni.graph.workers is None
+
+
+def test_worker_threads_is_an_integer_or_shared():
+    from omni_kernel.errors import InvalidParameter
+    from omni_kernel.placement import RunSettings
+
+    for good in (None, 1, 4, "shared"):
+        RunSettings(worker_threads=good).check()
+    for bad in (0, -1, True, "2", "all"):
+        with pytest.raises(InvalidParameter, match="is not an integer >= 1 or 'shared'"):
+            RunSettings(worker_threads=bad).check()

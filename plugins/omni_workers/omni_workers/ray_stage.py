@@ -31,7 +31,8 @@ from omni_kernel.request import StageInput
 
 from omni_kernel.placement import RunSettings
 
-from .worker import StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .cores import SHARED
+from .worker import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
 from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
@@ -110,7 +111,8 @@ class StageActor:
                     log.error("stage actor: %s failed: %s: %s", message[0], type(exc).__name__, exc, exc_info=exc)
                     if message[0] == "process":
                         message[2].append((False, classify(exc)))
-            if self.host.stage.has_unfinished():
+            stage = self.host.stage
+            if stage.has_unfinished() and (stage.wait(0) or stage.wait(WAIT_S)):
                 events.extend(self.host.step())
                 if (dead := self.host.newly_dead()) is not None:
                     events.append(("dead", dead))
@@ -235,6 +237,8 @@ class RayStage(StageProxy):
         self.bell.setblocking(False)
         resources = dict(spec.node.resources or {"CPU": 1})
         self.resources = resources
+        if spec.threads == SHARED:  # not shared across actors: the fixed split of the bundle's CPUs
+            self.spec = attrs.evolve(self.spec, threads=max(1, int(resources.get("CPU", 1))))
         from ray.util.placement_group import placement_group
 
         self.pg = placement_group([resources], strategy="PACK", name=f"omni-{spec.node.id}-{id(self):x}")

@@ -26,9 +26,12 @@ from omni_kernel.graph import NodeSpec
 from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 from omni_kernel.request import StageInput
 
+from .cores import SHARED, CoreShare, set_threads
+
 log = logging.getLogger("omni")
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+WAIT_S = 0.005  # a stage with only background work (an MP4 export) is waited on this long, then the inbox read
 HELD_LIMIT = 4096  # processed inputs a worker keeps for add_request (a submit that failed later never adds)
 
 
@@ -41,8 +44,9 @@ class WorkerSpec:
     kind: str
     config: Any
     host_factory: Callable[[], Any]
-    threads: int | None = None
+    threads: int | str | None = None  # an int, "shared" (cores.py) or None (the library's default)
     spill_dir: str | None = None
+    cores: tuple[str, int] | None = None  # with "shared": the board's file and this worker's slot
     parent_pid: int = attrs.field(factory=os.getpid)
 
 
@@ -99,9 +103,9 @@ def setup_worker(spec: WorkerSpec) -> None:
     logger.propagate = False
 
 
-def set_torch_threads(threads: int | None) -> None:
-    if threads and "torch" in sys.modules:
-        sys.modules["torch"].set_num_threads(threads)
+def set_torch_threads(threads: int | str | None) -> None:
+    if threads != SHARED:  # shared: set before each step
+        set_threads(threads)
 
 
 def die_with_parent() -> None:
@@ -276,7 +280,8 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         return
     outbox.put(("ready", stage.kind))
     host = StageHost(stage, spec.node.id)
-    _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir)
+    share = CoreShare(*spec.cores) if spec.cores else None
+    _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir, share)
     outbox.put(None)
     sender.join(5)
 
@@ -306,7 +311,8 @@ def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -
         inbox.put(("stop",))
 
 
-def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None) -> None:
+def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None,
+                 share: CoreShare | None = None) -> None:
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read_loop, args=(conn, inbox, outbox, host), name="omni-worker-read",
                      daemon=True).start()
@@ -317,6 +323,8 @@ def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, sp
             if os.getppid() != parent_pid:
                 return
         busy = host.stage.has_unfinished()
+        if share is not None and not busy:
+            share.idle()
         try:
             message = inbox.get_nowait() if busy else inbox.get(timeout=1.0)
         except queue.Empty:
@@ -324,6 +332,8 @@ def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, sp
         while message is not None:
             if message[0] == "stop":
                 return
+            if share is not None and message[0] in ("process", "hand_off"):
+                share.before_step()  # input processing is work too (a Wan request encodes its image)
             reply = _handle(host, message)
             if reply is not None:
                 outbox.put(reply)
@@ -331,8 +341,12 @@ def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, sp
                 message = inbox.get_nowait()
             except queue.Empty:
                 message = None
-        if host.stage.has_unfinished():
+        if host.stage.has_unfinished() and (host.stage.wait(0) or host.stage.wait(WAIT_S)):
+            if share is not None:
+                share.before_step()
             events = host.step()
+            if share is not None and not host.stage.has_unfinished():
+                share.idle()  # lend the cores before the events go out
             if events:
                 outbox.put(("events", spill(events, spill_dir)))
             if (dead := host.newly_dead()) is not None:

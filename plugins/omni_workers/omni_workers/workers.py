@@ -55,6 +55,7 @@ from omni_kernel.graph import NodeSpec
 from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 from omni_kernel.request import StageInput
 
+from .cores import SHARED, board, host_cores
 from .worker import THREAD_VARS, WorkerSpec, unspill
 
 log = logging.getLogger("omni")
@@ -219,6 +220,10 @@ class ProcessStage(StageProxy):
         self.node = spec.node
         self.kind = spec.kind
         self.spec = attrs.evolve(spec, spill_dir=group.spill_dir)
+        self.slot = None
+        if spec.threads == SHARED:
+            self.slot = board().take()
+            self.spec = attrs.evolve(self.spec, cores=(board().path, self.slot))
         self.group = group
         self.max_restarts = max_restarts
         self.restarts = 0
@@ -240,9 +245,11 @@ class ProcessStage(StageProxy):
         talking over a socketpair as a multiprocessing Connection; its end reads EOF when the worker dies."""
         front, back = socket.socketpair()
         env = dict(os.environ)
-        if self.spec.threads:
+        if self.spec.threads:  # shared: the libraries' pools sized for every core, used as the board says
             for var in THREAD_VARS:
-                env[var] = str(self.spec.threads)
+                env[var] = str(host_cores() if self.spec.threads == SHARED else self.spec.threads)
+        if self.spec.threads == SHARED:  # see cores.py: a step that finds the cores taken must not spin
+            env.setdefault("GOMP_SPINCOUNT", "10000")
         code = f"from omni_workers.worker import child_main; child_main({back.fileno()})"
         try:
             self.proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
@@ -285,6 +292,9 @@ class ProcessStage(StageProxy):
                     continue
         if conn is not None:
             conn.close()
+        if self.slot is not None:
+            board().give_back(self.slot)
+            self.slot = None
 
     # Receiving.
 
@@ -338,6 +348,8 @@ class ProcessStage(StageProxy):
                signal.Signals._value2member_map_ else f"exit code {code}")
         self.conn.close()
         self.conn = None
+        if self.slot is not None:
+            board().clear(self.slot)
         if starting:
             raise self._dead_error(how)
         if self.restarts < self.max_restarts:

@@ -292,3 +292,51 @@ def test_workers_built_from_a_thread_outlive_that_thread():
     with omni:
         time.sleep(0.3)  # PR_SET_PDEATHSIG would have fired when the thread ended
         assert omni.generate("still here").text == "rendered 2 words"
+
+
+def test_shared_cores_the_only_busy_worker_steps_with_every_core(tmp_path):
+    """worker_threads="shared": a worker whose stage is the only one with work steps with every core; while the
+    other worker is busy too, with half. Each fake stage's trace says what its worker set for each step."""
+    from omni_workers.cores import board, host_cores
+
+    alone, both = host_cores(), max(1, host_cores() // 2)
+    gate = tmp_path / "gate"
+    free = len(board().free)
+    with Omni("fake_slow", host=make_host(sleep_ms=5), placement="process", worker_threads="shared") as o:
+        first = o.submit(o.request(f"hold={gate} a", fake_steps=2))  # words alone, then render alone (held)
+        events = []
+        deadline = time.monotonic() + 60
+        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
+            events += o.step()
+        second = o.submit(o.request("w " * 9 + "w"))  # words, while render's held step runs
+        while (sum(isinstance(e, TokenDelta) and e.request_id == second for e in events) < 10
+               and time.monotonic() < deadline):
+            events += o.step()
+        gate.touch()  # words has finished: render is alone again
+        while o.has_unfinished():
+            events += o.step()
+        assert len(board().free) == free - 2
+    assert len(board().free) == free  # the slots come back at close
+    done = {e.request_id: e.result.trace for e in events if isinstance(e, RequestFinished)}
+    assert done[first]["words.threads"] == [alone, alone]
+    assert done[first]["render.threads"] == [alone, alone]
+    assert done[second]["words.threads"] == [both] * 10
+    assert done[second]["render.threads"] == [alone] * 10
+
+
+def test_fixed_worker_threads():
+    with Omni("fake_slow", host=make_host(), placement="process", worker_threads=1) as o:
+        trace = o.generate("one two three").trace
+    assert trace["words.threads"] == [1, 1, 1] and trace["render.threads"] == [1, 1, 1]
+    for bad in ("many", 0, True):
+        with pytest.raises(InvalidParameter, match="worker_threads.*integer >= 1 or 'shared'"):
+            Omni("fake_slow", host=make_host(), placement="process", worker_threads=bad)
+
+
+def test_a_worker_waits_on_background_work_instead_of_stepping_in_a_loop():
+    """A stage with only background work left (an export on a thread) is waited on (Stage.wait), a few ms at a
+    time, by a worker process: a handful of idle steps in 0.3 s, not thousands."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        result = o.generate("background please")
+    assert result.text == "rendered 2 words in the background"
+    assert result.trace["render.idle_steps"] <= 5

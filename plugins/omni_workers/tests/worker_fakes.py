@@ -3,7 +3,8 @@
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
 step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, and a word
-"hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists.
+"hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists. Each stage's output trace
+has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
 from omni_workers import WorkersPlugin
+from omni_workers.cores import step_threads
 
 log = logging.getLogger("omni")
 
@@ -49,11 +51,14 @@ class SleepyRunner:
         self.pieces = pieces
         self.hold = hold
         self.items: dict[str, StageInput] = {}
+        self.threads: dict[str, list] = {}  # per request, the worker's thread count at each of its steps
 
     def add_request(self, item: StageInput) -> None:
         self.items[item.request_id] = item
 
     def run(self, batch) -> dict:
+        for rid in batch.request_ids:
+            self.threads.setdefault(rid, []).append(step_threads())
         time.sleep(self.sleep_s)
         for rid in batch.request_ids if self.hold else ():
             for word in self.items[rid].prompt.split(" "):
@@ -89,13 +94,50 @@ class WordsStage(Stage):
                 item = out.item
                 events.append(StageFinished(out.request_id, self.node_id, StageOutput(
                     out.request_id, self.node_id, text=" ".join(item.processed), stop_reason="done",
-                    trace={"words.pid": os.getpid()})))
+                    trace={"words.pid": os.getpid(), "words.threads": self.engine.runner.threads.pop(
+                        out.request_id, [])})))
         return events
 
 
 class RenderStage(Stage):
+    """A prompt with "background" finishes 0.3 s after its last step, as if exported on a thread (Wan's MP4):
+    `wait` blocks until then, and the trace counts the steps taken meanwhile (`render.idle_steps`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.background: dict[str, tuple[float, StageFinished]] = {}
+        self.idle_steps = 0
+
     def process(self, item: StageInput) -> StageInput:
         return attrs.evolve(item, processed=len(item.prompt.split(" ")))
+
+    def step(self) -> list:
+        self.idle_steps += not self.engine.has_unfinished()
+        events = []
+        for event in super().step():
+            if isinstance(event, StageFinished) and "background" in event.output.text:
+                self.background[event.request_id] = (time.monotonic() + 0.3, event)
+            else:
+                events.append(event)
+        for rid, (due, event) in list(self.background.items()):
+            if due <= time.monotonic():
+                del self.background[rid]
+                trace = {**event.output.trace, "render.idle_steps": self.idle_steps}
+                events.append(attrs.evolve(event, output=attrs.evolve(event.output, trace=trace)))
+        return events
+
+    def has_unfinished(self) -> bool:
+        return super().has_unfinished() or bool(self.background)
+
+    def request_ids(self) -> set[str]:
+        return super().request_ids() | set(self.background)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.engine.has_unfinished() or not self.background:
+            return self.engine.has_unfinished()
+        left = min(due for due, _ in self.background.values()) - time.monotonic()
+        time.sleep(max(0.0, left if timeout is None else min(left, timeout)))
+        return min(due for due, _ in self.background.values()) <= time.monotonic()
 
     def postprocess(self, outputs) -> list:
         events = super().postprocess([o for o in outputs if o.error is not None])
@@ -106,9 +148,11 @@ class RenderStage(Stage):
                 import numpy as np
 
                 data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+            text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
             events.append(StageFinished(out.request_id, self.node_id, StageOutput(
-                out.request_id, self.node_id, text=f"rendered {item.processed} words", data=data,
-                trace={"render.pid": os.getpid()})))
+                out.request_id, self.node_id, text=text, data=data,
+                trace={"render.pid": os.getpid(), "render.threads": self.engine.runner.threads.pop(
+                    out.request_id, [])})))
         return events
 
 
