@@ -4,16 +4,17 @@ The DiffusionScheduler owns each request's phase and step index: prepare -> deno
 step) -> decode -> export. The runner only runs what it is given; a request can be aborted between any two
 steps (the engine calls `free`), and nothing is written before export, which writes the MP4 atomically.
 A denoise batch (requests of one shape, each at its own step) is one transformer forward: `denoise`; requests
-that reach decode at the same step share one VAE decode; prepare runs batched too. Export (ffmpeg) runs on the
-runner's export thread, so the engine steps on while a finished video is encoded: the export step's result is a
-Future of the StageOutput, which DiffusionStage reports when it is done.
+that reach decode at the same step share one VAE decode; prepare runs batched too. The export step's result is a
+Future of the StageOutput, which DiffusionStage reports when it is done. With the model on a GPU, export (ffmpeg)
+runs on the runner's export thread, so the GPU denoises on while a finished video is encoded; on a CPU it runs
+in the step, because torch's threads already use every core and an encoder beside them only slows them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -62,6 +63,7 @@ class WanRunner:
         self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
         self.budget = budget  # logged once, with the first request
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
+        self.export_in_background = placement.device == "cuda"
 
     def add_request(self, item: StageInput) -> None:
         self.jobs[item.request_id] = Job(item, Profiler(sync=self._sync()))
@@ -69,7 +71,7 @@ class WanRunner:
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
         jobs = [self.jobs[rid] for rid in batch.request_ids]
         if batch.phase == "export":
-            return {j.item.request_id: self.exports.submit(self.export, j) for j in jobs}
+            return {j.item.request_id: self._export(j) for j in jobs}
         return {"prepare": self.prepare, "denoise": self.denoise, "decode": self.decode}[batch.phase](jobs)
 
     def free(self, request_id: str) -> None:
@@ -190,8 +192,18 @@ class WanRunner:
             job.frames, job.state = video, None
         return dict.fromkeys((j.item.request_id for j in jobs), None)
 
+    def _export(self, job: Job) -> Future:
+        if self.export_in_background:
+            return self.exports.submit(self.export, job)
+        done: Future = Future()
+        try:
+            done.set_result(self.export(job))
+        except Exception as exc:  # noqa: BLE001 - reported by the stage, as a failed background export is
+            done.set_exception(exc)
+        return done
+
     def export(self, job: Job) -> StageOutput:
-        """Write the MP4 (on the export thread: CPU work only, so its span needs no device sync)."""
+        """Write the MP4 (CPU work only, maybe on the export thread: its span needs no device sync)."""
         params, output = job.item.params, job.input.output
         start = time.perf_counter()
         write_mp4(job.frames, output, fps=self.layout.fps)

@@ -3,9 +3,9 @@
 The engine is the kernel's: Engine(DiffusionScheduler, WanRunner); one engine step is one phase (prepare,
 one denoise step, decode, export). Finishing and newly arrived requests go first (export, decode, prepare),
 then every denoising request of one batch key (size, frames, CFG on/off, dtype) shares one denoise forward,
-each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens` latent tokens. The export step
-only hands the frames to the runner's export thread; the stage reports the request when its MP4 is written, and
-blocks on that in `wait`, not in `step`.
+each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens` latent tokens. On a GPU the export
+step only hands the frames to the runner's export thread; the stage reports the request when its MP4 is written,
+and blocks on that in `wait`, not in `step`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Export off the engine step: a finished video is encoded on the runner's export thread while the other requests
-denoise; the stage reports it once its MP4 is written, blocks in `wait` (not `step`) on it, fails a request whose
-export fails alone, and leaves no MP4 for a request aborted during its export."""
+"""Export off the engine step (the default with a GPU, turned on here on the CPU): a finished video is encoded on
+the runner's export thread while the other requests denoise; the stage reports it once its MP4 is written, blocks
+in `wait` (not `step`) on it, fails a request whose export fails alone, and leaves no MP4 for a request aborted
+during its export. On a CPU the export runs in its step."""
 
 from __future__ import annotations
 
@@ -31,12 +32,12 @@ def held_export(omni, rid: str, fail: Exception | None = None):
                 raise fail
         return real(job)
 
-    runner.export = export
+    runner.export, runner.export_in_background = export, True
     try:
         yield started, release
     finally:
         release.set()
-        runner.export = real
+        runner.export, runner.export_in_background = real, False
 
 
 def _submit(omni, rid, steps, image_path, tmp_path):
@@ -120,3 +121,17 @@ def test_an_aborted_export_leaves_no_mp4(omni, image_path, tmp_path, when):
     assert [e.request_id for e in events if isinstance(e, RequestFinished)] == [survivor]
     assert not (tmp_path / f"{victim}.mp4").exists()
     assert_video(tmp_path / f"{survivor}.mp4")
+
+
+def test_on_a_cpu_the_export_runs_in_its_step(omni, image_path, tmp_path):
+    """torch's threads use every core there: an encoder beside them would only slow them."""
+    stage = omni.graph.stages["wan"]
+    assert stage.engine.runner.export_in_background is False
+    events, pending = [], []
+    _submit(omni, "inline", 1, image_path, tmp_path)
+    while omni.has_unfinished():
+        events += omni.step()
+        pending.append(bool(stage.exporting))
+    assert not any(pending)
+    assert [e.request_id for e in events if isinstance(e, RequestFinished)] == ["inline"]
+    assert_video(tmp_path / "inline.mp4")
