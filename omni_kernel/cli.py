@@ -119,25 +119,51 @@ def _run_command(registry) -> click.Command:
                      help="A model-level setting of the pipeline's nodes (repeatable), e.g. -c ar_dtype=bf16."),
         click.Option(["--trace-json"], type=click.Path(), help="Write the finished request's trace to PATH as JSON."),
         click.Option(["--json", "as_json"], is_flag=True, help="Print the finished request as one JSON object."),
-        click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
-                     help="Where stages run: inproc (default), process (each stage in its own worker process) or "
-                          "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
-        click.Option(["--ray-address"], metavar="ADDRESS",
-                     help="The Ray cluster for --placement ray (default: a local Ray)."),
+        *placement_options(),
     ]
     by_dest = {f.dest: f for f in flags}
 
     @click.pass_context
     def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, placement, ray_address,
-            **given):
+            worker_threads, max_restarts, **given):
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
-        settings = {"placement": placement, "ray_address": ray_address}
+        settings = {"placement": placement, "ray_address": ray_address, "worker_threads": worker_threads,
+                    "max_restarts": max_restarts}
         _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
 
     return RunCommand("run", callback=run, params=options,
                          help="Run one request through a pipeline and print its output and trace.\n\n"
                               "Flags name the plugin that declares them; `-o`/`-c` reach every request "
                               "parameter and config key of the pipeline's node types (docs/plugins.md).")
+
+
+class WorkerThreads(click.ParamType):
+    """--worker-threads: an integer >= 1 or `shared`."""
+
+    name = "N|shared"
+
+    def convert(self, value, param, ctx):
+        if value == "shared" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        self.fail(f"{value!r} is not an integer >= 1 or 'shared'", param, ctx)
+
+
+def placement_options() -> list[click.Option]:
+    """The run settings as flags (`omni run`, `omni serve`): where stages run and how their workers behave."""
+    return [
+        click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
+                     help="Where stages run: inproc (default), process (each stage in its own worker process) or "
+                          "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
+        click.Option(["--ray-address"], metavar="ADDRESS",
+                     help="The Ray cluster for --placement ray, e.g. HEAD_IP:6379 (default: a local Ray)."),
+        click.Option(["--worker-threads"], type=WorkerThreads(), metavar="N|shared",
+                     help="Torch threads in each stage worker: N, or shared (the worker processes lend each other "
+                          "their cores: one busy alone uses all of them). Default: the library's."),
+        click.Option(["--max-restarts"], type=click.IntRange(min=0), metavar="N",
+                     help="Restarts of a stage worker that died, before its stage fails (default: 1)."),
+    ]
 
 
 class RunCommand(click.Command):

@@ -48,3 +48,19 @@ def test_worker_threads_is_an_integer_or_shared():
     for bad in (0, -1, True, "2", "all"):
         with pytest.raises(InvalidParameter, match="is not an integer >= 1 or 'shared'"):
             RunSettings(worker_threads=bad).check()
+
+
+@pytest.mark.parametrize(("args", "says"), [(["--worker-threads", "all"], "'all' is not an integer >= 1 or 'shared'"),
+                                            (["--max-restarts", "x"], "'x' is not a valid integer")])
+def test_bad_worker_flags_are_refused_in_one_line_exit_2(args, says):
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", *args],
+                                obj={"host": kernel_only()})
+    assert result.exit_code == 2
+    assert says in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_worker_flags_are_run_settings_inproc_ignores():
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "a b", "--worker-threads", "shared",
+                                       "--max-restarts", "0"], obj={"host": kernel_only()})
+    assert result.exit_code == 0, result.output
+    assert "a b" in result.output

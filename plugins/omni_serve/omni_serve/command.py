@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from omni_kernel.cli import placement_options
 from omni_kernel.errors import GraphError, OmniError, UserError
 from omni_kernel.flags import Flag, collect, declared, values
 from omni_kernel.plugins import load_host
@@ -72,25 +73,23 @@ def serve_command() -> click.Command:
                      help="Seconds in-flight requests may finish after SIGTERM/Ctrl-C before they are aborted."),
         click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
                      help="A model-level setting of the pipelines' nodes (repeatable), e.g. -c ar_dtype=bf16."),
-        click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
-                     help="Where stages run: inproc (default), process (each stage in its own worker process) or "
-                          "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
-        click.Option(["--ray-address"], metavar="ADDRESS",
-                     help="The Ray cluster for --placement ray, e.g. HEAD_IP:6379 (default: a local Ray)."),
+        *placement_options(),
         click.Option(["--log-level"], default="info", show_default=True,
                      type=click.Choice(["debug", "info", "warning", "error"])),
     ]
 
     @click.pass_context
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, allowed_origins,
-              shutdown_timeout, config_pairs, placement, ray_address, log_level, **given):
+              shutdown_timeout, config_pairs, placement, ray_address, worker_threads, max_restarts, log_level,
+              **given):
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
         try:
             run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
                        aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
-                       placement=placement, ray_address=ray_address)
+                       run_settings={"placement": placement, "ray_address": ray_address,
+                                     "worker_threads": worker_threads, "max_restarts": max_restarts})
         except UserError as exc:
             raise _UsageError(" ".join(str(exc).split())) from None
         except OmniError as exc:
@@ -148,7 +147,7 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
 
 def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
-               log_level: str, placement: str | None = None, ray_address: str | None = None) -> None:
+               log_level: str, run_settings: dict | None = None) -> None:
     import uvicorn
 
     from .engine import AsyncOmni
@@ -160,7 +159,7 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
     if shutdown_timeout < 0:
         raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
     plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs)
-    run_settings = {k: v for k, v in (("placement", placement), ("ray_address", ray_address)) if v}
+    run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
     plan = {name: (pipeline, {**config, **run_settings}) for name, (pipeline, config) in plan.items()}
     alias_map = {}
     for alias in aliases:

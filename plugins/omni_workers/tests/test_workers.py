@@ -3,6 +3,7 @@ stage, and no worker outlives the front. Torch-free: the echo pipeline and the f
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from omni_kernel import Omni
 from omni_kernel.cli import main
 from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_workers.cores import host_cores
 from omni_workers.workers import ProcessStage, RunSettings, parse_placement
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -212,6 +214,27 @@ def test_cli_placement_flag():
     bad = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", "--placement", "gpu"],
                              obj={"host": make_host()})
     assert bad.exit_code == 2 and "gpu" in bad.output
+
+
+def test_cli_worker_threads_and_max_restarts_flags():
+    def run(*args):
+        return CliRunner().invoke(main, ["run", "--pipeline", "fake_slow", "--placement", "process", *args],
+                                  obj={"host": make_host()})
+
+    for threads, expected in (("1", 1), ("shared", host_cores())):  # each stage works alone here
+        result = run("--prompt", "one two three", "--worker-threads", threads, "--json")
+        assert result.exit_code == 0, result.output
+        trace = json.loads(result.output.strip().splitlines()[-1])["trace"]
+        assert trace["words.threads"] == [expected] * 3 and trace["render.threads"] == [expected] * 3
+    crashed = run("--prompt", "crash now", "--max-restarts", "0")
+    assert crashed.exit_code != 0 and "not restarted" in crashed.output
+    restarted = run("--prompt", "crash now")  # the default: one restart
+    assert restarted.exit_code != 0 and "restarted" in restarted.output and "not restarted" not in restarted.output
+    for flag, value, says in (("--worker-threads", "many", "'many' is not an integer >= 1 or 'shared'"),
+                              ("--worker-threads", "0", "is not an integer >= 1"),
+                              ("--max-restarts", "-1", "-1 is not in the range")):
+        bad = run("--prompt", "hi", flag, value)
+        assert bad.exit_code == 2 and says in bad.output and len(bad.output.strip().splitlines()) == 1
 
 
 ORPHAN_SCRIPT = textwrap.dedent("""
