@@ -3,7 +3,7 @@
 On the demo-size checkpoint built locally (random weights), one JSON line with:
 
 - `placements`: per offload setting (`model_cpu_offload`, the default with a GPU, and `off`), the trace's device,
-  dtype, VAE dtype and offload, the request's time, and its frames against the CPU's fp32 run of the same
+  dtype, VAE dtype and offload, whether the MP4 export ran on the export thread, the request's time, and its frames against the CPU's fp32 run of the same
   request (`max_abs_diff_vs_cpu`, `mean_abs_diff_vs_cpu`; frames in [0, 1]);
 - `offload_on_vs_off`: the largest frame difference between the two GPU runs;
 - `text_kv_vs_stock`: one transformer forward in the stage's dtype with the text keys and values projected once
@@ -63,6 +63,7 @@ def main() -> None:
                 **{k.removeprefix("diffusion."): result.trace.get(k) for k in
                    ("diffusion.device", "diffusion.dtype", "diffusion.vae_dtype", "diffusion.offload",
                     "diffusion.denoise_ms", "diffusion.vae_decode_ms")},
+                "export_in_background": omni.graph.stages["wan"].engine.runner.export_in_background,
                 "request_s": round(elapsed, 3), "max_abs_diff_vs_cpu": float(diff.max()),
                 "mean_abs_diff_vs_cpu": float(diff.mean())}
             if offload == "off":
