@@ -382,8 +382,8 @@ class ProcessStage(StageProxy):
         if self.conn is None:
             raise self._dead_error()
         call_id = next(self.calls)
-        self._send((kind, call_id, item))
-        process = self.proc
+        process = self.proc  # before the send: a send that finds the worker dead restarts it, and the new one
+        self._send((kind, call_id, item))  # never got this call
         while call_id not in self.replies:
             if self.conn is None or self.proc is not process:
                 raise WorkerDied(f"stage {self.node.id!r}: its worker process died while processing the input")

@@ -363,3 +363,31 @@ def test_a_worker_waits_on_background_work_instead_of_stepping_in_a_loop():
         result = o.generate("background please")
     assert result.text == "rendered 2 words in the background"
     assert result.trace["render.idle_steps"] <= 5
+
+
+def test_a_worker_that_died_while_idle_fails_the_next_submit_in_one_line_then_serves():
+    """The death is noticed at the next submit, whose input processing (a call to the entry worker) finds the pipe
+    closed and restarts the worker: that submit fails at once, naming the stage, instead of waiting forever for
+    a reply the new worker never got; the next one is served."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        assert o.generate("warm up").text == "rendered 2 words"
+        words = o.graph.stages["words"]
+        dead = words.proc.pid
+        os.kill(dead, signal.SIGKILL)
+        words.proc.wait(10)
+        outcome = []
+
+        def submit():
+            try:
+                outcome.append(o.submit(o.request("after the death")))
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                outcome.append(exc)
+
+        caller = threading.Thread(target=submit, daemon=True)
+        caller.start()
+        caller.join(30)
+        assert not caller.is_alive(), "the submit hung on a reply the restarted worker never got"
+        (got,) = outcome
+        assert isinstance(got, Exception) and "stage 'words'" in str(got) and "died" in str(got), got
+        assert words.proc.pid != dead
+        assert o.generate("back again").text == "rendered 2 words"
