@@ -148,12 +148,18 @@ class StageGraph:
     connectors: dict[tuple[str, str], Any]
     order: list[str]
     node_types: dict[str, Any] = attrs.Factory(dict)
-    workers: Any = None  # what stops its placed stages (a placement plugin's, e.g. a WorkerGroup), if any
+    workers: Any = None  # its placed stages' workers (a placement plugin's, e.g. a WorkerGroup): close(), wait(t)
 
     def close(self) -> None:
         """Stop the graph's stage workers (a no-op for in-process stages); the graph takes no requests after."""
         if self.workers is not None:
             self.workers.close()
+
+    def watch(self, timeout: float = 0.0) -> None:
+        """With nothing to step: look at the stage workers (blocking up to `timeout`), so one that died while idle
+        is noticed, and restarted, before the next request instead of at it. A no-op for in-process stages."""
+        if self.workers is not None:
+            self.workers.wait(timeout)
 
     @property
     def name(self) -> str:

@@ -32,6 +32,7 @@ from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 
 log = logging.getLogger("omni")
+WATCH_S = 1.0  # idle, the stage workers are looked at this often: one that died restarts before the next request
 OnEvent = Callable[[Any], None]
 
 
@@ -193,10 +194,12 @@ class AsyncOmni:
     # The engine thread.
 
     def _loop(self) -> None:
+        watched = any(omni.graph.workers is not None for omni in self.omnis.values())
         while True:
             with self._cond:
                 while not self._commands and not self._has_work() and not self._stop:
-                    self._cond.wait()
+                    if not self._cond.wait(WATCH_S if watched else None):
+                        break  # idle that long: look at the stage workers
                 commands, self._commands = self._commands, []
                 stop = self._stop
             for command in commands:
@@ -210,6 +213,8 @@ class AsyncOmni:
                         self._step(name, omni)
                         if self.dead is not None:
                             break
+                    else:
+                        omni.graph.watch()
             self._publish()
 
     def _has_work(self) -> bool:

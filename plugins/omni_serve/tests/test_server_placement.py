@@ -1,0 +1,101 @@
+"""`omni serve --placement process`: a served pipeline's stages in worker processes (shared cores), a chat and a
+video through them, workers killed between requests restarted before the next request while the server goes on,
+and no worker left behind once the server has stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serving import ServerProcess
+
+ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
+SMALL = {"model": "qwen_to_wan_i2v", "size": "64x96", "num_frames": "9", "num_inference_steps": "2", "seed": "3"}
+
+
+def workers_of(pid: int) -> dict[int, str]:
+    """The stage worker processes whose parent is `pid`: {pid: the stage named in their first log line}."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = (entry / "status").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ppid = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if ppid == pid and "omni_workers.worker" in cmdline:
+            found[int(entry.name)] = cmdline
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(omni_cache, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-placement")
+    proc = ServerProcess(["--pipeline", "ar_text", "--pipeline", "qwen_to_wan_i2v", "--output-dir", str(tmp / "videos"),
+                          "--placement", "process", "--worker-threads", "shared", "--shutdown-timeout", "5"],
+                         tmp / "server.log")
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _chat(client) -> str:
+    out = client.chat.completions.create(model="ar_text", messages=[{"role": "user", "content": "hello"}],
+                                         max_tokens=6, temperature=0)
+    return out.choices[0].message.content
+
+
+def test_chat_and_video_run_in_the_workers(server, client):
+    workers = workers_of(server.proc.pid)
+    assert len(workers) == 3, workers  # ar_text's stage and qwen_to_wan_i2v's two
+    assert _chat(client)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v1/videos", files={"input_reference": ("fox.png", ASSET.read_bytes(), "image/png")},
+                      data={"prompt": "a fox", **SMALL})
+        assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 120
+        while (job := http.get(f"/v1/videos/{r.json()['id']}").json())["status"] not in ("completed", "failed"):
+            assert time.monotonic() < deadline, job
+            time.sleep(0.05)
+        assert job["status"] == "completed", job
+        assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+    assert "omni[video]: loading Wan2.2" in server.output()  # the worker's load line, prefixed with its stage
+
+
+def test_workers_killed_while_idle_are_restarted_before_the_next_request(server, client):
+    expected = _chat(client)
+    before = workers_of(server.proc.pid)
+    for pid in before:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while len(after := workers_of(server.proc.pid)) < 3 or set(after) & set(before):
+        assert time.monotonic() < deadline, f"the killed workers were not all replaced: {before} -> {after}"
+        time.sleep(0.1)
+    assert _chat(client) == expected  # the first request after the deaths is served
+    assert "worker process died (killed by SIGKILL)" in server.output()
+    assert server.proc.poll() is None
+
+
+def test_stopping_the_server_leaves_no_worker(omni_cache, tmp_path):
+    proc = ServerProcess(["--pipeline", "ar_text", "--placement", "process", "--worker-threads", "1",
+                          "--max-restarts", "0"], tmp_path / "server.log").wait_ready()
+    workers = workers_of(proc.proc.pid)
+    assert len(workers) == 1
+    assert proc.stop() == 0, proc.output()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
