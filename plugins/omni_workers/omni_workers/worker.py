@@ -8,6 +8,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+from multiprocessing.reduction import ForkingPickler
 import queue
 import signal
 import sys
@@ -268,7 +269,8 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_worker(spec)
     outbox: queue.Queue = queue.Queue()
-    sender = threading.Thread(target=_send_loop, args=(conn, outbox), name="omni-worker-send", daemon=True)
+    sender = threading.Thread(target=_send_loop, args=(conn, outbox, spec.node.id), name="omni-worker-send",
+                              daemon=True)
     sender.start()
     try:
         stage = build_stage(spec)
@@ -286,13 +288,38 @@ def worker_main(conn, spec: WorkerSpec) -> None:
     sender.join(5)
 
 
-def _send_loop(conn, outbox: queue.Queue) -> None:
-    """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read."""
+def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
+    """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read. A message
+    that cannot be pickled (an output holding a lock) fails what it was for, and the loop goes on."""
     while (message := outbox.get()) is not None:
         try:
-            conn.send(message)
+            data = ForkingPickler.dumps(message)
+        except Exception as exc:  # noqa: BLE001 - the front gets an error instead of waiting forever
+            data = ForkingPickler.dumps(_unsendable(message, node_id, exc))
+        try:
+            conn.send_bytes(data)
         except (OSError, EOFError, ValueError):
             os._exit(0)  # the front is gone
+
+
+def _unsendable(message, node_id: str, exc: Exception):
+    """What goes instead of a message that cannot be pickled: the call's error, or each event that cannot be
+    pickled replaced by its request's StageFailed."""
+    def why(what: str, error: Exception) -> str:
+        return f"stage {node_id!r}: its {what} could not be sent to the front ({type(error).__name__}: {error})"
+
+    if message[0] == "reply":
+        return ("reply", message[1], False, ("runtime", why("processed input", exc), None))
+    events = []
+    for event in message[1] if message[0] == "events" else ():
+        try:
+            ForkingPickler.dumps(event)
+        except Exception as error:  # noqa: BLE001 - this request only
+            event = StageFailed(event.request_id, node_id, why("output", error), "runtime")
+        events.append(event)
+    if message[0] != "events":
+        log.error("%s", why(f"{message[0]!r} message", exc))
+    return ("events", events)
 
 
 def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -> None:

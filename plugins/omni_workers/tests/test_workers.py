@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from omni_kernel import Omni
 from omni_kernel.cli import main
-from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError
+from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_workers.cores import host_cores
 from omni_workers.workers import ProcessStage, RunSettings, parse_placement
@@ -391,3 +391,42 @@ def test_a_worker_that_died_while_idle_fails_the_next_submit_in_one_line_then_se
         assert isinstance(got, Exception) and "stage 'words'" in str(got) and "died" in str(got), got
         assert words.proc.pid != dead
         assert o.generate("back again").text == "rendered 2 words"
+
+
+def within(fn, timeout: float = 30.0):
+    """fn() on a thread; its result (or the exception it raised), or a failure if it is still running after
+    `timeout` seconds: a hang fails the test instead of hanging the suite."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(fn())
+        except Exception as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    caller.join(timeout)
+    assert not caller.is_alive(), f"still waiting after {timeout}s: a hang"
+    return outcome[0]
+
+
+def test_an_output_the_worker_cannot_send_fails_that_request_and_the_worker_goes_on():
+    """An event that cannot be pickled (a lock in an output's trace) fails its request with one error naming the
+    stage, instead of killing the worker's sender thread (after which nothing it sent ever arrived: every request
+    of the stage waited forever)."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        done = within(lambda: run_all(o, ["an unsendable_output please", "a fine one"]))
+        bad, good = done.values()
+        assert isinstance(bad, RequestFailed) and bad.node_id == "render" and bad.kind == "runtime", bad
+        assert "stage 'render'" in bad.error and "could not be sent" in bad.error and "lock" in bad.error
+        assert isinstance(good, RequestFinished) and good.result.text == "rendered 3 words"
+        assert within(lambda: o.generate("after that").text) == "rendered 2 words"
+
+
+def test_a_processed_input_the_worker_cannot_send_back_fails_the_submit_naming_the_stage():
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        got = within(lambda: o.submit(o.request("an unsendable_input please")))
+        assert isinstance(got, RequestError) and "stage 'words'" in str(got) and "could not be sent" in str(got), got
+        assert not o.has_unfinished()
+        assert within(lambda: o.generate("fine now").text) == "rendered 2 words"

@@ -2,8 +2,9 @@
 
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
-step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, and a word
-"hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists. Each stage's output trace
+step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
+"hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
+"unsendable_output" put a lock (which cannot be pickled) in the trace of `words`' processed input / `render`'s output. Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -84,7 +86,10 @@ class WordsStage(Stage):
     def process(self, item: StageInput) -> StageInput:
         if "bad" in item.prompt:
             raise InvalidParameter("prompt", "contains bad")
-        return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace={"words.pid": os.getpid()})
+        trace = {"words.pid": os.getpid()}
+        if "unsendable_input" in item.prompt:
+            trace["words.lock"] = threading.Lock()
+        return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace=trace)
 
     def postprocess(self, outputs) -> list:
         events = super().postprocess([o for o in outputs if o.error is not None])
@@ -149,10 +154,11 @@ class RenderStage(Stage):
 
                 data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
             text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
+            trace = {"render.pid": os.getpid(), "render.threads": self.engine.runner.threads.pop(out.request_id, [])}
+            if "unsendable_output" in item.prompt:
+                trace["render.lock"] = threading.Lock()
             events.append(StageFinished(out.request_id, self.node_id, StageOutput(
-                out.request_id, self.node_id, text=text, data=data,
-                trace={"render.pid": os.getpid(), "render.threads": self.engine.runner.threads.pop(
-                    out.request_id, [])})))
+                out.request_id, self.node_id, text=text, data=data, trace=trace)))
         return events
 
 
