@@ -35,6 +35,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+from multiprocessing.reduction import ForkingPickler
 import queue
 import shutil
 import signal
@@ -395,8 +396,18 @@ class ProcessStage(StageProxy):
         return value
 
     def _send(self, message) -> None:
+        self._send_bytes(self._pickle(message))
+
+    def _pickle(self, message) -> bytes:
         try:
-            self.conn.send(message)
+            return ForkingPickler.dumps(message)
+        except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
+            raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its worker "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+    def _send_bytes(self, data: bytes) -> None:
+        try:
+            self.conn.send_bytes(data)
         except (OSError, ValueError):
             self.pump()
 
@@ -406,7 +417,13 @@ class ProcessStage(StageProxy):
         return None
 
     def _send_add(self, kind: str, item: StageInput) -> None:
-        self._send((kind, item))
+        try:
+            data = self._pickle((kind, item))
+        except RequestError as exc:
+            self.held.discard(item.request_id)
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
+            return
+        self._send_bytes(data)
 
     def _send_abort(self, request_id: str) -> None:
         if self.conn is not None:

@@ -430,3 +430,16 @@ def test_a_processed_input_the_worker_cannot_send_back_fails_the_submit_naming_t
         assert isinstance(got, RequestError) and "stage 'words'" in str(got) and "could not be sent" in str(got), got
         assert not o.has_unfinished()
         assert within(lambda: o.generate("fine now").text) == "rendered 2 words"
+
+
+def test_a_downstream_input_the_front_cannot_send_fails_that_request_alone():
+    """A connector's output that cannot be pickled fails its request at the hand-off, naming the stage, instead
+    of raising out of the front's step (which a server takes for a broken engine) with the request left held."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        done = within(lambda: run_all(o, ["an unsendable_handoff please", "a fine one"]))
+        assert not isinstance(done, Exception), done
+        bad, good = done.values()
+        assert isinstance(bad, RequestFailed) and bad.node_id == "render", bad
+        assert "stage 'render'" in bad.error and "could not be sent" in bad.error and "lock" in bad.error
+        assert isinstance(good, RequestFinished) and good.result.text == "rendered 3 words"
+        assert not o.has_unfinished()

@@ -4,7 +4,8 @@
 the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
 step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
-"unsendable_output" put a lock (which cannot be pickled) in the trace of `words`' processed input / `render`'s output. Each stage's output trace
+"unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
+input / `render`'s output / the connector's input for `render`. Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
@@ -189,7 +190,10 @@ class WordsToRender:
     target_kind: str = "video"
 
     def convert(self, output: StageOutput, request) -> StageInput:
-        return StageInput(request.request_id, output.text, trace={"fake.connector_pid": os.getpid()})
+        trace = {"fake.connector_pid": os.getpid()}
+        if "unsendable_handoff" in output.text:
+            trace["fake.lock"] = threading.Lock()
+        return StageInput(request.request_id, output.text, trace=trace)
 
 
 def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePlan:
