@@ -234,6 +234,7 @@ class ProcessStage(StageProxy):
         self.replies: dict[int, tuple] = {}
         self.calls = itertools.count()
         self.ready = False
+        self.stopped = False  # close() was called: the stage takes no more requests
         self.proc = None
         self.conn = None
         group.add(self)
@@ -276,6 +277,7 @@ class ProcessStage(StageProxy):
 
     def close(self, timeout: float = 5.0) -> None:
         conn, process = self.conn, self.proc
+        self.stopped = True
         self.conn = None
         if conn is not None:
             try:
@@ -296,6 +298,7 @@ class ProcessStage(StageProxy):
         if self.slot is not None:
             board().give_back(self.slot)
             self.slot = None
+        self._fail_held(str(self._dead_error()), "engine_dead")  # none of them will hear from the worker again
 
     # Receiving.
 
@@ -330,12 +333,11 @@ class ProcessStage(StageProxy):
             self.ready = True
         elif kind == "failed":
             error = rebuild(*message[1:])
-            self.close()
             self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
+            self.close()  # fails the requests it held with that error
             if starting:
                 raise error
             log.error("%s", self.engine.dead)
-            self._fail_held(str(self.engine.dead), "engine_dead")
         elif kind == "dead":
             self.engine.dead = EngineDead(message[1])
 
@@ -370,6 +372,8 @@ class ProcessStage(StageProxy):
     def _dead_error(self, how: str = "not running") -> OmniError:
         if self.engine.dead is not None:
             return self.engine.dead
+        if self.stopped:
+            return EngineDead(f"stage {self.node.id!r}: its worker was stopped (close)")
         return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
 
     def _fail_held(self, message: str, kind: str) -> None:
@@ -386,9 +390,15 @@ class ProcessStage(StageProxy):
         process = self.proc  # before the send: a send that finds the worker dead restarts it, and the new one
         self._send((kind, call_id, item))  # never got this call
         while call_id not in self.replies:
-            if self.conn is None or self.proc is not process:
+            if self.stopped:  # closed, or its restarted worker could not build the stage
+                raise self._dead_error()
+            conn = self.conn
+            if conn is None or self.proc is not process:
                 raise WorkerDied(f"stage {self.node.id!r}: its worker process died while processing the input")
-            multiprocessing.connection.wait([self.conn])
+            try:
+                multiprocessing.connection.wait([conn])
+            except (OSError, ValueError):  # closed meanwhile (close() from another thread): looked at above
+                pass
             self.pump()
         ok, value = self.replies.pop(call_id)
         if not ok:

@@ -443,3 +443,51 @@ def test_a_downstream_input_the_front_cannot_send_fails_that_request_alone():
         assert "stage 'render'" in bad.error and "could not be sent" in bad.error and "lock" in bad.error
         assert isinstance(good, RequestFinished) and good.result.text == "rendered 3 words"
         assert not o.has_unfinished()
+
+
+def test_close_fails_the_requests_its_workers_held_and_a_later_submit_says_it_was_stopped():
+    """close() with requests in flight: each gets its failed event (before, they stayed held by a worker that was
+    gone, and a caller stepping until nothing was unfinished spun forever); a submit after close says the stage
+    was stopped, not that its worker died while starting."""
+    o = Omni("fake_slow", host=make_host(sleep_ms=20), placement="process")
+    rid = o.submit(o.request("x " * 30))
+    o.step()
+    o.close()
+
+    def drain():
+        events = []
+        while o.has_unfinished():
+            events += o.step()
+        return events
+
+    events = within(drain)
+    assert not isinstance(events, Exception), events
+    (failed,) = [e for e in events if isinstance(e, (RequestFinished, RequestFailed))]
+    assert isinstance(failed, RequestFailed) and failed.request_id == rid and failed.node_id == "words", failed
+    assert "stage 'words'" in failed.error and "stopped" in failed.error
+    with pytest.raises(EngineDead, match="stage 'words'.*stopped"):
+        o.submit(o.request("after close"))
+
+
+def test_close_while_a_process_call_waits_on_a_busy_worker_fails_that_call_as_stopped(tmp_path):
+    from omni_kernel.request import StageInput
+
+    gate = tmp_path / "gate"
+    o = Omni("fake_slow", host=make_host(), placement="process")
+    try:
+        o.submit(o.request(f"hold={gate} a"))
+        deadline = time.monotonic() + 60
+        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
+            o.step()
+        render = o.graph.stages["render"]
+        calls = []
+        caller = threading.Thread(target=lambda: calls.append(within(lambda: render.process(StageInput("r2", "a b")))))
+        caller.start()  # answered between two steps: it waits for the held one
+        time.sleep(0.3)
+        o.close()
+        caller.join(60)
+        (got,) = calls
+        assert isinstance(got, EngineDead) and "stage 'render'" in str(got) and "stopped" in str(got), got
+    finally:
+        gate.touch()
+        o.close()
