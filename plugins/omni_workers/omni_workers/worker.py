@@ -336,6 +336,11 @@ def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -
                 return
     except (EOFError, OSError):  # the front closed its end
         inbox.put(("stop",))
+    except Exception as exc:  # noqa: BLE001 - a message it cannot unpickle: whose it was is unknown, so the
+        # worker exits (the front fails what it held and restarts it) instead of leaving every request unanswered
+        log.error("stage %s: its worker could not read a message from the front and stops: %s: %s", host.node_id,
+                  type(exc).__name__, exc)
+        os._exit(1)
 
 
 def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None,

@@ -491,3 +491,15 @@ def test_close_while_a_process_call_waits_on_a_busy_worker_fails_that_call_as_st
     finally:
         gate.touch()
         o.close()
+
+
+def test_a_message_the_worker_cannot_read_is_a_worker_fault_not_a_hang():
+    """A message the worker cannot unpickle (an object of a class only the front has) used to end the worker's
+    reader thread silently: that request, and everything sent to the worker after it, waited forever. The worker
+    now exits, logging why, so its requests fail (naming the stage) and it restarts."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        done = within(lambda: run_all(o, ["an unreadable_handoff please"]))
+        assert not isinstance(done, Exception), done
+        (bad,) = done.values()
+        assert isinstance(bad, RequestFailed) and bad.node_id == "render" and "stage 'render'" in bad.error, bad
+        assert within(lambda: o.generate("fine now").text) == "rendered 2 words"

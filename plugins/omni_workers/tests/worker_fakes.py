@@ -5,7 +5,8 @@ the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" 
 step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
-input / `render`'s output / the connector's input for `render`. Each stage's output trace
+input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
+front can unpickle. Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
@@ -183,6 +184,22 @@ def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
     return RenderStage(node, "video", Engine(StepScheduler(max_batch=8, num_steps=steps), runner))
 
 
+class FrontOnly:
+    """Pickled in the front, cannot be unpickled in a worker (as an object of a class only the front has)."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __reduce__(self):
+        return _front_only, (self.pid,)
+
+
+def _front_only(pid: int) -> FrontOnly:
+    if os.getpid() != pid:
+        raise ImportError("FrontOnly exists only in the front")
+    return FrontOnly()
+
+
 @attrs.frozen
 class WordsToRender:
     name: str = "fake_words_to_render"
@@ -193,6 +210,8 @@ class WordsToRender:
         trace = {"fake.connector_pid": os.getpid()}
         if "unsendable_handoff" in output.text:
             trace["fake.lock"] = threading.Lock()
+        if "unreadable_handoff" in output.text:
+            trace["fake.front_only"] = FrontOnly()
         return StageInput(request.request_id, output.text, trace=trace)
 
 
