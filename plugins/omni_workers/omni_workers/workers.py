@@ -256,6 +256,9 @@ class ProcessStage(StageProxy):
         try:
             self.proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
                                stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
+        except BaseException:
+            front.close()
+            raise
         finally:
             back.close()
         self.conn = multiprocessing.connection.Connection(front.detach())
@@ -361,7 +364,15 @@ class ProcessStage(StageProxy):
                        f"worker restarted ({self.restarts} of {self.max_restarts} restarts)")
             log.error("%s", message)
             self._fail_held(message, "runtime")
-            self._start()
+            try:
+                self._start()
+            except Exception as exc:  # noqa: BLE001 - e.g. no file descriptors or memory left to start one
+                if self.proc is not None and self.proc.poll() is None:
+                    self.proc.kill()  # started, but died before it took its spec
+                self.conn = None
+                self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could "
+                                              f"not be restarted ({type(exc).__name__}: {exc})")
+                log.error("%s", self.engine.dead)
         else:
             message = (f"stage {self.node.id!r}: its worker process died ({how}) and was not restarted "
                        f"({self.max_restarts} restarts used)")

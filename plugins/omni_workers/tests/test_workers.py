@@ -503,3 +503,27 @@ def test_a_message_the_worker_cannot_read_is_a_worker_fault_not_a_hang():
         (bad,) = done.values()
         assert isinstance(bad, RequestFailed) and bad.node_id == "render" and "stage 'render'" in bad.error, bad
         assert within(lambda: o.generate("fine now").text) == "rendered 2 words"
+
+
+def test_a_worker_that_cannot_be_restarted_leaves_its_stage_dead_with_the_reason(monkeypatch):
+    """The restart itself fails (no file descriptors left): the stage is dead, saying why, instead of stuck with
+    no worker and no error (never restarted, never reported dead)."""
+    import omni_workers.workers as workers_module
+
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process") as o:
+        words = o.graph.stages["words"]
+        victim = o.submit(o.request("a b c d e f g h"))
+        o.step()
+
+        def no_fds(*args, **kwargs):
+            raise OSError(24, "Too many open files")
+
+        monkeypatch.setattr(workers_module, "launch", no_fds)
+        os.kill(words.proc.pid, signal.SIGKILL)
+        done = {}
+        deadline = time.monotonic() + 30
+        while o.has_unfinished() and time.monotonic() < deadline:
+            done.update({e.request_id: e for e in o.step() if isinstance(e, (RequestFinished, RequestFailed))})
+        assert isinstance(done[victim], RequestFailed) and "stage 'words'" in done[victim].error
+        with pytest.raises(EngineDead, match="stage 'words'.*could not be restarted.*Too many open files"):
+            o.submit(o.request("hello"))
