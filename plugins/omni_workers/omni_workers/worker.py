@@ -8,7 +8,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-from multiprocessing.reduction import ForkingPickler
 import queue
 import signal
 import sys
@@ -17,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from functools import partial
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import attrs

@@ -35,7 +35,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-from multiprocessing.reduction import ForkingPickler
 import queue
 import shutil
 import signal
@@ -46,6 +45,7 @@ import tempfile
 import threading
 import time
 import weakref
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import attrs
