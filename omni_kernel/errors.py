@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-ErrorKind = Literal["invalid_parameter", "bad_input", "model", "user", "runtime", "engine_dead", "aborted"]
+ErrorKind = Literal["invalid_parameter", "bad_input", "model", "user", "runtime", "engine_dead", "unavailable",
+                    "aborted"]
 USER_KINDS = frozenset({"invalid_parameter", "bad_input", "model", "user"})
 
 
@@ -63,6 +64,14 @@ class RequestError(OmniError):
     """A failure inside one request; the engine and the other requests go on."""
 
 
+class StageUnavailable(RequestError):
+    """A stage cannot take requests for now but will again (its worker is restarting): retry later."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds until it likely can, when known (a server's Retry-After)
+
+
 class RequestAborted(RequestError):
     """The request was aborted before it finished."""
 
@@ -72,7 +81,8 @@ class EngineDead(RequestError):
 
 
 KINDS: dict[ErrorKind, type] = {"invalid_parameter": InvalidParameter, "bad_input": InputError, "model": ModelError,
-                                "user": UserError, "engine_dead": EngineDead, "aborted": RequestAborted}
+                                "user": UserError, "engine_dead": EngineDead, "unavailable": StageUnavailable,
+                                "aborted": RequestAborted}
 
 
 def classify(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
