@@ -22,7 +22,10 @@ RPC answers with the item whose `processed` is a `Held` marker. Arrays in `Stage
 written to a `.npy` file in the run's temporary directory and loaded (then deleted) by the front.
 
 Faults: a worker that dies fails its in-flight requests with one error naming the stage (kind runtime) and is
-restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). A worker exits
+restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
+worker builds its stage, what the front sends it waits in the proxy (`backlog`), so a send never blocks on a full
+pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False (an
+AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits
 when its parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its
 workers at exit. Torch-free: numpy and torch are touched only if a stage's output holds their arrays.
 """
@@ -50,7 +53,7 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, rebuild
+from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, StageUnavailable, rebuild
 from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.graph import NodeSpec
 from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
@@ -76,12 +79,17 @@ class RemoteEngine:
 
 class WorkerGroup:
     """The remote stages of one graph: one blocking wait over all their pipes, a temporary
-    directory for spilled arrays, and stopping them all."""
+    directory for spilled arrays, and stopping them all.
+
+    `wait_for_restarts`: a call (process, check) to a stage whose worker is restarting waits until it has built
+    its stage (a script has no other caller to stall); False: it raises StageUnavailable at once, which an AsyncOmni
+    sets, since its one engine thread serves every pipeline and would stall them all for the model load."""
 
     def __init__(self):
         self.stages: list = []
         self.spill_dir = tempfile.mkdtemp(prefix="omni-run-")
         self.closed = False
+        self.wait_for_restarts = True
         _LIVE.add(self)
 
     def add(self, stage) -> None:
@@ -234,6 +242,9 @@ class ProcessStage(StageProxy):
         self.replies: dict[int, tuple] = {}
         self.calls = itertools.count()
         self.ready = False
+        self.backlog: list[bytes] = []  # messages for a worker still building its stage, sent once it is ready
+        self.started = 0.0
+        self.build_s: float | None = None  # how long the last build took: a restart's expected wait
         self.stopped = False  # close() was called: the stage takes no more requests
         self.proc = None
         self.conn = None
@@ -265,6 +276,8 @@ class ProcessStage(StageProxy):
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
         self.conn.send(attrs.evolve(self.spec, parent_pid=os.getpid()))
         self.ready = False
+        self.backlog = []
+        self.started = time.monotonic()
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the worker built its stage; raise its error (typed) if it could not."""
@@ -334,6 +347,12 @@ class ProcessStage(StageProxy):
                 raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built "
                                   f"a stage of kind {message[1]!r}")
             self.ready = True
+            self.build_s = time.monotonic() - self.started
+            conn, backlog, self.backlog = self.conn, self.backlog, []
+            for data in backlog:
+                if self.conn is not conn:  # it died meanwhile: _died failed what these were for
+                    break
+                self._send_bytes(data)
         elif kind == "failed":
             error = rebuild(*message[1:])
             self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
@@ -395,6 +414,10 @@ class ProcessStage(StageProxy):
     # Calls answered between the worker's steps.
 
     def _call(self, kind: str, item: StageInput):
+        if not self.ready and self.conn is not None:
+            self.pump()  # its ready message may have come
+            if not self.ready and self.conn is not None and not self.group.wait_for_restarts:
+                raise self._restarting()
         if self.conn is None:
             raise self._dead_error()
         call_id = next(self.calls)
@@ -426,7 +449,15 @@ class ProcessStage(StageProxy):
             raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its worker "
                                f"({type(exc).__name__}: {exc})") from exc
 
+    def _restarting(self) -> StageUnavailable:
+        left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
+        return StageUnavailable(f"stage {self.node.id!r}: its worker is restarting (its process died) and takes "
+                                "requests again once it has built its stage", left)
+
     def _send_bytes(self, data: bytes) -> None:
+        if not self.ready:  # still building (a restart): a send must not block on a pipe no one reads yet
+            self.backlog.append(data)
+            return
         try:
             self.conn.send_bytes(data)
         except (OSError, ValueError):

@@ -527,3 +527,86 @@ def test_a_worker_that_cannot_be_restarted_leaves_its_stage_dead_with_the_reason
         assert isinstance(done[victim], RequestFailed) and "stage 'words'" in done[victim].error
         with pytest.raises(EngineDead, match="stage 'words'.*could not be restarted.*Too many open files"):
             o.submit(o.request("hello"))
+
+
+def killed_while_gated(o, node_id: str, gate: Path) -> ProcessStage:
+    """Kill a stage's worker with the gate shut, so its restart is a model load that lasts until the gate opens;
+    returns once the front has noticed and started the new worker."""
+    stage = o.graph.stages[node_id]
+    dead = stage.proc.pid
+    gate.touch()
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while stage.proc.pid == dead and time.monotonic() < deadline:
+        o.step() if o.has_unfinished() else o.graph.watch(0.05)
+    assert stage.proc.pid != dead and not stage.ready
+    return stage
+
+
+def test_a_restarting_worker_fails_calls_at_once_when_the_front_must_not_wait(tmp_path):
+    """With `wait_for_restarts` off (omni serve's engine thread), a submit that needs a stage whose worker is
+    restarting fails at once, naming it (StageUnavailable), instead of waiting for its model load; requests in
+    the other stages go on meanwhile, and once the worker is ready requests are served again."""
+    from omni_kernel.errors import StageUnavailable
+
+    gate = tmp_path / "gate"
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process", fake_build_gate=str(gate)) as o:
+        o.graph.workers.wait_for_restarts = False
+        going = o.submit(o.request("render this", fake_steps=40))
+        while going not in o.graph.stages["render"].request_ids():
+            o.step()
+        words = killed_while_gated(o, "words", gate)
+        for _ in range(2):
+            got = within(lambda: o.submit(o.request("during the restart")), timeout=10)
+            assert isinstance(got, StageUnavailable), got
+            assert "stage 'words'" in str(got) and "restarting" in str(got) and got.retry_after >= 1
+        done = within(lambda: drain(o))
+        assert [e for e in done if isinstance(e, (RequestFinished, RequestFailed))] == \
+            [e for e in done if isinstance(e, RequestFinished) and e.request_id == going]
+        assert not words.ready  # the other stage's request finished while words was still loading
+        gate.unlink()
+        assert within(lambda: retry(lambda: o.generate("after the restart").text)) == "rendered 3 words"
+
+        render = killed_while_gated(o, "render", gate)  # a downstream stage: its check at submit
+        got = within(lambda: o.submit(o.request("during the restart")), timeout=10)
+        assert isinstance(got, StageUnavailable) and "stage 'render'" in str(got), got
+        gate.unlink()
+        assert within(lambda: retry(lambda: o.generate("after the restart").text)) == "rendered 3 words"
+        assert render.ready
+
+
+def test_a_script_waits_for_a_restarting_worker(tmp_path):
+    """By default (a script, `omni run`: no other caller to stall) a submit waits for the restarted worker's build,
+    then is served; what it sent meanwhile waits in the proxy and reaches the worker once it is ready."""
+    gate = tmp_path / "gate"
+    with Omni("fake_slow", host=make_host(), placement="process", fake_build_gate=str(gate)) as o:
+        killed_while_gated(o, "words", gate)
+        outcome = []
+        caller = threading.Thread(target=lambda: outcome.append(within(lambda: o.generate("waited for it").text)))
+        caller.start()
+        time.sleep(0.5)
+        assert caller.is_alive() and not outcome  # waiting for the build
+        gate.unlink()
+        caller.join(40)
+        assert outcome == ["rendered 3 words"]
+
+
+def drain(o) -> list:
+    events = []
+    while o.has_unfinished():
+        events += o.step()
+    return events
+
+
+def retry(fn, timeout: float = 30.0):
+    """fn() again while it raises StageUnavailable (a worker still restarting), as a client would."""
+    from omni_kernel.errors import StageUnavailable
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return fn()
+        except StageUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

@@ -6,7 +6,8 @@ step, "bad" is refused by input processing, "frames" makes `render` return a num
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
-front can unpickle. Each stage's output trace
+front can unpickle. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
+load, e.g. of a restart). Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
@@ -42,6 +43,7 @@ log = logging.getLogger("omni")
 @attrs.frozen
 class FakeConfig:
     fake_fail_build: bool = option(False, help="the factory raises ModelError", type=bool)
+    fake_build_gate: str = option("", help="while this file exists, the factory waits (a model load)")
 
 
 @attrs.frozen
@@ -168,8 +170,16 @@ def _sleep(node: NodeSpec) -> float:
     return float(node.policy.get("sleep_ms", 0)) / 1000
 
 
+def _load(config: FakeConfig) -> None:
+    """A model load as long as the test wants: while the gate file exists (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while config.fake_build_gate and os.path.exists(config.fake_build_gate) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
     log.info("loading the fake words model")
+    _load(config)
     if config.fake_fail_build:
         raise ModelError("the fake model is missing")
     runner = SleepyRunner(_sleep(node), lambda item: item.processed)
@@ -179,6 +189,7 @@ def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
 
 def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
     log.info("loading the fake render model")
+    _load(config)
     steps = lambda item: item.params.fake_steps or item.processed  # noqa: E731
     runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item), hold=True)
     return RenderStage(node, "video", Engine(StepScheduler(max_batch=8, num_steps=steps), runner))
