@@ -83,6 +83,10 @@ class AsyncOmni:
         if not omnis:
             raise InvalidParameter("pipeline", "no pipeline to serve")
         self.omnis = dict(omnis)
+        for omni in self.omnis.values():  # one thread serves every pipeline: a call to a restarting stage worker
+            workers = omni.graph.workers  # fails at once (503) instead of stalling them all for its model load
+            if workers is not None and hasattr(workers, "wait_for_restarts"):
+                workers.wait_for_restarts = False
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
         self._flights: dict[str, _Flight] = {}  # engine thread only

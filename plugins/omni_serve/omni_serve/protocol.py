@@ -20,7 +20,7 @@ NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalt
            "parallel_tool_calls": None, "service_tier": None, "store": None, "metadata": None}
 
 KIND_STATUS = {"invalid_parameter": 400, "bad_input": 400, "user": 400, "model": 422, "runtime": 500,
-               "engine_dead": 503, "aborted": 503}
+               "engine_dead": 503, "unavailable": 503, "aborted": 503}
 STATUS_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error",
                503: "service_unavailable"}
@@ -30,13 +30,14 @@ class APIError(Exception):
     """An OpenAI-style error answer: {"error": {"message", "type", "param", "code"}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or STATUS_TYPE.get(status, "invalid_request_error")
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a stage that is restarting)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

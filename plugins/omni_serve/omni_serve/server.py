@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 from typing import Annotated, Any
@@ -20,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omni_kernel.errors import EngineDead, OmniError, RequestError, UserError, classify
+from omni_kernel.errors import EngineDead, OmniError, RequestError, StageUnavailable, UserError, classify
 from omni_kernel.events import RequestFailed
 from omni_kernel.params import options_of
 
@@ -49,8 +50,10 @@ def declared_params(engine: AsyncOmni, name: str) -> set[str]:
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(exc.retry_after)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)
 
 
 def api_error(exc: BaseException) -> APIError:
@@ -60,6 +63,10 @@ def api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ShuttingDown):
         return APIError(503, str(exc), None, "shutting_down")
     kind, message, field = classify(exc)
+    if isinstance(exc, StageUnavailable):  # its worker is restarting: the same request will do, a little later
+        answer = APIError.of_failure(kind, message, field)
+        answer.retry_after = math.ceil(getattr(exc, "retry_after", None) or 1)
+        return answer
     if isinstance(exc, UserError) or isinstance(exc, (EngineDead, RequestError)):
         return APIError.of_failure(kind, message, field)
     return APIError(500, f"internal error: {message}", None, "internal_error")

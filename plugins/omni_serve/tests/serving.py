@@ -19,13 +19,24 @@ LAUNCH = """
 import sys
 sys.path.insert(0, {here!r})
 from omni_kernel.cli import main
-from omni_kernel.plugins import load_host
-host = load_host()
-for spec in {plugins!r}:
-    module, _, name = spec.partition(":")
-    host.register(getattr(__import__(module), name)(), module)
-main(args=sys.argv[1:], obj={{"host": host}}, prog_name="omni")
+from serving import plugin_host
+main(args=sys.argv[1:], obj={{"host": plugin_host({plugins!r})}}, prog_name="omni")
 """
+
+
+def plugin_host(plugins: list[str]):
+    """The installed plugins plus the test plugins ("module:Class"); a stage worker rebuilds the same host."""
+    from functools import partial
+
+    from omni_kernel.plugins import load_host
+
+    host = load_host()
+    for spec in plugins:
+        module, _, name = spec.partition(":")
+        host.register(getattr(__import__(module), name)(), module)
+    if plugins:
+        host.rebuild = partial(plugin_host, plugins)
+    return host
 
 
 def free_port() -> int:

@@ -1,0 +1,68 @@
+"""A stage worker restarting under `omni serve --placement process` (the restart_plugin's pipelines, no model):
+the engine thread never waits for the new worker's model load, so another pipeline's stream goes on, a request
+that needs the restarting stage gets 503 (kind unavailable, Retry-After) at once, and once the worker is ready
+that pipeline is served again."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+from serving import running
+
+
+def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tmp_path):
+    gate = tmp_path / "gate"
+    args = ["--pipeline", "steady", "--pipeline", "flaky", "--placement", "process", "-c", f"flaky_gate={gate}"]
+    with running(args, tmp_path / "server.log", plugins=("restart_plugin:RestartPlugin",)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        words = [f"w{i}" for i in range(150)]  # 3 s at 20 ms a word
+        chunks: list[float] = []
+        text: list[str] = []
+
+        def stream():
+            for chunk in client.chat.completions.create(model="steady", stream=True,
+                                                        messages=[{"role": "user", "content": " ".join(words)}]):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    chunks.append(time.monotonic())
+                    text.append(chunk.choices[0].delta.content)
+
+        streaming = threading.Thread(target=stream, daemon=True)
+        streaming.start()
+        deadline = time.monotonic() + 30
+        while not chunks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert chunks, server.output()
+
+        (flaky,) = re.findall(r"omni\[flaky\]: loading flaky \(pid (\d+)\)", server.output())
+        gate.touch()
+        os.kill(int(flaky), signal.SIGKILL)
+        while "stage 'flaky': its worker process died" not in server.output():  # noticed by the idle watch
+            assert time.monotonic() < deadline, server.output()
+            time.sleep(0.02)
+
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            body = {"model": "flaky", "messages": [{"role": "user", "content": "hello there"}]}
+            refused = http.post("/v1/chat/completions", json=body)  # a hang here: the engine thread waits
+            answered = time.monotonic()
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "unavailable" and "stage 'flaky'" in error["message"], error
+            assert "restarting" in error["message"] and int(refused.headers["Retry-After"]) >= 1
+            assert http.get("/health").status_code == 200  # restarting is not dead
+
+            streaming.join(30)
+            assert not streaming.is_alive() and "".join(text) == " ".join(words)
+            assert chunks[-1] > answered  # the stream went on while the flaky worker was loading
+            assert len(re.findall(r"omni\[flaky\]: loading", server.output())) == 1  # still loading
+
+            gate.unlink()
+            while (r := http.post("/v1/chat/completions", json=body)).status_code == 503:
+                assert time.monotonic() < deadline + 30, r.text
+                time.sleep(0.05)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello there", r.text
