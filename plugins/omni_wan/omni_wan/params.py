@@ -15,6 +15,7 @@ from omni_kernel.params import MAX_SEED, boolean, integer, number, option, text
 from .presets import PRESETS
 
 VAE_DTYPES = ("fp32", "bf16", "fp16")
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 DEVICES = ("auto", "cpu", "cuda")
 
 
@@ -43,6 +44,9 @@ class WanConfig:
     wan_max_batch_tokens: int | None = option(
         None, help="latent-token budget of one denoise forward, CFG rows counted twice (default: sized from the "
                    "device's memory; a request over it runs alone)", type=int, validator=integer(1))
+    wan_video_preset: str = option(
+        "veryfast", help="x264 preset of the MP4 export: faster presets use less CPU for larger files at the same "
+                         "quality (medium is ffmpeg's default)", choices=X264_PRESETS)
 
 
 @attrs.frozen

@@ -52,7 +52,7 @@ class Job:
 
 class WanRunner:
     def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, model_label: str, pool: ModelPool,
-                 cache: prepare_cache.PrepareCache, budget: str = ""):
+                 cache: prepare_cache.PrepareCache, budget: str = "", video_preset: str = "veryfast"):
         self.node_id = node_id
         self.layout = layout
         self.placement = placement
@@ -62,6 +62,7 @@ class WanRunner:
         self.jobs: dict[str, Job] = {}
         self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
         self.budget = budget  # logged once, with the first request
+        self.video_preset = video_preset
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
         self.export_in_background = placement.device == "cuda"
 
@@ -206,7 +207,7 @@ class WanRunner:
         """Write the MP4 (CPU work only, maybe on the export thread: its span needs no device sync)."""
         params, output = job.item.params, job.input.output
         start = time.perf_counter()
-        write_mp4(job.frames, output, fps=self.layout.fps)
+        write_mp4(job.frames, output, fps=self.layout.fps, preset=self.video_preset)
         job.profiler.record("export", start, time.perf_counter(), frames=len(job.frames))
         trace = self._trace(job, params.profile)
         if params.profile:

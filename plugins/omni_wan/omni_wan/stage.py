@@ -171,7 +171,7 @@ class WanStages:
         budget, why = token_budget(config, placement, layout)
         runner = WanRunner(node.id, layout, placement, label, self.pool, self.cache,
                            budget=f"batching up to {config.wan_max_batch} requests and {budget} latent tokens "
-                                  f"per denoise step ({why})")
+                                  f"per denoise step ({why})", video_preset=config.wan_video_preset)
         scheduler = DiffusionScheduler(
             max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
             batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),

@@ -25,15 +25,17 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
     return (np.clip(np.nan_to_num(frames, nan=0.0), 0.0, 1.0) * 255).round().astype(np.uint8)
 
 
-def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8) -> Path:
-    """frames: (num_frames, height, width, 3), float in [0, 1] or uint8."""
+def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8, preset: str = "veryfast") -> Path:
+    """frames: (num_frames, height, width, 3), float in [0, 1] or uint8. The x264 `preset` trades CPU for file
+    size, not quality (that is the CRF, from `quality`): veryfast took 2-4x less CPU than ffmpeg's medium on the
+    runtime's videos (docs/wan.md)."""
     path = Path(path)
     pixels = frames if frames.dtype == np.uint8 else to_uint8(frames)
     num_frames, height, width, channels = pixels.shape
     if channels != 3:
         raise ValueError(f"expected RGB frames, got {channels} channels")
     with atomic_path(path, suffix=".tmp.mp4") as tmp:
-        _ffmpeg(pixels, tmp, path, width, height, fps, quality)
+        _ffmpeg(pixels, tmp, path, width, height, fps, quality, preset)
         sync_file(tmp)
         problem = mp4_problem(tmp)
         if problem:
@@ -41,13 +43,14 @@ def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8) 
     return path
 
 
-def _ffmpeg(pixels: np.ndarray, out: Path, target: Path, width: int, height: int, fps: int, quality: int) -> None:
+def _ffmpeg(pixels: np.ndarray, out: Path, target: Path, width: int, height: int, fps: int, quality: int,
+            preset: str) -> None:
     import imageio_ffmpeg
 
     crf = int((1 - quality / 10.0) * 51)  # imageio-ffmpeg's mapping of quality 0..10 for libx264
     cmd = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}",
            "-pix_fmt", "rgb24", "-r", str(fps), "-i", "-", "-an", "-vcodec", "libx264", "-pix_fmt", "yuv420p",
-           "-crf", str(crf)]
+           "-crf", str(crf), "-preset", preset]
     if width % 2 or height % 2:
         cmd += ["-vf", f"scale={width + width % 2}:{height + height % 2}"]
     cmd += ["-v", "error", "-movflags", "+faststart", str(out)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import pytest
 import torch
 from omni_kernel.errors import InvalidParameter
@@ -12,6 +13,8 @@ from omni_wan.layout import ModelLayout
 from omni_wan.params import WanConfig, WanParams
 from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
 from omni_wan.presets import PRESETS, resolve
+from omni_wan.video import write_mp4
+from wan_mp4 import read_mp4
 
 LAYOUT = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
 
@@ -43,7 +46,8 @@ def test_bad_params_name_the_field(values, message):
 
 
 @pytest.mark.parametrize(("values", "message"), [({"vae_dtype": "fp8"}, "is not one of fp32, bf16, fp16"),
-                                                 ({"device": "tpu"}, "is not one of auto, cpu, cuda")])
+                                                 ({"device": "tpu"}, "is not one of auto, cpu, cuda"),
+                                                 ({"wan_video_preset": "turbo"}, "is not one of ultrafast, superfast")])
 def test_bad_config_names_the_value(values, message):
     with pytest.raises(InvalidParameter, match=message):
         WanConfig(**values)
@@ -104,3 +108,12 @@ def test_gpu_placement_offloads_by_default_and_picks_the_vae_dtype_by_memory(mon
                         lambda index: type("Props", (), {"total_memory": memory_gib * 2**30})())
     for device in ("auto", "cuda"):
         assert attrs.astuple(place(WanConfig(device=device, disable_cpu_offload=offload))) == expected
+
+
+@pytest.mark.parametrize(("preset", "subme"), [(None, b"subme=2"), ("ultrafast", b"subme=0"), ("medium", b"subme=7")])
+def test_the_x264_preset_reaches_the_encoder(tmp_path, preset, subme):
+    """x264 writes its settings into the stream: veryfast (subme=2) unless a preset is given."""
+    frames = np.random.default_rng(0).random((5, 32, 48, 3), dtype=np.float32)
+    path = write_mp4(frames, tmp_path / "v.mp4", fps=8, **({"preset": preset} if preset else {}))
+    meta, back = read_mp4(path)
+    assert back.shape == (5, 32, 48, 3) and subme in path.read_bytes()
