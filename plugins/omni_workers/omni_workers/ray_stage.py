@@ -6,7 +6,9 @@ check calls; the actor runs its stage's engine loop on a thread of its own, cont
 Ray's object store (arrays included); the front relays them to the next stage (a Ray stream cannot be handed to
 another actor). Each actor gets its own placement group of one bundle, `NodeSpec.resources` (default
 {"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that dies
-fails its requests with one error naming the stage and is restarted, `max_restarts` times.
+fails its requests with one error naming the stage and is restarted, `max_restarts` times; the front does not
+wait for the new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
+StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes.
 
 Ray is imported only when a node is placed on it; the kernel stays importable without it.
 """
@@ -21,6 +23,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 import attrs
@@ -37,6 +40,7 @@ from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
 START_TIMEOUT_S = 600.0
+STARTED = ("started",)  # the mailbox's word that a restarted actor's build is over (ready, failed or timed out)
 
 
 def import_ray():
@@ -216,6 +220,8 @@ def _actor_class(ray):
 class RayStage(StageProxy):
     """The Stage contract over a Ray actor (see the module docstring)."""
 
+    what = "Ray actor"
+
     def __init__(self, spec: WorkerSpec, group, settings: RunSettings):
         self.ray = ensure_ray(settings.ray_address)
         self.node = spec.node
@@ -229,6 +235,8 @@ class RayStage(StageProxy):
         self.held: set[str] = set()
         self.actor = None
         self.ready = False
+        self.started = 0.0
+        self.build_s: float | None = None
         self.calls = itertools.count()
         # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);
         # what it brings back waits in `mailbox`, and a byte on `bell` wakes the front's one wait over every pipe.
@@ -258,6 +266,7 @@ class RayStage(StageProxy):
         self.actor = _actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
         self.ready_ref = self.actor.ready.remote()
         self.ready = False
+        self.started = time.monotonic()
 
     def wait_ready(self, timeout: float | None = START_TIMEOUT_S) -> None:
         try:
@@ -265,6 +274,10 @@ class RayStage(StageProxy):
         except Exception as exc:  # noqa: BLE001 - GetTimeoutError: no node has the resources
             raise RequestError(f"stage {self.node.id!r}: Ray could not place it with resources {self.resources} "
                                f"within {timeout}s ({type(exc).__name__}); see `ray status`") from None
+        self._take_status(timeout)
+
+    def _take_status(self, timeout: float | None) -> None:
+        """The actor's build is over (or `timeout` passes): ready, with its event stream read, or the typed error."""
         try:
             status = self.ray.get(self.ready_ref, timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - the actor died while starting
@@ -278,8 +291,27 @@ class RayStage(StageProxy):
             raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
                               f"stage of kind {status[1]!r}")
         self.ready = True
+        self.build_s = time.monotonic() - self.started
         threading.Thread(target=self._poller, args=(self.actor,), name=f"omni-ray-poll-{self.node.id}",
                          daemon=True).start()
+
+    def _await_start(self, actor, ready_ref) -> None:
+        """On a thread of its own: wait for a restarted actor's build, then ring the front (pump takes it)."""
+        try:
+            self.ray.wait([ready_ref], timeout=START_TIMEOUT_S)
+        finally:
+            self._deliver(actor, STARTED)
+
+    def _restarted(self) -> None:
+        """A restarted actor's build is over: it serves, or its stage is dead with the reason."""
+        if self.ready or self.actor is None:
+            return
+        try:
+            self._take_status(0)
+        except Exception as exc:  # noqa: BLE001 - e.g. its model is gone now
+            self.engine.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {exc}")
+            log.error("%s", self.engine.dead)
+            self.close()
 
     def _poller(self, actor) -> None:
         """Reads one actor's event stream until the proxy moves on from it (closed, or restarted)."""
@@ -335,6 +367,9 @@ class RayStage(StageProxy):
                 return
             if actor is not self.actor:
                 continue  # from an actor already given up (restarted, or closed)
+            if payload is STARTED:
+                self._restarted()
+                continue
             if isinstance(payload, BaseException):
                 self._died(payload)
                 continue
@@ -355,12 +390,15 @@ class RayStage(StageProxy):
                        f"restarted ({self.restarts} of {self.max_restarts} restarts)")
             log.error("%s", message)
             self._fail_held(message)
-            self._start()
             try:
-                self.wait_ready()
-            except Exception as error:  # noqa: BLE001
+                self._start()
+            except Exception as error:  # noqa: BLE001 - Ray itself is gone
                 self.engine.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {error}")
+                log.error("%s", self.engine.dead)
                 self.actor = None
+                return
+            threading.Thread(target=self._await_start, args=(self.actor, self.ready_ref),
+                             name=f"omni-ray-start-{self.node.id}", daemon=True).start()
         else:
             message = (f"stage {self.node.id!r}: its Ray actor died ({why}) and was not restarted "
                        f"({self.max_restarts} restarts used)")
@@ -376,6 +414,13 @@ class RayStage(StageProxy):
     # The Stage contract.
 
     def _call(self, kind: str, item: StageInput):
+        if not self.ready and self.actor is not None:  # restarting
+            self.pump()
+            if not self.ready and self.actor is not None:
+                if not self.group.wait_for_restarts:
+                    raise self._restarting()
+                self.ray.wait([self.ready_ref], timeout=START_TIMEOUT_S)
+                self._restarted()
         if self.actor is None:
             raise self.engine.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
         try:

@@ -176,6 +176,14 @@ class StageProxy:
     node: NodeSpec
     pending: list
     held: set[str]
+    started: float  # when the worker (or actor) now running was started
+    build_s: float | None  # how long the last build took: a restart's expected wait
+    what = "worker"
+
+    def _restarting(self) -> StageUnavailable:
+        left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
+        return StageUnavailable(f"stage {self.node.id!r}: its {self.what} is restarting (it died) and takes requests "
+                                "again once it has built its stage", left)
 
     @property
     def node_id(self) -> str:
@@ -448,11 +456,6 @@ class ProcessStage(StageProxy):
         except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
             raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its worker "
                                f"({type(exc).__name__}: {exc})") from exc
-
-    def _restarting(self) -> StageUnavailable:
-        left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
-        return StageUnavailable(f"stage {self.node.id!r}: its worker is restarting (its process died) and takes "
-                                "requests again once it has built its stage", left)
 
     def _send_bytes(self, data: bytes) -> None:
         if not self.ready:  # still building (a restart): a send must not block on a pipe no one reads yet

@@ -74,3 +74,22 @@ def test_ray_stages(ray):
 def test_ray_build_error_is_typed(ray):
     with pytest.raises(ModelError, match="fake model is missing"):
         Omni("fake_slow", host=make_host(), placement="words=ray", fake_fail_build=True)
+
+
+def test_a_restarting_actor_stalls_no_step_and_fails_calls_at_once_when_told(ray, tmp_path):
+    """The front's step does not wait for a restarted actor's build (a model load: here until the gate opens);
+    with `wait_for_restarts` off a submit needing it raises StageUnavailable at once; then it serves again."""
+    from omni_kernel.errors import StageUnavailable
+    from test_workers import drain, retry, within
+
+    gate = tmp_path / "gate"
+    with Omni("fake_slow", host=make_host(), placement="ray", fake_build_gate=str(gate)) as o:
+        o.graph.workers.wait_for_restarts = False
+        gate.touch()
+        (failed,) = within(lambda: run_all(o, ["crash here"]), timeout=20).values()  # a hang: the step waited
+        assert isinstance(failed, RequestFailed) and "restarted" in failed.error
+        got = within(lambda: o.submit(o.request("during the restart")), timeout=10)
+        assert isinstance(got, StageUnavailable) and "stage 'words'" in str(got) and "restarting" in str(got), got
+        assert within(lambda: drain(o)) == []
+        gate.unlink()
+        assert within(lambda: retry(lambda: o.generate("after the restart").text)) == "rendered 3 words"
