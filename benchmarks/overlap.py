@@ -30,7 +30,8 @@ runs one full burst before it is measured (`process`: the calibration runs).
   over `process` with 1 thread per worker; `ray_cpu_s` gives, per round, the CPU seconds of the workers and the
   front (process) and of the actors, Ray's own processes and the front (ray).
 
-Runs alternate A B A B; each ratio is the median over pairs. The last line printed is one JSON object.
+Runs alternate: the bursts of a round run in one order, the next round's in the reverse order; each ratio is the
+median over rounds. The last line printed is one JSON object.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/overlap.py [--quick]
 """
@@ -277,14 +278,18 @@ def main() -> None:
     video_node = process.graph.order[-1]
     workload(inproc, tokens, 0.0, steps, out, "warm")  # warmed by one burst, as process was by calibration
     workload(shared, tokens, 0.0, steps, out, "swarm")
+    def burst(kind: str, r: int):
+        torch.set_num_threads(1 if kind == "inproc_1t" else 2)
+        if kind.startswith("inproc"):
+            return workload(inproc, tokens, 0.0, steps, out, f"{kind}{r}"), None
+        omni = shared if kind == "process" else process
+        return busy(omni, partial(workload, omni, tokens, 0.0, steps, out, f"{kind}{r}"))
+
     for r in range(pairs):
+        order = ["inproc_2t", "process", "inproc_1t", "process_fixed_split"]
+        got = {kind: burst(kind, r) for kind in (order if r % 2 == 0 else order[::-1])}  # drift hurts all alike
         torch.set_num_threads(2)
-        a2 = workload(inproc, tokens, 0.0, steps, out, f"i{r}")
-        b, cpu = busy(shared, partial(workload, shared, tokens, 0.0, steps, out, f"s{r}"))
-        torch.set_num_threads(1)
-        a1 = workload(inproc, tokens, 0.0, steps, out, f"j{r}")
-        torch.set_num_threads(2)
-        f, cpu_f = busy(process, partial(workload, process, tokens, 0.0, steps, out, f"p{r}"))
+        (a2, _), (b, cpu), (a1, _), (f, cpu_f) = (got[kind] for kind in order)
         for key, value in (("inproc_2t", a2), ("inproc_1t", a1), ("process", b), ("process_fixed_split", f)):
             times[key].append(value)
         lone["inproc_2t"].append(workload(inproc, tokens[-1:], 0.0, steps, out, f"li{r}"))
