@@ -155,13 +155,11 @@ def _save(array, spill_dir: str, torch: bool) -> Spilled:
     return Spilled(path, torch)
 
 
-def unspill(events: list) -> list:
-    out = []
-    for event in events:
-        if isinstance(event, StageFinished) and event.output.data is not None:
-            event = attrs.evolve(event, output=attrs.evolve(event.output, data=_unspill(event.output.data)))
-        out.append(event)
-    return out
+def unspill(event):
+    """An event with its output's spilled arrays loaded (and their files deleted)."""
+    if isinstance(event, StageFinished) and event.output.data is not None:
+        event = attrs.evolve(event, output=attrs.evolve(event.output, data=_unspill(event.output.data)))
+    return event
 
 
 def _unspill(value):
@@ -289,37 +287,47 @@ def worker_main(conn, spec: WorkerSpec) -> None:
 
 
 def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
-    """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read. A message
-    that cannot be pickled (an output holding a lock) fails what it was for, and the loop goes on."""
+    """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read."""
     while (message := outbox.get()) is not None:
         try:
-            data = ForkingPickler.dumps(message)
-        except Exception as exc:  # noqa: BLE001 - the front gets an error instead of waiting forever
-            data = ForkingPickler.dumps(_unsendable(message, node_id, exc))
+            data = ForkingPickler.dumps(pack(message, node_id))
+        except Exception as exc:  # noqa: BLE001 - ready / failed / dead are plain data: not expected
+            log.error("stage %r: a %r message could not be sent to the front (%s: %s)", node_id, message[0],
+                      type(exc).__name__, exc)
+            continue
         try:
             conn.send_bytes(data)
         except (OSError, EOFError, ValueError):
             os._exit(0)  # the front is gone
 
 
-def _unsendable(message, node_id: str, exc: Exception):
-    """What goes instead of a message that cannot be pickled: the call's error, or each event that cannot be
-    pickled replaced by its request's StageFailed."""
+def pack(message, node_id: str):
+    """Each event (with its request id) and a call's answer pickled on their own, so one that cannot be pickled
+    here (an output holding a lock) or unpickled in the front (a class only the worker has) fails its own request
+    or call, and the message around it always crosses."""
     def why(what: str, error: Exception) -> str:
         return f"stage {node_id!r}: its {what} could not be sent to the front ({type(error).__name__}: {error})"
 
     if message[0] == "reply":
-        return ("reply", message[1], False, ("runtime", why("processed input", exc), None))
-    events = []
-    for event in message[1] if message[0] == "events" else ():
+        _, call_id, ok, value = message
         try:
-            ForkingPickler.dumps(event)
-        except Exception as error:  # noqa: BLE001 - this request only
-            event = StageFailed(event.request_id, node_id, why("output", error), "runtime")
-        events.append(event)
+            return ("reply", call_id, ok, dumps(value))
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting forever
+            return ("reply", call_id, False, dumps(("runtime", why("processed input", exc), None)))
     if message[0] != "events":
-        log.error("%s", why(f"{message[0]!r} message", exc))
+        return message
+    events = []
+    for event in message[1]:
+        try:
+            data = dumps(event)
+        except Exception as exc:  # noqa: BLE001 - this request only
+            data = dumps(StageFailed(event.request_id, node_id, why("output", exc), "runtime"))
+        events.append((event.request_id, data))
     return ("events", events)
+
+
+def dumps(value) -> bytes:
+    return bytes(ForkingPickler.dumps(value))
 
 
 def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -> None:

@@ -17,7 +17,8 @@ waits for the step running now: one decode step for an AR entry stage). A downst
 one message (`hand_off`: process then add, in the worker), so the front never waits at a hand-off.
 
 What crosses: requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's
-own processes (never anything read from a network socket). A processed input stays in the worker: the process
+own processes (never anything read from a network socket). The worker pickles each event, and a call's answer, on
+its own inside its message (worker.pack), so one the front cannot unpickle fails its own request or call. A processed input stays in the worker: the process
 RPC answers with the item whose `processed` is a `Held` marker. Arrays in `StageOutput.data` (frames) are
 written to a `.npy` file in the run's temporary directory and loaded (then deleted) by the front.
 
@@ -334,7 +335,16 @@ class ProcessStage(StageProxy):
         conn = self.conn
         try:
             while self.conn is conn and conn is not None and conn.poll(0):
-                self._receive(conn.recv(), starting)
+                data = conn.recv_bytes()
+                try:
+                    message = ForkingPickler.loads(data)
+                except Exception as exc:  # noqa: BLE001 - not expected (worker.pack sends plain data): whose it
+                    # was is unknown, so the worker is stopped and restarted as if it died, failing what it held
+                    self.proc.kill()
+                    self._died(starting, f"stopped: the front could not read its message, {type(exc).__name__}: "
+                                         f"{' '.join(str(exc).split())}")
+                    return
+                self._receive(message, starting)
         except (EOFError, OSError):
             if self.conn is conn and conn is not None:
                 self._died(starting)
@@ -342,11 +352,17 @@ class ProcessStage(StageProxy):
     def _receive(self, message, starting: bool) -> None:
         kind = message[0]
         if kind == "events":
-            events = unspill(message[1])
-            for event in events:
+            for request_id, data in message[1]:
+                try:
+                    event = unspill(ForkingPickler.loads(data))
+                except Exception as exc:  # noqa: BLE001 - a class the front lacks, a spill file gone: this request
+                    # only; it stays held, so the abort that comes with its failure stops it in the worker too
+                    self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc),
+                                                    "runtime"))
+                    continue
                 if isinstance(event, (StageFinished, StageFailed)):
                     self.held.discard(event.request_id)
-            self.pending.extend(events)
+                self.pending.append(event)
         elif kind == "reply":
             self.replies[message[1]] = message[2:]
         elif kind == "ready":
@@ -371,14 +387,18 @@ class ProcessStage(StageProxy):
         elif kind == "dead":
             self.engine.dead = EngineDead(message[1])
 
-    def _died(self, starting: bool) -> None:
+    def _unreadable(self, what: str, exc: Exception) -> str:
+        return (f"stage {self.node.id!r}: its {what} could not be read from its worker ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())})")
+
+    def _died(self, starting: bool, how: str | None = None) -> None:
         try:
             code = self.proc.wait(5)
         except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
             self.proc.kill()
             code = self.proc.wait()
-        how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
-               signal.Signals._value2member_map_ else f"exit code {code}")
+        how = how or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+                      signal.Signals._value2member_map_ else f"exit code {code}")
         self.conn.close()
         self.conn = None
         if self.slot is not None:
@@ -442,7 +462,11 @@ class ProcessStage(StageProxy):
             except (OSError, ValueError):  # closed meanwhile (close() from another thread): looked at above
                 pass
             self.pump()
-        ok, value = self.replies.pop(call_id)
+        ok, data = self.replies.pop(call_id)
+        try:
+            value = ForkingPickler.loads(data)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has, in the processed input
+            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
         if not ok:
             raise rebuild(*value)
         return value

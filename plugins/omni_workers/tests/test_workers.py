@@ -610,3 +610,26 @@ def retry(fn, timeout: float = 30.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_what_the_front_cannot_read_fails_its_own_request_and_the_stage_serves_on():
+    """An output the front cannot unpickle (a class only the worker has) or whose spilled array's file is gone
+    fails that request alone, naming the stage, instead of raising out of the front's step (every request of the
+    stage failed; a server marked its whole engine dead) or, for a lost file, being taken for a dead worker; a
+    processed input the front cannot unpickle fails the submit with one line instead of a raw ImportError."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        render = o.graph.stages["render"].proc.pid
+        done = within(lambda: run_all(o, ["an unreadable_output please", "a fine one", "lost_frames please"]))
+        assert not isinstance(done, Exception), done
+        unreadable, fine, lost = done.values()
+        for bad, error in ((unreadable, "ImportError: WorkerOnly exists only in the worker"),
+                           (lost, "FileNotFoundError")):
+            assert isinstance(bad, RequestFailed) and bad.node_id == "render" and bad.kind == "runtime", bad
+            assert bad.error.startswith("stage 'render': its output could not be read") and error in bad.error
+        assert isinstance(fine, RequestFinished) and fine.result.text == "rendered 3 words"
+        got = within(lambda: o.submit(o.request("an unreadable_input please")))
+        assert isinstance(got, RequestError) and str(got).startswith("stage 'words': its answer to 'process' "
+                                                                     "could not be read"), got
+        assert "WorkerOnly exists only in the worker" in str(got) and not o.has_unfinished()
+        assert within(lambda: o.generate("after that").text) == "rendered 2 words"
+        assert o.graph.stages["render"].proc.pid == render and o.graph.stages["render"].restarts == 0

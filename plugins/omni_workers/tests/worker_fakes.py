@@ -6,7 +6,9 @@ step, "bad" is refused by input processing, "frames" makes `render` return a num
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
-front can unpickle. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
+front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the
+trace of `words`' processed input / `render`'s output, and "lost_frames" gives `render`'s output a spilled array
+whose file is gone. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
 load, e.g. of a restart). Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
@@ -36,6 +38,7 @@ from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads
+from omni_workers.worker import Spilled
 
 log = logging.getLogger("omni")
 
@@ -93,6 +96,8 @@ class WordsStage(Stage):
         trace = {"words.pid": os.getpid()}
         if "unsendable_input" in item.prompt:
             trace["words.lock"] = threading.Lock()
+        if "unreadable_input" in item.prompt:
+            trace["words.worker_only"] = WorkerOnly()
         return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace=trace)
 
     def postprocess(self, outputs) -> list:
@@ -157,10 +162,14 @@ class RenderStage(Stage):
                 import numpy as np
 
                 data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+            if "lost_frames" in item.prompt:
+                data = {"frames": Spilled(os.path.join(os.path.dirname(__file__), "no-such-spill.npy"))}
             text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
             trace = {"render.pid": os.getpid(), "render.threads": self.engine.runner.threads.pop(out.request_id, [])}
             if "unsendable_output" in item.prompt:
                 trace["render.lock"] = threading.Lock()
+            if "unreadable_output" in item.prompt:
+                trace["render.worker_only"] = WorkerOnly()
             events.append(StageFinished(out.request_id, self.node_id, StageOutput(
                 out.request_id, self.node_id, text=text, data=data, trace=trace)))
         return events
@@ -209,6 +218,23 @@ def _front_only(pid: int) -> FrontOnly:
     if os.getpid() != pid:
         raise ImportError("FrontOnly exists only in the front")
     return FrontOnly()
+
+
+class WorkerOnly:
+    """Pickled in the process that made it (a worker), cannot be unpickled anywhere else (as an object of a class
+    only the worker has)."""
+
+    def __init__(self, pid: int | None = None):
+        self.pid = pid or os.getpid()
+
+    def __reduce__(self):
+        return _worker_only, (self.pid,)
+
+
+def _worker_only(pid: int) -> WorkerOnly:
+    if os.getpid() != pid:
+        raise ImportError("WorkerOnly exists only in the worker")
+    return WorkerOnly(pid)
 
 
 @attrs.frozen
