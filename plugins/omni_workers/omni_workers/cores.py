@@ -24,8 +24,9 @@ import mmap
 import os
 import shutil
 import sys
-import tempfile
 import threading
+
+from .tempdirs import make_dir
 
 SLOTS = 256  # workers of one front at once
 SHARED = "shared"
@@ -57,7 +58,7 @@ class CoreBoard:
     """The front's side: the file and its slots, one per live worker (a restarted worker keeps its slot)."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="omni-cores-")
+        self.dir = make_dir("cores")
         self.path = os.path.join(self.dir, "busy")
         with open(self.path, "wb") as f:
             f.write(bytes(SLOTS))

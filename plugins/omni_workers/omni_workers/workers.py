@@ -45,7 +45,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
@@ -61,6 +60,7 @@ from omni_kernel.placement import RunSettings, check_placement_nodes, parse_plac
 from omni_kernel.request import StageInput
 
 from .cores import SHARED, board, host_cores
+from .tempdirs import make_dir
 from .worker import THREAD_VARS, WorkerSpec, unspill
 
 log = logging.getLogger("omni")
@@ -88,7 +88,7 @@ class WorkerGroup:
 
     def __init__(self):
         self.stages: list = []
-        self.spill_dir = tempfile.mkdtemp(prefix="omni-run-")
+        self.spill_dir = make_dir("run")
         self.closed = False
         self.wait_for_restarts = True
         _LIVE.add(self)

@@ -633,3 +633,50 @@ def test_what_the_front_cannot_read_fails_its_own_request_and_the_stage_serves_o
         assert "WorkerOnly exists only in the worker" in str(got) and not o.has_unfinished()
         assert within(lambda: o.generate("after that").text) == "rendered 2 words"
         assert o.graph.stages["render"].proc.pid == render and o.graph.stages["render"].restarts == 0
+
+
+FRONT_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {here!r})
+    from worker_fakes import make_host
+    from omni_kernel import Omni
+    from omni_workers.cores import board
+    o = Omni("echo", host=make_host(), placement="process", worker_threads="shared")
+    print(o.graph.workers.spill_dir, board().dir, flush=True)
+    if sys.argv[1] == "hold":
+        sys.stdin.read()
+    o.close()
+""")
+
+
+def test_a_new_front_removes_the_temporary_directories_of_fronts_that_are_gone(tmp_path):
+    """A front killed by SIGTERM (default action: no atexit) leaves its spill directory and core board behind; the
+    next front to start removes them, and leaves alone a live front's and those it cannot tell the owner of."""
+    script = tmp_path / "front.py"
+    script.write_text(FRONT_SCRIPT.format(here=str(HERE)))
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {**os.environ, "TMPDIR": str(temp)}
+    unknown = temp / "omni-run-abc123"  # an older version's name: no pid
+    unknown.mkdir()
+
+    def hold():
+        front = subprocess.Popen([sys.executable, str(script), "hold"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True, env=env)
+        return front, [Path(p) for p in front.stdout.readline().split()]
+
+    killed, killed_dirs = hold()
+    live, live_dirs = hold()
+    try:
+        killed.send_signal(signal.SIGTERM)
+        killed.wait(20)
+        assert len(killed_dirs) == 2 and all(d.is_dir() for d in killed_dirs)  # left behind
+        out = subprocess.run([sys.executable, str(script), "once"], capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert not any(d.exists() for d in killed_dirs)
+        assert len(live_dirs) == 2 and all(d.is_dir() for d in live_dirs) and unknown.is_dir()
+    finally:
+        live.stdin.close()
+        live.wait(20)
+    assert not any(d.exists() for d in live_dirs)  # its own close and exit
