@@ -8,7 +8,9 @@ another actor). Each actor gets its own placement group of one bundle, `NodeSpec
 {"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that dies
 fails its requests with one error naming the stage and is restarted, `max_restarts` times; the front does not
 wait for the new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
-StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes.
+StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes. Requests, events and a call's
+answer cross as bytes pickled by omni on each side (worker.pack_event, pack_answer), so one that cannot be pickled
+or unpickled fails its own request or call, never the actor's stream (which the front would take for its death).
 
 Ray is imported only when a node is placed on it; the kernel stays importable without it.
 """
@@ -35,7 +37,8 @@ from omni_kernel.request import StageInput
 from omni_kernel.placement import RunSettings
 
 from .cores import SHARED
-from .worker import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .worker import (WAIT_S, StageHost, WorkerSpec, build_stage, pack_answer, pack_event, set_torch_threads,
+                     setup_worker)
 from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
@@ -114,7 +117,7 @@ class StageActor:
                 except Exception as exc:  # noqa: BLE001 - one bad message must not stop the engine thread
                     log.error("stage actor: %s failed: %s: %s", message[0], type(exc).__name__, exc, exc_info=exc)
                     if message[0] == "process":
-                        message[2].append((False, classify(exc)))
+                        message[2].append(pack_answer(False, classify(exc), self.host.node_id))
             stage = self.host.stage
             if stage.has_unfinished() and (stage.wait(0) or stage.wait(WAIT_S)):
                 events.extend(self.host.step())
@@ -134,46 +137,62 @@ class StageActor:
             self.host.abort(arg)
             return []
         if kind == "process":
-            try:
-                reply.append((True, self.host.process(arg)))
-            except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
-                reply.append((False, classify(exc)))
+            reply.append(self._answer(self.host.process, arg))
             return []
-        if self.aborted.pop(arg.request_id, 0) is None:
+        request_id, data = arg
+        if self.aborted.pop(request_id, 0) is None:
             return []
-        return self.host.add(arg) if kind == "add" else self.host.hand_off(arg)
+        try:
+            item = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the front has: this request only
+            return [StageFailed(request_id, self.host.node_id, self._unreadable(exc), "runtime")]
+        return self.host.add(item) if kind == "add" else self.host.hand_off(item)
+
+    def _answer(self, call, data: bytes) -> tuple[bool, bytes]:
+        """A call (process, check) on the front's pickled input; its answer pickled here, so that an input this actor
+        cannot read, the call's error and a value the front cannot take all come back as the call's error."""
+        try:
+            item = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - this call only
+            return pack_answer(False, ("runtime", self._unreadable(exc), None), self.host.node_id)
+        try:
+            return pack_answer(True, call(item), self.host.node_id)
+        except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+            return pack_answer(False, classify(exc), self.host.node_id)
+
+    def _unreadable(self, exc: Exception) -> str:
+        return (f"stage {self.host.node_id!r}: its input could not be read by its Ray actor ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())})")
 
     def _queue(self, message: tuple) -> None:
         with self.lock:
             self.inbox.append(message)
             self.work.notify()
 
-    def add(self, item: StageInput) -> None:
-        self._queue(("add", item))
+    def add(self, request_id: str, data: bytes) -> None:
+        self._queue(("add", (request_id, data)))
 
-    def hand_off(self, item: StageInput) -> None:
-        self._queue(("hand_off", item))
+    def hand_off(self, request_id: str, data: bytes) -> None:
+        self._queue(("hand_off", (request_id, data)))
 
     def abort(self, request_id: str) -> None:
         self._queue(("abort", request_id))
 
-    def process(self, kind: str, item: StageInput) -> tuple:
+    def process(self, kind: str, data: bytes) -> tuple[bool, bytes]:
         if kind == "check":  # model-free by contract: answered now, not after the running step
-            try:
-                self.host.check(item)
-            except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
-                return False, classify(exc)
-            return True, None
+            return self._answer(self.host.check, data)
         reply: list = []
         done = threading.Event()
-        self._queue(("process", item, _Reply(reply, done)))
+        self._queue(("process", data, _Reply(reply, done)))
         done.wait()
         return reply[0]
 
     def _emit(self, events: list) -> None:
         if events:
+            out = [e if isinstance(e, tuple) else ("event", e.request_id, pack_event(e, self.host.node_id))
+                   for e in events]
             with self.lock:
-                self.out.extend(events)
+                self.out.extend(out)
                 self.emitted.notify_all()
 
     def events(self):
@@ -373,9 +392,17 @@ class RayStage(StageProxy):
             if isinstance(payload, BaseException):
                 self._died(payload)
                 continue
-            for event in payload:
-                if isinstance(event, tuple) and event[0] == "dead":
-                    self.engine.dead = EngineDead(event[1])
+            for message in payload:
+                if message[0] == "dead":
+                    self.engine.dead = EngineDead(message[1])
+                    continue
+                _, request_id, data = message
+                try:
+                    event = pickle.loads(data)
+                except Exception as exc:  # noqa: BLE001 - a class the front lacks: this request only; it stays held,
+                    # so the abort that comes with its failure stops it in the actor too
+                    self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc),
+                                                    "runtime"))
                     continue
                 if isinstance(event, (StageFinished, StageFailed)):
                     self.held.discard(event.request_id)
@@ -383,7 +410,11 @@ class RayStage(StageProxy):
 
     def _died(self, exc: BaseException) -> None:
         why = type(exc).__name__
-        self.actor = None
+        actor, self.actor = self.actor, None
+        try:
+            self.ray.kill(actor)  # its stream failed but it may live on
+        except Exception:  # noqa: BLE001 - dead already
+            pass
         if self.restarts < self.max_restarts:
             self.restarts += 1
             message = (f"stage {self.node.id!r}: its Ray actor died ({why}); the request was lost and the actor "
@@ -423,11 +454,19 @@ class RayStage(StageProxy):
                 self._restarted()
         if self.actor is None:
             raise self.engine.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
+        data = self._pickle(item)
         try:
-            ok, value = self.ray.get(self.actor.process.remote(kind, item))
-        except Exception as exc:  # noqa: BLE001 - the actor died
+            ok, answer = self.ray.get(self.actor.process.remote(kind, data))
+        except Exception as exc:  # noqa: BLE001 - the actor died, or (not expected) the call failed in it
+            if not isinstance(exc, self.ray.exceptions.RayActorError):
+                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {kind!r} call "
+                                   f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
             raise WorkerDied(f"stage {self.node.id!r}: its Ray actor died while processing the input") from None
+        try:
+            value = pickle.loads(answer)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the actor has, in the processed input
+            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
         if not ok:
             raise rebuild(*value)
         return value
@@ -438,7 +477,13 @@ class RayStage(StageProxy):
         return None
 
     def _send_add(self, kind: str, item: StageInput) -> None:
-        getattr(self.actor, kind).remote(item)  # in order: Ray keeps one caller's calls to an actor ordered
+        try:
+            data = self._pickle(item)
+        except RequestError as exc:
+            self.held.discard(item.request_id)
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
+            return
+        getattr(self.actor, kind).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
 
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:

@@ -305,25 +305,31 @@ def pack(message, node_id: str):
     """Each event (with its request id) and a call's answer pickled on their own, so one that cannot be pickled
     here (an output holding a lock) or unpickled in the front (a class only the worker has) fails its own request
     or call, and the message around it always crosses."""
-    def why(what: str, error: Exception) -> str:
-        return f"stage {node_id!r}: its {what} could not be sent to the front ({type(error).__name__}: {error})"
-
     if message[0] == "reply":
         _, call_id, ok, value = message
-        try:
-            return ("reply", call_id, ok, dumps(value))
-        except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting forever
-            return ("reply", call_id, False, dumps(("runtime", why("processed input", exc), None)))
+        return ("reply", call_id, *pack_answer(ok, value, node_id))
     if message[0] != "events":
         return message
-    events = []
-    for event in message[1]:
-        try:
-            data = dumps(event)
-        except Exception as exc:  # noqa: BLE001 - this request only
-            data = dumps(StageFailed(event.request_id, node_id, why("output", exc), "runtime"))
-        events.append((event.request_id, data))
-    return ("events", events)
+    return ("events", [(event.request_id, pack_event(event, node_id)) for event in message[1]])
+
+
+def pack_event(event, node_id: str) -> bytes:
+    try:
+        return dumps(event)
+    except Exception as exc:  # noqa: BLE001 - this request only
+        return dumps(StageFailed(event.request_id, node_id, unsendable(node_id, "output", exc), "runtime"))
+
+
+def pack_answer(ok: bool, value, node_id: str) -> tuple[bool, bytes]:
+    """A call's (ok, value or error) with the value pickled; one that cannot be is the call's error instead."""
+    try:
+        return ok, dumps(value)
+    except Exception as exc:  # noqa: BLE001 - the caller gets the error instead of waiting forever
+        return False, dumps(("runtime", unsendable(node_id, "processed input", exc), None))
+
+
+def unsendable(node_id: str, what: str, exc: Exception) -> str:
+    return f"stage {node_id!r}: its {what} could not be sent to the front ({type(exc).__name__}: {exc})"
 
 
 def dumps(value) -> bytes:

@@ -61,7 +61,7 @@ from omni_kernel.request import StageInput
 
 from .cores import SHARED, board, host_cores
 from .tempdirs import make_dir
-from .worker import THREAD_VARS, WorkerSpec, unspill
+from .worker import THREAD_VARS, WorkerSpec, dumps, unspill
 
 log = logging.getLogger("omni")
 
@@ -180,6 +180,17 @@ class StageProxy:
     started: float  # when the worker (or actor) now running was started
     build_s: float | None  # how long the last build took: a restart's expected wait
     what = "worker"
+
+    def _pickle(self, value) -> bytes:
+        try:
+            return dumps(value)
+        except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
+            raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its {self.what} "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+    def _unreadable(self, what: str, exc: Exception) -> str:
+        return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())})")
 
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
@@ -387,10 +398,6 @@ class ProcessStage(StageProxy):
         elif kind == "dead":
             self.engine.dead = EngineDead(message[1])
 
-    def _unreadable(self, what: str, exc: Exception) -> str:
-        return (f"stage {self.node.id!r}: its {what} could not be read from its worker ({type(exc).__name__}: "
-                f"{' '.join(str(exc).split())})")
-
     def _died(self, starting: bool, how: str | None = None) -> None:
         try:
             code = self.proc.wait(5)
@@ -473,13 +480,6 @@ class ProcessStage(StageProxy):
 
     def _send(self, message) -> None:
         self._send_bytes(self._pickle(message))
-
-    def _pickle(self, message) -> bytes:
-        try:
-            return ForkingPickler.dumps(message)
-        except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
-            raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its worker "
-                               f"({type(exc).__name__}: {exc})") from exc
 
     def _send_bytes(self, data: bytes) -> None:
         if not self.ready:  # still building (a restart): a send must not block on a pipe no one reads yet

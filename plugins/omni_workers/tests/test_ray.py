@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.errors import InvalidParameter, ModelError, RequestError
 from omni_kernel.events import RequestFailed, RequestFinished
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -93,3 +93,32 @@ def test_a_restarting_actor_stalls_no_step_and_fails_calls_at_once_when_told(ray
         assert within(lambda: drain(o)) == []
         gate.unlink()
         assert within(lambda: retry(lambda: o.generate("after the restart").text)) == "rendered 3 words"
+
+
+def test_what_cannot_cross_to_or_from_an_actor_fails_its_own_request(ray):
+    """Inputs, outputs and answers that cannot be pickled on one side or unpickled on the other fail their own
+    request (or the submit), naming the stage, and the actors serve on. Before, an output or a processed input
+    that could not be pickled ended the actor's stream or call, which the front took for the actor's death (every
+    request of the stage failed and it restarted, the old actor left running), and the others hung or raised out
+    of the front's step."""
+    from test_workers import within
+
+    cases = {"an unsendable_output please": "stage 'render': its output could not be sent to the front",
+             "an unreadable_output please": "stage 'render': its output could not be read from its Ray actor",
+             "an unsendable_handoff please": "stage 'render': its input could not be sent to its Ray actor",
+             "an unreadable_handoff please": "stage 'render': its input could not be read by its Ray actor",
+             "an unsendable_input please": "stage 'words': its processed input could not be sent to the front",
+             "an unreadable_input please": "stage 'words': its answer to 'process' could not be read"}
+    with Omni("fake_slow", host=make_host(), placement="ray") as o:
+        for prompt, says in cases.items():
+            if "input" in prompt:
+                got = within(lambda: o.submit(o.request(prompt)), timeout=20)
+                assert isinstance(got, RequestError) and str(got).startswith(says), (prompt, got)
+                continue
+            done = within(lambda: run_all(o, [prompt, "a fine one"]), timeout=20)
+            assert not isinstance(done, Exception), (prompt, done)
+            bad, fine = done.values()
+            assert isinstance(bad, RequestFailed) and bad.error.startswith(says), (prompt, bad)
+            assert isinstance(fine, RequestFinished) and fine.result.text == "rendered 3 words"
+        assert [s.restarts for s in o.graph.stages.values()] == [0, 0]
+        assert within(lambda: o.generate("after all that").text) == "rendered 3 words"
