@@ -414,7 +414,7 @@ class RayStage(StageProxy):
         try:
             self.ray.kill(actor)  # its stream failed but it may live on
         except Exception:  # noqa: BLE001 - dead already
-            pass
+            log.debug("stage %s: its Ray actor was gone already", self.node.id, exc_info=True)
         if self.restarts < self.max_restarts:
             self.restarts += 1
             message = (f"stage {self.node.id!r}: its Ray actor died ({why}); the request was lost and the actor "

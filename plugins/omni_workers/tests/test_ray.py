@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import InvalidParameter, ModelError, RequestError
+from omni_kernel.errors import InvalidParameter, ModelError, RequestError, StageUnavailable
 from omni_kernel.events import RequestFailed, RequestFinished
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -79,7 +79,6 @@ def test_ray_build_error_is_typed(ray):
 def test_a_restarting_actor_stalls_no_step_and_fails_calls_at_once_when_told(ray, tmp_path):
     """The front's step does not wait for a restarted actor's build (a model load: here until the gate opens);
     with `wait_for_restarts` off a submit needing it raises StageUnavailable at once; then it serves again."""
-    from omni_kernel.errors import StageUnavailable
     from test_workers import drain, retry, within
 
     gate = tmp_path / "gate"
@@ -112,10 +111,10 @@ def test_what_cannot_cross_to_or_from_an_actor_fails_its_own_request(ray):
     with Omni("fake_slow", host=make_host(), placement="ray") as o:
         for prompt, says in cases.items():
             if "input" in prompt:
-                got = within(lambda: o.submit(o.request(prompt)), timeout=20)
+                got = within(lambda prompt=prompt: o.submit(o.request(prompt)), timeout=20)
                 assert isinstance(got, RequestError) and str(got).startswith(says), (prompt, got)
                 continue
-            done = within(lambda: run_all(o, [prompt, "a fine one"]), timeout=20)
+            done = within(lambda prompt=prompt: run_all(o, [prompt, "a fine one"]), timeout=20)
             assert not isinstance(done, Exception), (prompt, done)
             bad, fine = done.values()
             assert isinstance(bad, RequestFailed) and bad.error.startswith(says), (prompt, bad)
