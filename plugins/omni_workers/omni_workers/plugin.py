@@ -8,7 +8,7 @@ import attrs
 from omni_kernel import hookimpl
 from omni_kernel.placement import RunSettings
 
-from .worker import WorkerSpec, default_host_factory
+from .stage_host import WorkerSpec, default_host_factory
 from .workers import ProcessStage, WorkerGroup
 
 

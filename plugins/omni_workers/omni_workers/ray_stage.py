@@ -9,7 +9,7 @@ another actor). Each actor gets its own placement group of one bundle, `NodeSpec
 fails its requests with one error naming the stage and is restarted, `max_restarts` times; the front does not
 wait for the new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
 StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes. Requests, events and a call's
-answer cross as bytes pickled by omni on each side (worker.pack_event, pack_answer), so one that cannot be pickled
+answer cross as bytes pickled by omni on each side (transport.pack_event, pack_answer), so one that cannot be pickled
 or unpickled fails its own request or call, never the actor's stream (which the front would take for its death).
 
 Ray is imported only when a node is placed on it; the kernel stays importable without it.
@@ -37,8 +37,8 @@ from omni_kernel.request import StageInput
 from omni_kernel.placement import RunSettings
 
 from .cores import SHARED
-from .worker import (WAIT_S, StageHost, WorkerSpec, build_stage, pack_answer, pack_event, set_torch_threads,
-                     setup_worker)
+from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .transport import pack_answer, pack_event
 from .workers import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")

@@ -18,7 +18,7 @@ one message (`hand_off`: process then add, in the worker), so the front never wa
 
 What crosses: requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's
 own processes (never anything read from a network socket). The worker pickles each event, and a call's answer, on
-its own inside its message (worker.pack), so one the front cannot unpickle fails its own request or call. A processed input stays in the worker: the process
+its own inside its message (transport.pack), so one the front cannot unpickle fails its own request or call. A processed input stays in the worker: the process
 RPC answers with the item whose `processed` is a `Held` marker. Arrays in `StageOutput.data` (frames) are
 written to a `.npy` file in the run's temporary directory and loaded (then deleted) by the front.
 
@@ -60,8 +60,10 @@ from omni_kernel.placement import RunSettings, check_placement_nodes, parse_plac
 from omni_kernel.request import StageInput
 
 from .cores import SHARED, board, host_cores
+from .stage_host import WorkerSpec
 from .tempdirs import make_dir
-from .worker import THREAD_VARS, WorkerSpec, dumps, unspill
+from .transport import dumps, unspill
+from .worker import THREAD_VARS
 
 log = logging.getLogger("omni")
 
@@ -349,7 +351,7 @@ class ProcessStage(StageProxy):
                 data = conn.recv_bytes()
                 try:
                     message = ForkingPickler.loads(data)
-                except Exception as exc:  # noqa: BLE001 - not expected (worker.pack sends plain data): whose it
+                except Exception as exc:  # noqa: BLE001 - not expected (transport.pack sends plain data): whose it
                     # was is unknown, so the worker is stopped and restarted as if it died, failing what it held
                     self.proc.kill()
                     self._died(starting, f"stopped: the front could not read its message, {type(exc).__name__}: "

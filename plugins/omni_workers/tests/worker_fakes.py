@@ -38,7 +38,7 @@ from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads
-from omni_workers.worker import Spilled
+from omni_workers.transport import Spilled
 
 log = logging.getLogger("omni")
 
