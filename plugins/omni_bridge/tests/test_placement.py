@@ -12,7 +12,7 @@ import pytest
 from omni_kernel import Omni
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished
-from omni_workers.workers import ProcessStage
+from omni_workers.process_stage import ProcessStage
 
 IMAGE = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 PROMPT = "a red fox trotting through fresh snow"

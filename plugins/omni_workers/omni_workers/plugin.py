@@ -9,7 +9,8 @@ from omni_kernel import hookimpl
 from omni_kernel.placement import RunSettings
 
 from .stage_host import WorkerSpec, default_host_factory
-from .workers import ProcessStage, WorkerGroup
+from .process_stage import ProcessStage
+from .proxy import WorkerGroup
 
 
 @attrs.frozen

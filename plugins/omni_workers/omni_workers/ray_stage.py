@@ -39,7 +39,7 @@ from omni_kernel.placement import RunSettings
 from .cores import SHARED
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
 from .transport import pack_answer, pack_event
-from .workers import RemoteEngine, StageProxy, WorkerDied
+from .proxy import RemoteEngine, StageProxy, WorkerDied
 
 log = logging.getLogger("omni")
 START_TIMEOUT_S = 600.0

@@ -32,8 +32,6 @@ from .transport import pack, spill
 
 log = logging.getLogger("omni")
 
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
 
 def die_with_parent() -> None:
     """Linux: the kernel sends SIGKILL to this process when the process that started it dies."""

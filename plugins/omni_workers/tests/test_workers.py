@@ -20,8 +20,9 @@ from omni_kernel import Omni
 from omni_kernel.cli import main
 from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.placement import RunSettings, parse_placement
 from omni_workers.cores import host_cores
-from omni_workers.workers import ProcessStage, RunSettings, parse_placement
+from omni_workers.process_stage import ProcessStage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_fakes import make_host  # noqa: E402
@@ -298,7 +299,7 @@ def test_worker_load_lines_are_printed_once_with_the_stage_prefix(tmp_path):
 
 def test_plan_with_an_unknown_placement_is_a_plugin_error():
     from omni_kernel.graph import NodeSpec, PipelinePlan
-    from omni_workers.workers import check_placement_nodes
+    from omni_kernel.placement import check_placement_nodes
 
     plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
     with pytest.raises(PluginError, match="placement 'gpu'"):
@@ -508,7 +509,7 @@ def test_a_message_the_worker_cannot_read_is_a_worker_fault_not_a_hang():
 def test_a_worker_that_cannot_be_restarted_leaves_its_stage_dead_with_the_reason(monkeypatch):
     """The restart itself fails (no file descriptors left): the stage is dead, saying why, instead of stuck with
     no worker and no error (never restarted, never reported dead)."""
-    import omni_workers.workers as workers_module
+    import omni_workers.spawn as spawn_module
 
     with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process") as o:
         words = o.graph.stages["words"]
@@ -518,7 +519,7 @@ def test_a_worker_that_cannot_be_restarted_leaves_its_stage_dead_with_the_reason
         def no_fds(*args, **kwargs):
             raise OSError(24, "Too many open files")
 
-        monkeypatch.setattr(workers_module, "launch", no_fds)
+        monkeypatch.setattr(spawn_module, "launch", no_fds)
         os.kill(words.proc.pid, signal.SIGKILL)
         done = {}
         deadline = time.monotonic() + 30

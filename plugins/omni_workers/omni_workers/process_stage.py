@@ -1,26 +1,10 @@
 """Stage placement: a stage in its own OS process (`process`) behind a proxy with the Stage contract.
 
 The StageScheduler sees a `ProcessStage` like any Stage and knows nothing of processes. The worker process
-(a fresh interpreter, `python -c`, so the caller's __main__ is never imported again as multiprocessing's spawn
-would) rebuilds its stage from picklable parts: a plugin host (`load_host()` under the same
-OMNI_PLUGINS, or the host's own `rebuild` callable), then `registry.node_types[type].item.factory(node, config)`,
-so models load once, in the worker, and bound methods never cross. The worker runs its engine loop
-continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps its stage while it
-has work and sends the events back (from a sender thread); when idle it blocks on its inbox. The front blocks on every
-worker's pipe at once (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in `Stage.wait`;
-`step()` returns the events received so far.
-
-Input processing: `process`/`check` are calls, so a user error stays synchronous at submit. The worker's
-reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
-denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it
-waits for the step running now: one decode step for an AR entry stage). A downstream input is handed off in
-one message (`hand_off`: process then add, in the worker), so the front never waits at a hand-off.
-
-What crosses: requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's
-own processes (never anything read from a network socket). The worker pickles each event, and a call's answer, on
-its own inside its message (transport.pack), so one the front cannot unpickle fails its own request or call. A processed input stays in the worker: the process
-RPC answers with the item whose `processed` is a `Held` marker. Arrays in `StageOutput.data` (frames) are
-written to a `.npy` file in the run's temporary directory and loaded (then deleted) by the front.
+(spawn.py starts it, worker.py is its loop) rebuilds its stage and runs its engine loop continuously. The front
+blocks on every worker's pipe at once (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in
+`Stage.wait`; `step()` returns the events received so far. `process`/`check` are calls, so a user error stays
+synchronous at submit. What crosses the pipe, and how: transport.py.
 
 Faults: a worker that dies fails its in-flight requests with one error naming the stage (kind runtime) and is
 restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
@@ -28,221 +12,35 @@ worker builds its stage, what the front sends it waits in the proxy (`backlog`),
 pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False (an
 AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits
 when its parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its
-workers at exit. Torch-free: numpy and torch are touched only if a stage's output holds their arrays.
+workers at exit.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
 
 import attrs
 
-from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, StageUnavailable, rebuild
+from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, rebuild
 from omni_kernel.events import StageFailed, StageFinished
-from omni_kernel.graph import NodeSpec
-from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 from omni_kernel.request import StageInput
 
-from .cores import SHARED, board, host_cores
+from .cores import SHARED, board
+from .proxy import RemoteEngine, StageProxy, WorkerDied, WorkerGroup
+from .spawn import start_worker
 from .stage_host import WorkerSpec
-from .tempdirs import make_dir
-from .transport import dumps, unspill
-from .worker import THREAD_VARS
+from .transport import unspill
 
 log = logging.getLogger("omni")
-
-
-class WorkerDied(RequestError):
-    """A stage's worker process exited while it held requests."""
-
-
-@attrs.define
-class RemoteEngine:
-    """What the front knows of a worker's engine: whether it is dead (omni serve reports it)."""
-
-    dead: EngineDead | None = None
-    scheduler: Any = None
-
-
-class WorkerGroup:
-    """The remote stages of one graph: one blocking wait over all their pipes, a temporary
-    directory for spilled arrays, and stopping them all.
-
-    `wait_for_restarts`: a call (process, check) to a stage whose worker is restarting waits until it has built
-    its stage (a script has no other caller to stall); False: it raises StageUnavailable at once, which an AsyncOmni
-    sets, since its one engine thread serves every pipeline and would stall them all for the model load."""
-
-    def __init__(self):
-        self.stages: list = []
-        self.spill_dir = make_dir("run")
-        self.closed = False
-        self.wait_for_restarts = True
-        _LIVE.add(self)
-
-    def add(self, stage) -> None:
-        self.stages.append(stage)
-
-    def wait(self, timeout: float | None) -> bool:
-        """Block until some stage of the group has events (or a worker died); True if any has them now."""
-        if any(s.pending for s in self.stages):
-            return True
-        handles: dict[Any, Any] = {}
-        for stage in self.stages:
-            for handle in stage.handles():
-                handles[handle] = stage
-        if not handles:
-            return False
-        try:
-            ready = multiprocessing.connection.wait(list(handles), timeout)
-        except (OSError, ValueError):
-            ready = list(handles)
-        for handle in ready:
-            handles[handle].pump()
-        return any(s.pending for s in self.stages)
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for stage in self.stages:
-            try:
-                stage.close()
-            except Exception:  # noqa: BLE001 - stop the others anyway
-                log.debug("stopping the worker of %s failed", getattr(stage, "node_id", "?"), exc_info=True)
-        shutil.rmtree(self.spill_dir, ignore_errors=True)
-        _LIVE.discard(self)
-
-
-_LIVE: weakref.WeakSet = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for group in list(_LIVE):
-        group.close()
-
-
-_LAUNCHER: dict[str, Any] = {}
-_LAUNCH_LOCK = threading.Lock()
-
-
-def launch(args, **kwargs) -> subprocess.Popen:
-    """Popen from the main thread or from one long-lived launcher thread: PR_SET_PDEATHSIG fires when the
-    *thread* that started the worker exits, so a worker started from a short-lived thread (an Omni built in a
-    thread, a restart on a server's engine thread) would be killed with it."""
-    if threading.current_thread() is threading.main_thread():
-        return subprocess.Popen(args, **kwargs)
-    with _LAUNCH_LOCK:
-        if "queue" not in _LAUNCHER:
-            _LAUNCHER["queue"] = queue.Queue()
-            threading.Thread(target=_launcher, args=(_LAUNCHER["queue"],), name="omni-worker-launcher",
-                             daemon=True).start()
-    done: queue.Queue = queue.Queue()
-    _LAUNCHER["queue"].put((args, kwargs, done))
-    ok, value = done.get()
-    if not ok:
-        raise value
-    return value
-
-
-def _launcher(requests: queue.Queue) -> None:
-    while True:
-        args, kwargs, done = requests.get()
-        try:
-            done.put((True, subprocess.Popen(args, **kwargs)))
-        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
-            done.put((False, exc))
-
-
-class StageProxy:
-    """The Stage contract shared by ProcessStage and RayStage, over `pending` (events the worker sent back, not
-    yet stepped out) and `held` (requests the worker holds). A subclass provides `pump`, `_call` (an RPC answered
-    between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
-    `_send_abort`."""
-
-    node: NodeSpec
-    pending: list
-    held: set[str]
-    started: float  # when the worker (or actor) now running was started
-    build_s: float | None  # how long the last build took: a restart's expected wait
-    what = "worker"
-
-    def _pickle(self, value) -> bytes:
-        try:
-            return dumps(value)
-        except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
-            raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its {self.what} "
-                               f"({type(exc).__name__}: {exc})") from exc
-
-    def _unreadable(self, what: str, exc: Exception) -> str:
-        return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
-                f"{' '.join(str(exc).split())})")
-
-    def _restarting(self) -> StageUnavailable:
-        left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
-        return StageUnavailable(f"stage {self.node.id!r}: its {self.what} is restarting (it died) and takes requests "
-                                "again once it has built its stage", left)
-
-    @property
-    def node_id(self) -> str:
-        return self.node.id
-
-    def check(self, item: StageInput) -> None:
-        """Answered by the worker at once, beside the step running now (check is model-free)."""
-        self._call("check", item)
-
-    def process(self, item: StageInput) -> StageInput:
-        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
-        return self._call("process", item)
-
-    def add_request(self, item: StageInput) -> None:
-        self._add("add", item)
-
-    def hand_off(self, item: StageInput) -> None:
-        """A downstream input: processed and added in the worker, so the front never waits for a step there."""
-        self._add("hand_off", item)
-
-    def _add(self, kind: str, item: StageInput) -> None:
-        error = self._gone()
-        if error is not None:
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
-            return
-        self.held.add(item.request_id)
-        self._send_add(kind, item)
-
-    def step(self) -> list:
-        self.pump()
-        events, self.pending = self.pending, []
-        return events
-
-    def abort(self, request_id: str) -> None:
-        self.pending = [e for e in self.pending if e.request_id != request_id]
-        if request_id in self.held:
-            self._send_abort(request_id)
-        self.held.discard(request_id)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.pending) or bool(self.held)
-
-    def request_ids(self) -> set[str]:
-        return set(self.held) | {e.request_id for e in self.pending}
-
 
 class ProcessStage(StageProxy):
     """The Stage contract over a worker process (see the module docstring)."""
@@ -276,25 +74,7 @@ class ProcessStage(StageProxy):
     # Lifecycle.
 
     def _start(self) -> None:
-        """A fresh interpreter (not multiprocessing's spawn, which would import the caller's __main__ again)
-        talking over a socketpair as a multiprocessing Connection; its end reads EOF when the worker dies."""
-        front, back = socket.socketpair()
-        env = dict(os.environ)
-        if self.spec.threads:  # shared: the libraries' pools sized for every core, used as the board says
-            for var in THREAD_VARS:
-                env[var] = str(host_cores() if self.spec.threads == SHARED else self.spec.threads)
-        if self.spec.threads == SHARED:  # see cores.py: a step that finds the cores taken must not spin
-            env.setdefault("GOMP_SPINCOUNT", "10000")
-        code = f"from omni_workers.worker import child_main; child_main({back.fileno()})"
-        try:
-            self.proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,
-                               stdin=subprocess.DEVNULL, stdout=2, close_fds=True)
-        except BaseException:
-            front.close()
-            raise
-        finally:
-            back.close()
-        self.conn = multiprocessing.connection.Connection(front.detach())
+        self.proc, self.conn = start_worker(self.spec)
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
         self.conn.send(attrs.evolve(self.spec, parent_pid=os.getpid()))
         self.ready = False
@@ -351,7 +131,7 @@ class ProcessStage(StageProxy):
                 data = conn.recv_bytes()
                 try:
                     message = ForkingPickler.loads(data)
-                except Exception as exc:  # noqa: BLE001 - not expected (transport.pack sends plain data): whose it
+                except Exception as exc:  # noqa: BLE001 - not expected (worker.pack sends plain data): whose it
                     # was is unknown, so the worker is stopped and restarted as if it died, failing what it held
                     self.proc.kill()
                     self._died(starting, f"stopped: the front could not read its message, {type(exc).__name__}: "

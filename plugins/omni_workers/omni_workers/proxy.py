@@ -1,0 +1,169 @@
+"""The front's side of a remote stage: `StageProxy`, the Stage contract shared by ProcessStage (process_stage.py)
+and RayStage (ray_stage.py), and `WorkerGroup`, the remote stages of one graph (one wait, one close)."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing
+import multiprocessing.connection
+import shutil
+import time
+import weakref
+from typing import Any
+
+import attrs
+
+from omni_kernel.errors import EngineDead, RequestError, StageUnavailable
+from omni_kernel.events import StageFailed
+from omni_kernel.graph import NodeSpec
+from omni_kernel.request import StageInput
+
+from .tempdirs import make_dir
+from .transport import dumps
+
+log = logging.getLogger("omni")
+
+
+class WorkerDied(RequestError):
+    """A stage's worker process exited while it held requests."""
+
+
+@attrs.define
+class RemoteEngine:
+    """What the front knows of a worker's engine: whether it is dead (omni serve reports it)."""
+
+    dead: EngineDead | None = None
+    scheduler: Any = None
+
+
+class WorkerGroup:
+    """The remote stages of one graph: one blocking wait over all their pipes, a temporary
+    directory for spilled arrays, and stopping them all.
+
+    `wait_for_restarts`: a call (process, check) to a stage whose worker is restarting waits until it has built
+    its stage (a script has no other caller to stall); False: it raises StageUnavailable at once, which an AsyncOmni
+    sets, since its one engine thread serves every pipeline and would stall them all for the model load."""
+
+    def __init__(self):
+        self.stages: list = []
+        self.spill_dir = make_dir("run")
+        self.closed = False
+        self.wait_for_restarts = True
+        _LIVE.add(self)
+
+    def add(self, stage) -> None:
+        self.stages.append(stage)
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until some stage of the group has events (or a worker died); True if any has them now."""
+        if any(s.pending for s in self.stages):
+            return True
+        handles: dict[Any, Any] = {}
+        for stage in self.stages:
+            for handle in stage.handles():
+                handles[handle] = stage
+        if not handles:
+            return False
+        try:
+            ready = multiprocessing.connection.wait(list(handles), timeout)
+        except (OSError, ValueError):
+            ready = list(handles)
+        for handle in ready:
+            handles[handle].pump()
+        return any(s.pending for s in self.stages)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stage in self.stages:
+            try:
+                stage.close()
+            except Exception:  # noqa: BLE001 - stop the others anyway
+                log.debug("stopping the worker of %s failed", getattr(stage, "node_id", "?"), exc_info=True)
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        _LIVE.discard(self)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for group in list(_LIVE):
+        group.close()
+
+
+class StageProxy:
+    """The Stage contract shared by ProcessStage and RayStage, over `pending` (events the worker sent back, not
+    yet stepped out) and `held` (requests the worker holds). A subclass provides `pump`, `_call` (an RPC answered
+    between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
+    `_send_abort`."""
+
+    node: NodeSpec
+    pending: list
+    held: set[str]
+    started: float  # when the worker (or actor) now running was started
+    build_s: float | None  # how long the last build took: a restart's expected wait
+    what = "worker"
+
+    def _pickle(self, value) -> bytes:
+        try:
+            return dumps(value)
+        except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
+            raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its {self.what} "
+                               f"({type(exc).__name__}: {exc})") from exc
+
+    def _unreadable(self, what: str, exc: Exception) -> str:
+        return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
+                f"{' '.join(str(exc).split())})")
+
+    def _restarting(self) -> StageUnavailable:
+        left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
+        return StageUnavailable(f"stage {self.node.id!r}: its {self.what} is restarting (it died) and takes requests "
+                                "again once it has built its stage", left)
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
+
+    def check(self, item: StageInput) -> None:
+        """Answered by the worker at once, beside the step running now (check is model-free)."""
+        self._call("check", item)
+
+    def process(self, item: StageInput) -> StageInput:
+        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
+        return self._call("process", item)
+
+    def add_request(self, item: StageInput) -> None:
+        self._add("add", item)
+
+    def hand_off(self, item: StageInput) -> None:
+        """A downstream input: processed and added in the worker, so the front never waits for a step there."""
+        self._add("hand_off", item)
+
+    def _add(self, kind: str, item: StageInput) -> None:
+        error = self._gone()
+        if error is not None:
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
+            return
+        self.held.add(item.request_id)
+        self._send_add(kind, item)
+
+    def step(self) -> list:
+        self.pump()
+        events, self.pending = self.pending, []
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self.pending = [e for e in self.pending if e.request_id != request_id]
+        if request_id in self.held:
+            self._send_abort(request_id)
+        self.held.discard(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.pending) or bool(self.held)
+
+    def request_ids(self) -> set[str]:
+        return set(self.held) | {e.request_id for e in self.pending}
