@@ -17,7 +17,6 @@ workers at exit.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -31,11 +30,10 @@ from multiprocessing.reduction import ForkingPickler
 import attrs
 
 from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, rebuild
-from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.request import StageInput
 
 from .cores import SHARED, board
-from .proxy import RemoteEngine, StageProxy, WorkerDied, WorkerGroup
+from .proxy import StageProxy, WorkerDied, WorkerGroup
 from .spawn import start_worker
 from .stage_host import WorkerSpec
 from .transport import unspill
@@ -46,25 +44,14 @@ class ProcessStage(StageProxy):
     """The Stage contract over a worker process (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, group: WorkerGroup, max_restarts: int = 1):
-        self.node = spec.node
-        self.kind = spec.kind
+        super().__init__(spec, group, max_restarts)
         self.spec = attrs.evolve(spec, spill_dir=group.spill_dir)
         self.slot = None
         if spec.threads == SHARED:
             self.slot = board().take()
             self.spec = attrs.evolve(self.spec, cores=(board().path, self.slot))
-        self.group = group
-        self.max_restarts = max_restarts
-        self.restarts = 0
-        self.engine = RemoteEngine()
-        self.pending: list = []  # events received, returned by the next step
-        self.held: set[str] = set()  # request ids the worker holds
         self.replies: dict[int, tuple] = {}
-        self.calls = itertools.count()
-        self.ready = False
         self.backlog: list[bytes] = []  # messages for a worker still building its stage, sent once it is ready
-        self.started = 0.0
-        self.build_s: float | None = None  # how long the last build took: a restart's expected wait
         self.stopped = False  # close() was called: the stage takes no more requests
         self.proc = None
         self.conn = None
@@ -146,16 +133,7 @@ class ProcessStage(StageProxy):
         kind = message[0]
         if kind == "events":
             for request_id, data in message[1]:
-                try:
-                    event = unspill(ForkingPickler.loads(data))
-                except Exception as exc:  # noqa: BLE001 - a class the front lacks, a spill file gone: this request
-                    # only; it stays held, so the abort that comes with its failure stops it in the worker too
-                    self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc),
-                                                    "runtime"))
-                    continue
-                if isinstance(event, (StageFinished, StageFailed)):
-                    self.held.discard(event.request_id)
-                self.pending.append(event)
+                self._take_event(request_id, data)
         elif kind == "reply":
             self.replies[message[1]] = message[2:]
         elif kind == "ready":
@@ -223,10 +201,8 @@ class ProcessStage(StageProxy):
             return EngineDead(f"stage {self.node.id!r}: its worker was stopped (close)")
         return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
 
-    def _fail_held(self, message: str, kind: str) -> None:
-        for rid in sorted(self.held):
-            self.pending.append(StageFailed(rid, self.node.id, message, kind))
-        self.held.clear()
+    def _load_event(self, data: bytes):
+        return unspill(super()._load_event(data))
 
     # Calls answered between the worker's steps.
 
@@ -251,14 +227,7 @@ class ProcessStage(StageProxy):
             except (OSError, ValueError):  # closed meanwhile (close() from another thread): looked at above
                 pass
             self.pump()
-        ok, data = self.replies.pop(call_id)
-        try:
-            value = ForkingPickler.loads(data)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has, in the processed input
-            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
-        if not ok:
-            raise rebuild(*value)
-        return value
+        return self._answer(kind, *self.replies.pop(call_id))
 
     def _send(self, message) -> None:
         self._send_bytes(self._pickle(message))
@@ -278,17 +247,10 @@ class ProcessStage(StageProxy):
         return None
 
     def _send_add(self, kind: str, item: StageInput) -> None:
-        try:
-            data = self._pickle((kind, item))
-        except RequestError as exc:
-            self.held.discard(item.request_id)
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
-            return
-        self._send_bytes(data)
+        data = self._pickle_add(item, (kind, item))
+        if data is not None:
+            self._send_bytes(data)
 
     def _send_abort(self, request_id: str) -> None:
         if self.conn is not None:
             self._send(("abort", request_id))
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.group.wait(timeout)

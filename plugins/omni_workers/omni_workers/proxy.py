@@ -4,9 +4,11 @@ and RayStage (ray_stage.py), and `WorkerGroup`, the remote stages of one graph (
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import pickle
 import shutil
 import time
 import weakref
@@ -14,11 +16,12 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.errors import EngineDead, RequestError, StageUnavailable
-from omni_kernel.events import StageFailed
+from omni_kernel.errors import EngineDead, RequestError, StageUnavailable, rebuild
+from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.graph import NodeSpec
 from omni_kernel.request import StageInput
 
+from .stage_host import WorkerSpec
 from .tempdirs import make_dir
 from .transport import dumps
 
@@ -101,12 +104,21 @@ class StageProxy:
     between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
     `_send_abort`."""
 
-    node: NodeSpec
-    pending: list
-    held: set[str]
-    started: float  # when the worker (or actor) now running was started
-    build_s: float | None  # how long the last build took: a restart's expected wait
     what = "worker"
+
+    def __init__(self, spec: WorkerSpec, group: WorkerGroup, max_restarts: int):
+        self.node: NodeSpec = spec.node
+        self.kind = spec.kind
+        self.group = group
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.engine = RemoteEngine()
+        self.pending: list = []  # events received, returned by the next step
+        self.held: set[str] = set()  # request ids the worker holds
+        self.calls = itertools.count()
+        self.ready = False
+        self.started = 0.0  # when the worker (or actor) now running was started
+        self.build_s: float | None = None  # how long the last build took: a restart's expected wait
 
     def _pickle(self, value) -> bytes:
         try:
@@ -118,6 +130,44 @@ class StageProxy:
     def _unreadable(self, what: str, exc: Exception) -> str:
         return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())})")
+
+    def _pickle_add(self, item: StageInput, value) -> bytes | None:
+        """`value` pickled to add `item`; None where it cannot be: that request alone fails, no longer held."""
+        try:
+            return self._pickle(value)
+        except RequestError as exc:
+            self.held.discard(item.request_id)
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
+            return None
+
+    def _load_event(self, data: bytes):
+        return pickle.loads(data)
+
+    def _take_event(self, request_id: str, data: bytes) -> None:
+        try:
+            event = self._load_event(data)
+        except Exception as exc:  # noqa: BLE001 - a class the front lacks, a spill file gone: this request only;
+            # it stays held, so the abort that comes with its failure stops it in the worker too
+            self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime"))
+            return
+        if isinstance(event, (StageFinished, StageFailed)):
+            self.held.discard(event.request_id)
+        self.pending.append(event)
+
+    def _answer(self, kind: str, ok: bool, data: bytes):
+        """A call's answer, as the worker pickled it: its value, or its error raised (typed)."""
+        try:
+            value = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has, in the processed input
+            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
+        if not ok:
+            raise rebuild(*value)
+        return value
+
+    def _fail_held(self, message: str, kind: str = "runtime") -> None:
+        for rid in sorted(self.held):
+            self.pending.append(StageFailed(rid, self.node.id, message, kind))
+        self.held.clear()
 
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
@@ -167,3 +217,7 @@ class StageProxy:
 
     def request_ids(self) -> set[str]:
         return set(self.held) | {e.request_id for e in self.pending}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block on the bells of every Ray stage and the pipes of every worker process of the graph at once."""
+        return self.group.wait(timeout)

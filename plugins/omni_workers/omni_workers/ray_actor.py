@@ -1,6 +1,7 @@
-"""The body of the Ray actor that hosts one stage (placement `ray`; its proxy in the front is ray_stage.RayStage):
-a StageHost, the engine thread that steps it, and the stream of its events. Nothing here imports Ray: the front
-wraps `StageActor` with `ray.remote` at first use (benchmarks/overlap.py finds the actors' processes by that name).
+"""The Ray actor that hosts one stage (placement `ray`; its proxy in the front is ray_stage.RayStage): its body,
+`StageActor` (a StageHost, the engine thread that steps it, and the stream of its events), and what the front
+needs to make one: Ray itself, imported and connected at first use, and `StageActor` wrapped with `ray.remote`
+(keep the class name: benchmarks/overlap.py finds the actors' processes by it).
 """
 
 from __future__ import annotations
@@ -10,14 +11,43 @@ import logging
 import pickle
 import sys
 import threading
+from typing import Any
 
-from omni_kernel.errors import classify
+from omni_kernel.errors import PluginError, classify
 from omni_kernel.events import StageFailed
 
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
 from .transport import pack_answer, pack_event
 
 log = logging.getLogger("omni")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise PluginError("placement 'ray' needs Ray: pip install 'omni-workers[ray]'") from None
+    return ray
+
+
+def ensure_ray(address: str | None):
+    """Connect to the cluster at `address` (or start a local Ray) once per process."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=True,
+                 logging_level=logging.WARNING)
+    return ray
+
+
+_ACTOR = None
+
+
+def actor_class(ray):
+    """`StageActor` as a Ray actor class, wrapped once per process."""
+    global _ACTOR
+    if _ACTOR is None:
+        _ACTOR = ray.remote(StageActor)
+    return _ACTOR
 
 
 class StageActor:
@@ -181,3 +211,8 @@ class _Reply:
     def append(self, value) -> None:
         self.values.append(value)
         self.done.set()
+
+
+def actor_info() -> dict[str, Any]:
+    """For tests and docs: the Ray version in use."""
+    return {"ray": import_ray().__version__}

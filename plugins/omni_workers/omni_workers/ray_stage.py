@@ -18,7 +18,6 @@ Ray is imported only when a node is placed on it; the kernel stays importable wi
 
 from __future__ import annotations
 
-import itertools
 import logging
 import pickle
 import queue
@@ -26,50 +25,21 @@ import socket
 import sys
 import threading
 import time
-from typing import Any
 
 import attrs
 
 from omni_kernel.errors import EngineDead, PluginError, RequestError, rebuild
-from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.placement import RunSettings
 from omni_kernel.request import StageInput
 
 from .cores import SHARED
-from .proxy import RemoteEngine, StageProxy, WorkerDied
-from .ray_actor import StageActor
+from .proxy import StageProxy, WorkerDied
+from .ray_actor import actor_class, ensure_ray
 from .stage_host import WorkerSpec
 
 log = logging.getLogger("omni")
 START_TIMEOUT_S = 600.0
 STARTED = ("started",)  # the mailbox's word that a restarted actor's build is over (ready, failed or timed out)
-
-
-def import_ray():
-    try:
-        import ray
-    except ImportError:
-        raise PluginError("placement 'ray' needs Ray: pip install 'omni-workers[ray]'") from None
-    return ray
-
-
-def ensure_ray(address: str | None):
-    """Connect to the cluster at `address` (or start a local Ray) once per process."""
-    ray = import_ray()
-    if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, ignore_reinit_error=True, log_to_driver=True,
-                 logging_level=logging.WARNING)
-    return ray
-
-
-_ACTOR = None
-
-
-def _actor_class(ray):
-    global _ACTOR
-    if _ACTOR is None:
-        _ACTOR = ray.remote(StageActor)
-    return _ACTOR
 
 
 class RayStage(StageProxy):
@@ -79,20 +49,9 @@ class RayStage(StageProxy):
 
     def __init__(self, spec: WorkerSpec, group, settings: RunSettings):
         self.ray = ensure_ray(settings.ray_address)
-        self.node = spec.node
-        self.kind = spec.kind
+        super().__init__(spec, group, settings.max_restarts)
         self.spec = attrs.evolve(spec, spill_dir=None)
-        self.group = group
-        self.max_restarts = settings.max_restarts
-        self.restarts = 0
-        self.engine = RemoteEngine()
-        self.pending: list = []
-        self.held: set[str] = set()
         self.actor = None
-        self.ready = False
-        self.started = 0.0
-        self.build_s: float | None = None
-        self.calls = itertools.count()
         # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);
         # what it brings back waits in `mailbox`, and a byte on `bell` wakes the front's one wait over every pipe.
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,7 +77,7 @@ class RayStage(StageProxy):
                        name=None)
         if custom:
             options["resources"] = custom
-        self.actor = _actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
+        self.actor = actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
         self.ready_ref = self.actor.ready.remote()
         self.ready = False
         self.started = time.monotonic()
@@ -233,16 +192,7 @@ class RayStage(StageProxy):
                     self.engine.dead = EngineDead(message[1])
                     continue
                 _, request_id, data = message
-                try:
-                    event = pickle.loads(data)
-                except Exception as exc:  # noqa: BLE001 - a class the front lacks: this request only; it stays held,
-                    # so the abort that comes with its failure stops it in the actor too
-                    self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc),
-                                                    "runtime"))
-                    continue
-                if isinstance(event, (StageFinished, StageFailed)):
-                    self.held.discard(event.request_id)
-                self.pending.append(event)
+                self._take_event(request_id, data)
 
     def _died(self, exc: BaseException) -> None:
         why = type(exc).__name__
@@ -273,11 +223,6 @@ class RayStage(StageProxy):
             self.engine.dead = EngineDead(message)
             self._fail_held(message)
 
-    def _fail_held(self, message: str) -> None:
-        for rid in sorted(self.held):
-            self.pending.append(StageFailed(rid, self.node.id, message, "runtime"))
-        self.held.clear()
-
     # The Stage contract.
 
     def _call(self, kind: str, item: StageInput):
@@ -299,13 +244,7 @@ class RayStage(StageProxy):
                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
             raise WorkerDied(f"stage {self.node.id!r}: its Ray actor died while processing the input") from None
-        try:
-            value = pickle.loads(answer)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class only the actor has, in the processed input
-            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
-        if not ok:
-            raise rebuild(*value)
-        return value
+        return self._answer(kind, ok, answer)
 
     def _gone(self):
         if self.actor is None or self.engine.dead is not None:
@@ -313,23 +252,10 @@ class RayStage(StageProxy):
         return None
 
     def _send_add(self, kind: str, item: StageInput) -> None:
-        try:
-            data = self._pickle(item)
-        except RequestError as exc:
-            self.held.discard(item.request_id)
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
-            return
-        getattr(self.actor, kind).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
+        data = self._pickle_add(item, item)
+        if data is not None:
+            getattr(self.actor, kind).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
 
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:
             self.actor.abort.remote(request_id)
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block on the bells of every Ray stage and the pipes of every worker process of the graph at once."""
-        return self.group.wait(timeout)
-
-
-def actor_info() -> dict[str, Any]:
-    """For tests and docs: the Ray version in use."""
-    return {"ray": import_ray().__version__}
