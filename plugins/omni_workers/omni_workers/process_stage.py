@@ -29,7 +29,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import attrs
 
-from omni_kernel.errors import EngineDead, OmniError, PluginError, RequestError, rebuild
+from omni_kernel.errors import EngineDead, OmniError, RequestError, rebuild
 from omni_kernel.request import StageInput
 
 from .cores import SHARED, board
@@ -137,12 +137,7 @@ class ProcessStage(StageProxy):
         elif kind == "reply":
             self.replies[message[1]] = message[2:]
         elif kind == "ready":
-            if message[1] != self.kind:
-                self.close()
-                raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built "
-                                  f"a stage of kind {message[1]!r}")
-            self.ready = True
-            self.build_s = time.monotonic() - self.started
+            self._built(message[1])
             conn, backlog, self.backlog = self.conn, self.backlog, []
             for data in backlog:
                 if self.conn is not conn:  # it died meanwhile: _died failed what these were for
@@ -172,12 +167,7 @@ class ProcessStage(StageProxy):
             board().clear(self.slot)
         if starting:
             raise self._dead_error(how)
-        if self.restarts < self.max_restarts:
-            self.restarts += 1
-            message = (f"stage {self.node.id!r}: its worker process died ({how}); the request was lost and the "
-                       f"worker restarted ({self.restarts} of {self.max_restarts} restarts)")
-            log.error("%s", message)
-            self._fail_held(message, "runtime")
+        if self._lost(f"worker process died ({how})", "worker"):
             try:
                 self._start()
             except Exception as exc:  # noqa: BLE001 - e.g. no file descriptors or memory left to start one
@@ -187,12 +177,6 @@ class ProcessStage(StageProxy):
                 self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could "
                                               f"not be restarted ({type(exc).__name__}: {exc})")
                 log.error("%s", self.engine.dead)
-        else:
-            message = (f"stage {self.node.id!r}: its worker process died ({how}) and was not restarted "
-                       f"({self.max_restarts} restarts used)")
-            log.error("%s", message)
-            self.engine.dead = EngineDead(message)
-            self._fail_held(message, "runtime")
 
     def _dead_error(self, how: str = "not running") -> OmniError:
         if self.engine.dead is not None:

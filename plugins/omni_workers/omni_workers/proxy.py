@@ -16,7 +16,7 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.errors import EngineDead, RequestError, StageUnavailable, rebuild
+from omni_kernel.errors import EngineDead, PluginError, RequestError, StageUnavailable, rebuild
 from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.graph import NodeSpec
 from omni_kernel.request import StageInput
@@ -168,6 +168,31 @@ class StageProxy:
         for rid in sorted(self.held):
             self.pending.append(StageFailed(rid, self.node.id, message, kind))
         self.held.clear()
+
+    def _built(self, kind: str) -> None:
+        """The worker built its stage: ready, if it is of the kind its node type declares."""
+        if kind != self.kind:
+            self.close()
+            raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
+                              f"stage of kind {kind!r}")
+        self.ready = True
+        self.build_s = time.monotonic() - self.started
+
+    def _lost(self, died: str, who: str) -> bool:
+        """The worker died (`died` says how): its requests fail; True if it is to be restarted, one of
+        `max_restarts`, else the stage is dead."""
+        if self.restarts < self.max_restarts:
+            self.restarts += 1
+            message = (f"stage {self.node.id!r}: its {died}; the request was lost and the {who} restarted "
+                       f"({self.restarts} of {self.max_restarts} restarts)")
+            log.error("%s", message)
+            self._fail_held(message)
+            return True
+        message = f"stage {self.node.id!r}: its {died} and was not restarted ({self.max_restarts} restarts used)"
+        log.error("%s", message)
+        self.engine.dead = EngineDead(message)
+        self._fail_held(message)
+        return False
 
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())

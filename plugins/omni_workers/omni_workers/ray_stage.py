@@ -28,7 +28,7 @@ import time
 
 import attrs
 
-from omni_kernel.errors import EngineDead, PluginError, RequestError, rebuild
+from omni_kernel.errors import EngineDead, RequestError, rebuild
 from omni_kernel.placement import RunSettings
 from omni_kernel.request import StageInput
 
@@ -100,12 +100,7 @@ class RayStage(StageProxy):
         if status[0] == "failed":
             self.close()
             raise rebuild(*status[1:])
-        if status[1] != self.kind:
-            self.close()
-            raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
-                              f"stage of kind {status[1]!r}")
-        self.ready = True
-        self.build_s = time.monotonic() - self.started
+        self._built(status[1])
         threading.Thread(target=self._poller, args=(self.actor,), name=f"omni-ray-poll-{self.node.id}",
                          daemon=True).start()
 
@@ -201,12 +196,7 @@ class RayStage(StageProxy):
             self.ray.kill(actor)  # its stream failed but it may live on
         except Exception:  # noqa: BLE001 - dead already
             log.debug("stage %s: its Ray actor was gone already", self.node.id, exc_info=True)
-        if self.restarts < self.max_restarts:
-            self.restarts += 1
-            message = (f"stage {self.node.id!r}: its Ray actor died ({why}); the request was lost and the actor "
-                       f"restarted ({self.restarts} of {self.max_restarts} restarts)")
-            log.error("%s", message)
-            self._fail_held(message)
+        if self._lost(f"Ray actor died ({why})", "actor"):
             try:
                 self._start()
             except Exception as error:  # noqa: BLE001 - Ray itself is gone
@@ -216,12 +206,6 @@ class RayStage(StageProxy):
                 return
             threading.Thread(target=self._await_start, args=(self.actor, self.ready_ref),
                              name=f"omni-ray-start-{self.node.id}", daemon=True).start()
-        else:
-            message = (f"stage {self.node.id!r}: its Ray actor died ({why}) and was not restarted "
-                       f"({self.max_restarts} restarts used)")
-            log.error("%s", message)
-            self.engine.dead = EngineDead(message)
-            self._fail_held(message)
 
     # The Stage contract.
 
