@@ -57,6 +57,8 @@ class StageStats:
     kv_blocks_total: int | None = None
     kv_blocks_used: int | None = None
     prefix_hit_tokens: int | None = None
+    restarts: int = 0  # of its worker process or Ray actor (placement process or ray)
+    restarting: bool = False  # that worker is building its stage again: requests to it get 503 meanwhile
 
 
 @attrs.frozen
@@ -338,7 +340,9 @@ def _stage_stats(pipeline: str, node_id: str, stage) -> StageStats:
     if blocks is not None and hasattr(blocks, "num_used"):
         kv = {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.num_used,
               "prefix_hit_tokens": getattr(blocks, "hit_tokens", None)}
-    return StageStats(pipeline, node_id, stage.kind, running, waiting, None if dead is None else str(dead), **kv)
+    return StageStats(pipeline, node_id, stage.kind, running, waiting, None if dead is None else str(dead),
+                      restarts=getattr(stage, "restarts", 0), restarting=bool(getattr(stage, "restarting", False)),
+                      **kv)
 
 
 class EventStream:

@@ -41,7 +41,14 @@ class _EngineCollector:
                 used.add_metric(key, s.kv_blocks_used)
                 total.add_metric(key, s.kv_blocks_total)
                 hits.add_metric(key, s.prefix_hit_tokens or 0)
-        yield from (running, waiting, used, total, hits)
+        restarts = CounterMetricFamily("omni_stage_restarts", "restarts of a stage's worker process or Ray actor",
+                                       labels=labels)
+        restarting = GaugeMetricFamily("omni_stage_restarting", "1 while a stage's restarted worker builds its stage",
+                                       labels=labels)
+        for s in snap.stages:
+            restarts.add_metric([s.pipeline, s.node], s.restarts)
+            restarting.add_metric([s.pipeline, s.node], int(s.restarting))
+        yield from (running, waiting, used, total, hits, restarts, restarting)
         errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",
                                      labels=["model", "stage", "kind"])
         for (pipeline, node, kind), count in sorted(snap.errors.items()):

@@ -279,7 +279,8 @@ def create_app(engine: AsyncOmni, settings: ServeSettings) -> FastAPI:
         if snap.dead or dead or not engine.alive:
             reason = snap.dead or "; ".join(f"{n}: {d}" for n, d in dead.items()) or "the engine thread stopped"
             return JSONResponse({"status": "dead", "error": reason, "dead_models": sorted(dead)}, status_code=503)
-        return {"status": "ok", "models": sorted(names), "in_flight": snap.in_flight}
+        restarting = sorted(f"{s.pipeline}/{s.node}" for s in snap.stages if s.restarting)
+        return {"status": "ok", "models": sorted(names), "in_flight": snap.in_flight, "restarting": restarting}
 
     @app.get("/metrics")
     async def prometheus():

@@ -54,7 +54,12 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
             error = refused.json()["error"]
             assert error["code"] == "unavailable" and "stage 'flaky'" in error["message"], error
             assert "restarting" in error["message"] and int(refused.headers["Retry-After"]) >= 1
-            assert http.get("/health").status_code == 200  # restarting is not dead
+            health = http.get("/health")
+            assert health.status_code == 200 and health.json()["restarting"] == ["flaky/flaky"], health.text  # not dead
+            metrics = http.get("/metrics").text
+            assert 'omni_stage_restarts_total{model="flaky",stage="flaky"} 1.0' in metrics
+            assert 'omni_stage_restarting{model="flaky",stage="flaky"} 1.0' in metrics
+            assert 'omni_stage_restarts_total{model="steady",stage="steady"} 0.0' in metrics
 
             streaming.join(30)
             assert not streaming.is_alive() and "".join(text) == " ".join(words)
@@ -66,3 +71,5 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
                 assert time.monotonic() < deadline + 30, r.text
                 time.sleep(0.05)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello there", r.text
+            assert http.get("/health").json()["restarting"] == []
+            assert 'omni_stage_restarting{model="flaky",stage="flaky"} 0.0' in http.get("/metrics").text

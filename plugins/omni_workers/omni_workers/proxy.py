@@ -194,6 +194,11 @@ class StageProxy:
         self._fail_held(message)
         return False
 
+    @property
+    def restarting(self) -> bool:
+        """Its worker is alive but still building its stage (after a restart): calls wait or fail unavailable."""
+        return not self.ready and self._gone() is None
+
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
         return StageUnavailable(f"stage {self.node.id!r}: its {self.what} is restarting (it died) and takes requests "
