@@ -31,6 +31,9 @@ from omni_kernel.events import RequestFailed, RequestFinished, StageFailed
 from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 
+from .snapshot import Snapshot, stage_stats
+from .stream import EventStream
+
 log = logging.getLogger("omni")
 WATCH_S = 1.0  # idle, the stage workers are looked at this often: one that died restarts before the next request
 OnEvent = Callable[[Any], None]
@@ -44,34 +47,6 @@ class ShuttingDown(RequestError):
 class _Flight:
     pipeline: str
     on_event: OnEvent
-
-
-@attrs.frozen
-class StageStats:
-    pipeline: str
-    node: str
-    kind: str
-    running: int
-    waiting: int
-    dead: str | None = None
-    kv_blocks_total: int | None = None
-    kv_blocks_used: int | None = None
-    prefix_hit_tokens: int | None = None
-    restarts: int = 0  # of its worker process or Ray actor (placement process or ray)
-    restarting: bool = False  # that worker is building its stage again: requests to it get 503 meanwhile
-
-
-@attrs.frozen
-class Snapshot:
-    stages: tuple[StageStats, ...] = ()
-    in_flight: int = 0
-    dead: str | None = None
-    steps: int = 0
-    errors: Mapping[tuple[str, str, str], int] = attrs.Factory(dict)  # (pipeline, node, kind) -> count
-    aborted: int = 0
-
-    def pipeline_dead(self, pipeline: str) -> str | None:
-        return self.dead or next((s.dead for s in self.stages if s.pipeline == pipeline and s.dead), None)
 
 
 class AsyncOmni:
@@ -320,67 +295,6 @@ class AsyncOmni:
         stages = []
         for name, omni in self.omnis.items():
             for node_id in omni.graph.order:
-                stages.append(_stage_stats(name, node_id, omni.graph.stages[node_id]))
+                stages.append(stage_stats(name, node_id, omni.graph.stages[node_id]))
         return Snapshot(tuple(stages), len(self._flights), None if self.dead is None else str(self.dead),
                         self._steps, dict(self._errors), self._aborted)
-
-
-def _stage_stats(pipeline: str, node_id: str, stage) -> StageStats:
-    engine = getattr(stage, "engine", None)
-    scheduler = getattr(engine, "scheduler", None)
-    dead = getattr(engine, "dead", None)
-    if scheduler is not None and hasattr(scheduler, "running") and hasattr(scheduler, "waiting"):
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
-    else:
-        held = len(stage.request_ids()) if dead is None else 0
-        batch = getattr(scheduler, "max_batch", held) or held
-        running, waiting = min(held, batch), max(held - batch, 0)
-    blocks = getattr(scheduler, "blocks", None)
-    kv = {}
-    if blocks is not None and hasattr(blocks, "num_used"):
-        kv = {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.num_used,
-              "prefix_hit_tokens": getattr(blocks, "hit_tokens", None)}
-    return StageStats(pipeline, node_id, stage.kind, running, waiting, None if dead is None else str(dead),
-                      restarts=getattr(stage, "restarts", 0), restarting=bool(getattr(stage, "restarting", False)),
-                      **kv)
-
-
-class EventStream:
-    """One submitted request's events, in order, as an async iterator that ends after RequestFinished or
-    RequestFailed. Closing it (`aclose`, leaving `async with`, or cancellation) before the end aborts the
-    request in the engine."""
-
-    def __init__(self, engine: AsyncOmni, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
-        self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.request_id = ""
-        self.done = False
-
-    def put(self, event) -> None:  # engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
-
-    def __aiter__(self) -> EventStream:
-        return self
-
-    async def __anext__(self):
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            event = await self.queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        self.done = isinstance(event, (RequestFinished, RequestFailed))
-        return event
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.engine.abort(self.request_id)
-
-    async def __aenter__(self) -> EventStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()

@@ -1,0 +1,52 @@
+"""EventStream: one request's events, handed over from the engine thread to the asyncio loop of its caller."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from omni_kernel.events import RequestFailed, RequestFinished
+
+if TYPE_CHECKING:
+    from .engine import AsyncOmni
+
+
+class EventStream:
+    """One submitted request's events, in order, as an async iterator that ends after RequestFinished or
+    RequestFailed. Closing it (`aclose`, leaving `async with`, or cancellation) before the end aborts the
+    request in the engine."""
+
+    def __init__(self, engine: AsyncOmni, loop: asyncio.AbstractEventLoop):
+        self.engine = engine
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_id = ""
+        self.done = False
+
+    def put(self, event) -> None:  # engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            event = await self.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        self.done = isinstance(event, (RequestFinished, RequestFailed))
+        return event
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.engine.abort(self.request_id)
+
+    async def __aenter__(self) -> EventStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
