@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from omni_kernel.cli import placement_options
+from omni_kernel.cli_options import placement_options
 from omni_kernel.errors import GraphError, OmniError, UserError
 from omni_kernel.flags import Flag, collect, declared, values
 from omni_kernel.plugins import load_host

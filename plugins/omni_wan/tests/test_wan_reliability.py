@@ -127,12 +127,12 @@ def test_full_disk_is_one_line_and_no_file(tiny_model, image_path, small_fs):
 
 
 def test_failed_trace_write_removes_the_video(tiny_model, image_path, tmp_path, monkeypatch):
-    import omni_kernel.cli as cli
+    import omni_kernel.cli_run as cli_run
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(cli, "write_json", full)
+    monkeypatch.setattr(cli_run, "write_json", full)
     result = wan(tiny_model, image_path, *SMOKE, "--prompt", "x", "--output", str(tmp_path / "v.mp4"),
                  "--trace-json", str(tmp_path / "t.json"))
     assert_one_line(result, 1, "cannot write the trace")

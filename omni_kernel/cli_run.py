@@ -1,0 +1,204 @@
+"""`omni run`: one request through a pipeline, its output and trace. Its model and request flags come from the
+installed node types."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from .cli_options import placement_options
+from .errors import InvalidParameter, OmniError, UserError
+from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
+from .files import check_output_path, remove_outputs, write_json
+from .flags import Flag, collect, values
+from .placement import RunSettings
+from .planner import GraphBuilder, Planner
+from .plugins import load_host
+from .stage_scheduler import StageScheduler
+from .trace import format_trace, jsonable
+
+
+class UserFacingError(click.ClickException):
+    exit_code = 2
+
+
+def run_command(registry) -> click.Command:
+    flags = collect(registry)
+    options = [
+        click.Option(["--pipeline"], required=True, help="Pipeline to run (see `omni pipelines`)."),
+        click.Option(["--prompt"], required=True, help="The user's prompt."),
+        click.Option(["--image"], type=click.Path(), help="Input image, for pipelines that take one."),
+    ]
+    for flag in flags:
+        help = f"{flag.info.help[:1].upper()}{flag.info.help[1:]} [{', '.join(flag.plugins)}]"
+        if flag.info.type is bool:
+            options.append(click.Option([flag.flag, flag.dest], is_flag=True, default=None, help=help))
+        else:
+            kind = click.Choice(flag.info.choices) if flag.info.choices else flag.info.type
+            options.append(click.Option([flag.flag, flag.dest], type=kind, help=help, multiple=flag.info.multiple,
+                                        default=None))
+    options += [
+        click.Option(["-o", "--option", "request_pairs"], multiple=True, metavar="KEY=VALUE",
+                     help="A request parameter of the pipeline's nodes (repeatable), e.g. -o max_tokens=64."),
+        click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
+                     help="A model-level setting of the pipeline's nodes (repeatable), e.g. -c ar_dtype=bf16."),
+        click.Option(["--trace-json"], type=click.Path(), help="Write the finished request's trace to PATH as JSON."),
+        click.Option(["--json", "as_json"], is_flag=True, help="Print the finished request as one JSON object."),
+        *placement_options(),
+    ]
+    by_dest = {f.dest: f for f in flags}
+
+    @click.pass_context
+    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, placement, ray_address,
+            worker_threads, max_restarts, **given):
+        chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
+        settings = {"placement": placement, "ray_address": ray_address, "worker_threads": worker_threads,
+                    "max_restarts": max_restarts}
+        _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
+
+    return RunCommand("run", callback=run, params=options,
+                         help="Run one request through a pipeline and print its output and trace.\n\n"
+                              "Flags name the plugin that declares them; `-o`/`-c` reach every request "
+                              "parameter and config key of the pipeline's node types (docs/plugins.md).")
+
+
+class RunCommand(click.Command):
+    """`omni run`: a flag of a node type that is not installed says which plugin to install."""
+
+    def parse_args(self, ctx, args):
+        args, given = list(args), args  # click's parser consumes the list it is given
+        try:
+            return super().parse_args(ctx, given)
+        except click.NoSuchOption:
+            name = args[args.index("--pipeline") + 1] if "--pipeline" in args[:-1] else None
+            registry = ctx.find_object(dict)["host"].registry  # OmniGroup loaded the host to build this command
+            if name in registry.pipelines:
+                try:
+                    GraphBuilder(registry).validate(registry.pipelines[name].item)
+                except UserError as exc:
+                    raise UserFacingError(_one_line(exc)) from None
+            raise
+
+
+def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,
+         trace_json, as_json: bool, settings: dict | None = None) -> None:
+    host = ctx.obj.get("host") or load_host()
+    graph = None
+    try:
+        run_settings = RunSettings.pop(dict(settings or {}))
+        plan = Planner(host.registry).plan(pipeline)
+        builder = GraphBuilder(host.registry)
+        builder.validate(plan)  # "install omni-wan" says more than "does not use --image"
+        if image is not None and not any("image" in t.inputs for t in host.registry.node_types_of(plan).values()):
+            raise UserError(f"pipeline {pipeline!r} does not use --image")
+        given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
+        if trace_json:  # before any model loads: a bad trace path must not cost the run
+            _check_trace_json(trace_json, given["params"].get("output"))
+        with _signals_interrupt():
+            graph = builder.build(plan, given["config"], run_settings, getattr(host, "rebuild", None))
+            scheduler = StageScheduler(graph)
+            from .request import Request
+
+            request = Request(pipeline, prompt, image=image, params=given["params"])
+            stream = bool(given["params"].get("stream")) and not as_json
+            result, streamed = _drive(scheduler, request, stream)
+            if trace_json:
+                _write_trace(trace_json, result)
+    except UserError as exc:
+        raise UserFacingError(_one_line(exc)) from None
+    except OmniError as exc:
+        raise click.ClickException(_one_line(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; the request was aborted and no partial output was kept") from None
+    finally:
+        if graph is not None:
+            graph.close()
+    if as_json:
+        click.echo(json.dumps(result.to_json(), ensure_ascii=False))
+        return
+    if result.path is not None:
+        click.echo(f"wrote {result.path}")
+    elif not streamed and result.text is not None:
+        click.echo(result.text)
+    click.echo(format_trace(result.trace), err=True)
+
+
+def _check_trace_json(trace_json, output) -> None:
+    target = check_output_path(trace_json, "--trace-json")
+    if output is not None and os.path.realpath(target) == os.path.realpath(Path(output).expanduser()):
+        raise InvalidParameter("--trace-json", f"{str(target)!r} is also the request's output; name another file")
+
+
+def _write_trace(trace_json, result) -> None:
+    """The trace JSON, or one line and none of the request's files: a failed request keeps no output."""
+    try:
+        write_json(trace_json, jsonable(dict(result.trace)))
+    except BaseException as exc:  # a full disk, or a signal while writing
+        removed = remove_outputs(o.path for o in result.outputs.values())
+        if not isinstance(exc, OSError):
+            raise
+        note = f"; removed {', '.join(removed)}" if removed else ""
+        raise OmniError(f"cannot write the trace to {trace_json}: {exc.strerror or exc}{note}") from None
+
+
+@contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP end `omni run` like Ctrl-C: the request is aborted and temporary files are removed."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    names = [getattr(signal, n) for n in ("SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    try:
+        saved = {s: signal.signal(s, interrupt) for s in names}
+    except ValueError:  # not the main thread: leave the handlers alone
+        saved = {}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _drive(scheduler: StageScheduler, request, stream: bool):
+    """Run the request; return its result and whether the final node's text was streamed to stdout."""
+    progress = sys.stderr.isatty()
+    final = scheduler.graph.final
+    streamed: set[str] = set()
+    for event in scheduler.generate_stream(request):
+        if isinstance(event, TokenDelta) and stream:
+            # stdout carries the final node's text only; upstream stages stream to stderr as they go
+            upstream = event.node_id != final
+            click.echo(event.text, nl=False, err=upstream)
+            (sys.stderr if upstream else sys.stdout).flush()
+            streamed.add(event.node_id)
+        elif isinstance(event, StageFinished) and event.node_id in streamed and event.node_id != final:
+            click.echo(err=True)
+        elif isinstance(event, StageProgress) and progress:
+            _progress(event)
+        elif isinstance(event, RequestFinished):
+            if final in streamed:
+                click.echo()
+            return event.result, final in streamed
+        elif isinstance(event, RequestFailed):
+            if final in streamed:
+                click.echo()
+            raise event.exception()
+    raise OmniError("the request ended without a result")
+
+
+def _progress(event: StageProgress) -> None:
+    width = 30
+    filled = width * event.step // max(event.total, 1)
+    end = "\n" if event.step >= event.total else ""
+    sys.stderr.write(f"\r{event.node_id} {event.phase} [{'#' * filled}{'.' * (width - filled)}] "
+                     f"{event.step}/{event.total}{end}")
+    sys.stderr.flush()
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
