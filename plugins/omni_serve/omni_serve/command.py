@@ -69,6 +69,9 @@ def serve_command() -> click.Command:
                      help="Largest request body in MB (413 above)."),
         click.Option(["--allowed-origins"], multiple=True,
                      help="Origins allowed by CORS (repeatable; default: no CORS)."),
+        click.Option(["--max-concurrent-requests", "max_in_flight"], type=click.IntRange(min=0), default=1024,
+                     show_default=True, help="Requests (chats, completions, video jobs) in flight at once; one "
+                                             "more gets 429 with Retry-After (0: no limit)."),
         click.Option(["--shutdown-timeout"], type=float, default=30.0, show_default=True,
                      help="Seconds in-flight requests may finish after SIGTERM/Ctrl-C before they are aborted."),
         click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
@@ -80,7 +83,7 @@ def serve_command() -> click.Command:
 
     @click.pass_context
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, allowed_origins,
-              shutdown_timeout, config_pairs, placement, ray_address, worker_threads, max_restarts, log_level,
+              max_in_flight, shutdown_timeout, config_pairs, placement, ray_address, worker_threads, max_restarts, log_level,
               **given):
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
@@ -88,6 +91,7 @@ def serve_command() -> click.Command:
             run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
                        aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                       max_in_flight=max_in_flight or None,
                        run_settings={"placement": placement, "ray_address": ray_address,
                                      "worker_threads": worker_threads, "max_restarts": max_restarts})
         except UserError as exc:
@@ -147,7 +151,7 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
 
 def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
-               log_level: str, run_settings: dict | None = None) -> None:
+               log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None) -> None:
     import uvicorn
 
     from .engine import AsyncOmni
@@ -170,7 +174,7 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
                             f"(served: {', '.join(plan)})")
         alias_map[name] = target
     started = time.perf_counter()
-    engine = AsyncOmni.build(plan, plugin_host)
+    engine = AsyncOmni.build(plan, plugin_host, max_in_flight)
     for name, omni in engine.omnis.items():
         for node_id in omni.graph.order:
             stage = omni.graph.stages[node_id]

@@ -43,6 +43,10 @@ class ShuttingDown(RequestError):
     """The server is shutting down and admits no new request."""
 
 
+class Overloaded(RequestError):
+    """As many requests as the engine admits are in flight: retry later."""
+
+
 @attrs.define
 class _Flight:
     pipeline: str
@@ -56,10 +60,11 @@ class AsyncOmni:
     from any thread, or `async for event in engine.generate(pipeline, prompt, **params)` from asyncio.
     """
 
-    def __init__(self, omnis: Mapping[str, Omni]):
+    def __init__(self, omnis: Mapping[str, Omni], max_in_flight: int | None = None):
         if not omnis:
             raise InvalidParameter("pipeline", "no pipeline to serve")
         self.omnis = dict(omnis)
+        self.max_in_flight = max_in_flight  # requests submitted and not finished (None: no limit)
         for omni in self.omnis.values():  # one thread serves every pipeline: a call to a restarting stage worker
             workers = omni.graph.workers  # fails at once (503) instead of stalling them all for its model load
             if workers is not None and hasattr(workers, "wait_for_restarts"):
@@ -77,9 +82,11 @@ class AsyncOmni:
         self.snapshot = self._snapshot()
 
     @classmethod
-    def build(cls, pipelines: Mapping[str, tuple[str, Mapping[str, Any]]], host: PluginHost) -> AsyncOmni:
+    def build(cls, pipelines: Mapping[str, tuple[str, Mapping[str, Any]]], host: PluginHost,
+              max_in_flight: int | None = None) -> AsyncOmni:
         """`pipelines`: served name -> (pipeline name, config). One host: a model loads once for all of them."""
-        return cls({name: Omni(pipeline, host=host, **config) for name, (pipeline, config) in pipelines.items()})
+        return cls({name: Omni(pipeline, host=host, **config) for name, (pipeline, config) in pipelines.items()},
+                   max_in_flight)
 
     # Lifecycle.
 
@@ -119,6 +126,10 @@ class AsyncOmni:
         """Requests in flight or queued (call with the condition held)."""
         return bool(self._flights) or any(kind == "submit" for kind, _, _ in self._commands)
 
+    def _in_flight(self) -> int:
+        """Requests admitted and not finished, queued submits included (call with the condition held)."""
+        return len(self._flights) + sum(kind == "submit" for kind, _, _ in self._commands)
+
     # Thread-safe entry points.
 
     def submit_nowait(self, pipeline: str, request: Request, on_event: OnEvent) -> concurrent.futures.Future:
@@ -128,6 +139,10 @@ class AsyncOmni:
         with self._cond:
             if self._stop or not self._admitting:
                 future.set_exception(ShuttingDown("the server is shutting down"))
+                return future
+            if self.max_in_flight is not None and self._in_flight() >= self.max_in_flight:
+                future.set_exception(Overloaded(f"the server has {self.max_in_flight} requests in flight, as many as "
+                                                "it admits (--max-concurrent-requests); retry later"))
                 return future
             self._commands.append(("submit", (pipeline, request, on_event), future))
             self._cond.notify_all()

@@ -22,7 +22,7 @@ NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalt
 KIND_STATUS = {"invalid_parameter": 400, "bad_input": 400, "user": 400, "model": 422, "runtime": 500,
                "engine_dead": 503, "unavailable": 503, "aborted": 503}
 STATUS_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               413: "invalid_request_error", 422: "invalid_request_error", 500: "server_error",
+               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable"}
 
 
@@ -37,7 +37,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or STATUS_TYPE.get(status, "invalid_request_error")
-        self.retry_after = retry_after  # seconds, sent as Retry-After (a stage that is restarting)
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a stage restarting, the server full)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

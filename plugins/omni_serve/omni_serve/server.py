@@ -25,7 +25,7 @@ from omni_kernel.errors import EngineDead, OmniError, RequestError, StageUnavail
 from omni_kernel.events import RequestFailed
 from omni_kernel.params import options_of
 
-from .engine import AsyncOmni, ShuttingDown
+from .engine import AsyncOmni, Overloaded, ShuttingDown
 from .guards import OmniASGI, ServeSettings, until_disconnect
 from .metrics import Metrics
 from .protocol import (NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields,
@@ -62,6 +62,8 @@ def api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ShuttingDown):
         return APIError(503, str(exc), None, "shutting_down")
+    if isinstance(exc, Overloaded):
+        return APIError(429, str(exc), None, "too_many_requests", retry_after=1)
     kind, message, field = classify(exc)
     if isinstance(exc, StageUnavailable):  # its worker is restarting: the same request will do, a little later
         answer = APIError.of_failure(kind, message, field)

@@ -14,7 +14,7 @@ from omni_kernel.errors import EngineDead, InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
-from omni_serve.engine import AsyncOmni, ShuttingDown
+from omni_serve.engine import AsyncOmni, Overloaded, ShuttingDown
 
 
 @pytest.fixture
@@ -163,3 +163,27 @@ def test_shutdown_timeout_aborts_the_rest(host):
     aborted, events = asyncio.run(main())
     assert aborted == 1 and isinstance(events[-1], RequestFailed) and events[-1].kind == "aborted"
     assert not engine.alive
+
+
+def test_a_request_over_the_in_flight_limit_is_refused_and_admitted_once_one_ends(host):
+    with AsyncOmni({"echo": Omni("echo", host=host)}, max_in_flight=2) as engine:
+        long = " ".join(["w"] * 100000)
+
+        async def main():
+            streams = [await engine.open("echo", long) for _ in range(2)]
+            with pytest.raises(Overloaded, match="2 requests in flight"):
+                await engine.open("echo", "one too many")
+            await streams[0].aclose()  # aborts it: its place frees once the engine thread took the abort
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    third = [e async for e in engine.generate("echo", "now there is room")]
+                    break
+                except Overloaded:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.01)
+            await streams[1].aclose()
+            return third
+
+        third = asyncio.run(main())
+        assert isinstance(third[-1], RequestFinished) and third[-1].result.text == "now there is room"
