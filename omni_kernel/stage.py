@@ -13,6 +13,10 @@ class Stage:
     """Generic stage. Plugins subclass it: `process` turns an input into what the model runner needs,
     `postprocess` turns the engine's RequestOutputs into events."""
 
+    # True when `process` reads no state that a step changes (a Wan input: decode the image, resolve settings), so
+    # it may run beside a step: a stage worker then answers it at once instead of after the step running now.
+    concurrent_process = False
+
     def __init__(self, node: NodeSpec, kind: str, engine: Engine):
         self.node = node
         self.kind = kind

@@ -51,6 +51,8 @@ class Denoised:
 
 
 class DiffusionStage(Stage):
+    concurrent_process = True  # an input's processing reads the image and the layout only: never a step's state
+
     def __init__(self, node: NodeSpec, engine: Engine, layout: ModelLayout, default_preset: str):
         super().__init__(node, "diffusion", engine)
         self.layout = layout

@@ -213,7 +213,8 @@ class StageProxy:
         self._call("check", item)
 
     def process(self, item: StageInput) -> StageInput:
-        """Runs in the worker, between two of its steps (so it waits for the step running now)."""
+        """Runs in the worker, between two of its steps (so it waits for the step running now), or beside a step
+        when the stage's `concurrent_process` allows."""
         return self._call("process", item)
 
     def add_request(self, item: StageInput) -> None:

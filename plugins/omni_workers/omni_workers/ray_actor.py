@@ -56,7 +56,8 @@ class StageActor:
     The actor's methods run on Ray's threads and only queue work (`inbox`) or take results (`out`) under a short
     lock; the engine thread alone touches the stage (except `check`, model-free by contract, answered at once) and
     steps it without holding the lock, so a call never starves behind back-to-back steps. `process` is answered
-    by the engine thread between two steps, as in a worker process."""
+    by the engine thread between two steps, as in a worker process (at once when the stage's
+    `concurrent_process` says it may run beside a step)."""
 
     def __init__(self, sys_path: list[str], spec_bytes: bytes):
         for entry in sys_path:  # what the front imports (plugins, test modules), where it exists here
@@ -168,6 +169,8 @@ class StageActor:
     def process(self, kind: str, data: bytes) -> tuple[bool, bytes]:
         if kind == "check":  # model-free by contract: answered now, not after the running step
             return self._answer(self.host.check, data)
+        if self.host.concurrent_process:  # the stage says its input processing may run beside a step
+            return self._answer(self.host.process, data)
         reply: list = []
         done = threading.Event()
         self._queue(("process", data, _Reply(reply, done)))

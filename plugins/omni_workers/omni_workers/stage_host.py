@@ -12,6 +12,7 @@ import collections
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -101,14 +102,21 @@ class StageHost:
         self.stage = stage
         self.node_id = node_id
         self.held: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.held_lock = threading.Lock()  # a concurrent `process` (reader thread) holds inputs beside the engine loop
         self.dead_sent = False
+
+    @property
+    def concurrent_process(self) -> bool:
+        """`process` may be answered beside a step (the stage says so), not only between two."""
+        return bool(getattr(self.stage, "concurrent_process", False))
 
     def process(self, item: StageInput) -> StageInput:
         out = self.stage.process(item)
-        self.held[item.request_id] = out.processed
-        self.held.move_to_end(item.request_id)
-        while len(self.held) > HELD_LIMIT:
-            self.held.popitem(last=False)
+        with self.held_lock:
+            self.held[item.request_id] = out.processed
+            self.held.move_to_end(item.request_id)
+            while len(self.held) > HELD_LIMIT:
+                self.held.popitem(last=False)
         return attrs.evolve(out, processed=Held(item.request_id))
 
     def check(self, item: StageInput) -> None:
@@ -117,10 +125,12 @@ class StageHost:
     def add(self, item: StageInput) -> list:
         """Events at once only when the input is lost; otherwise the stage reports through its own steps."""
         if isinstance(item.processed, Held):
-            if item.request_id not in self.held:
+            with self.held_lock:
+                processed = self.held.pop(item.request_id, None)
+            if processed is None:
                 return [StageFailed(item.request_id, self.node_id, f"stage {self.node_id!r} lost the processed input "
                                                                    "of this request", "runtime")]
-            item = attrs.evolve(item, processed=self.held.pop(item.request_id))
+            item = attrs.evolve(item, processed=processed)
         try:
             self.stage.add_request(item)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
@@ -136,7 +146,8 @@ class StageHost:
         return self.add(item)
 
     def abort(self, request_id: str) -> None:
-        self.held.pop(request_id, None)
+        with self.held_lock:
+            self.held.pop(request_id, None)
         self.stage.abort(request_id)
 
     def step(self) -> list:

@@ -5,7 +5,8 @@ runs its engine loop continuously: it drains its inbox (add_request / hand_off /
 its stage while it has work and sends the events back (from a sender thread); when idle it blocks on its inbox.
 Its reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
 denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it waits
-for the step running now: one decode step for an AR entry stage). A downstream input is handed off in one message
+for the step running now: one decode step for an AR entry stage), or at once too when the stage's
+`concurrent_process` says it may run beside a step (Wan's). A downstream input is handed off in one message
 (`hand_off`: process then add, in the worker), so the front never waits at a hand-off. A worker exits when its
 parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on the front's `close()`.
 """
@@ -99,12 +100,13 @@ def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
 
 
 def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -> None:
-    """Reads the front's messages as they come: `check` (model-free by contract) is answered at once, not after
-    the running step; everything else goes to the engine loop, which takes it between two steps."""
+    """Reads the front's messages as they come: `check` (model-free by contract), and `process` of a stage whose
+    `concurrent_process` says it may run beside a step, are answered at once, not after the running step;
+    everything else goes to the engine loop, which takes it between two steps."""
     try:
         while True:
             message = conn.recv()
-            if message[0] == "check":
+            if message[0] == "check" or (message[0] == "process" and host.concurrent_process):
                 outbox.put(_handle(host, message))
                 continue
             inbox.put(message)

@@ -121,3 +121,29 @@ def test_what_cannot_cross_to_or_from_an_actor_fails_its_own_request(ray):
             assert isinstance(fine, RequestFinished) and fine.result.text == "rendered 3 words"
         assert [s.restarts for s in o.graph.stages.values()] == [0, 0]
         assert within(lambda: o.generate("after all that").text) == "rendered 3 words"
+
+
+def test_an_actor_answers_a_concurrent_process_while_its_step_runs(ray, tmp_path):
+    """As with a worker process: `process` of a stage that may process beside a step (`concurrent_process`, as
+    Wan's) is answered on Ray's thread at once, not after the step running now."""
+    import threading
+    import time
+
+    gate = tmp_path / "gate"
+    with Omni("fake_video", host=make_host(), placement="ray") as o:
+        held = o.submit(o.request(f"hold={gate} one"))
+        deadline = time.monotonic() + 30
+        while not gate.with_suffix(".started").exists():
+            assert time.monotonic() < deadline
+            o.step()
+            time.sleep(0.01)
+        got: list = []
+        caller = threading.Thread(target=lambda: got.append(o.submit(o.request("two words"))), daemon=True)
+        caller.start()
+        caller.join(10)
+        assert not caller.is_alive() and not gate.exists(), "the submit waited for the step"
+        gate.touch()
+        done = {}
+        while o.has_unfinished():
+            done.update({e.request_id: e.result.text for e in o.step() if isinstance(e, RequestFinished)})
+        assert done == {held: "rendered 2 words", got[0]: "rendered 2 words"}

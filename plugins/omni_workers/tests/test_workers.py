@@ -681,3 +681,23 @@ def test_a_new_front_removes_the_temporary_directories_of_fronts_that_are_gone(t
         live.stdin.close()
         live.wait(20)
     assert not any(d.exists() for d in live_dirs)  # its own close and exit
+
+
+def test_a_stage_that_may_process_beside_a_step_answers_a_submit_while_its_step_runs(tmp_path):
+    """An entry stage whose input processing touches no state a step uses (`concurrent_process`, as Wan's): its
+    worker answers the submit's `process` at once, not after the step running now (a denoise step can take
+    seconds), so the front (omni serve's one engine thread) never waits for a step of it."""
+    gate = tmp_path / "gate"
+    with Omni("fake_video", host=make_host(), placement="process") as o:
+        held = o.submit(o.request(f"hold={gate} one"))
+        deadline = time.monotonic() + 30
+        while not gate.with_suffix(".started").exists():  # its step now waits for the gate
+            assert time.monotonic() < deadline
+            o.step()
+            time.sleep(0.01)
+        second = within(lambda: o.submit(o.request("two words")), timeout=10)
+        assert isinstance(second, str) and not gate.exists(), second  # answered while the step still waits
+        gate.touch()
+        done = within(lambda: drain(o))
+        finished = {e.request_id: e.result.text for e in done if isinstance(e, RequestFinished)}
+        assert finished == {held: "rendered 2 words", second: "rendered 2 words"}

@@ -1,7 +1,8 @@
 """A fake plugin for the stage-worker tests: importable by name in a spawned worker (no torch, no model).
 
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
-the word count), each step sleeping `policy["sleep_ms"]`. A prompt with "crash" kills the worker process in a
+the word count), each step sleeping `policy["sleep_ms"]`; `fake_video` is `render` alone (its entry stage, with
+`concurrent_process` on). A prompt with "crash" kills the worker process in a
 step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
@@ -115,10 +116,12 @@ class WordsStage(Stage):
 
 class RenderStage(Stage):
     """A prompt with "background" finishes 0.3 s after its last step, as if exported on a thread (Wan's MP4):
-    `wait` blocks until then, and the trace counts the steps taken meanwhile (`render.idle_steps`)."""
+    `wait` blocks until then, and the trace counts the steps taken meanwhile (`render.idle_steps`). Its `process`
+    only counts words, so it may run beside a step: `policy["concurrent_process"]` says so (as Wan's does)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.concurrent_process = bool(self.node.policy.get("concurrent_process", False))
         self.background: dict[str, tuple[float, StageFinished]] = {}
         self.idle_steps = 0
 
@@ -275,6 +278,8 @@ class FakePlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(self.plan)
+        register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy={"concurrent_process": True},
+                                                      final=True)]))
 
 
 def make_host(sleep_ms: float = 0, words_placement: str | None = None) -> PluginHost:
