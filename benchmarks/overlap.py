@@ -6,8 +6,8 @@ milliseconds rather than Python overhead). The workload: a burst of 8 `qwen_to_w
 t=0) whose AR budgets are evenly staggered (longest/16, 3 longest/16, ... 15 longest/16), so the AR stage hands
 requests to the diffusion stage one after another while it decodes the longer ones. `longest` is calibrated on
 the `process` placement so that, over the whole burst, the AR worker's busy time (CPU seconds, one torch thread)
-matches the diffusion worker's with its ffmpeg: AR and diffusion cost about the same per request, as served (both stages batch,
-so a one-request calibration would leave one stage the bottleneck and nothing to overlap). Every placement
+matches the diffusion worker's with its ffmpeg: AR and diffusion cost about the same per request, as served
+(both stages batch, so a one-request calibration would leave one stage the bottleneck and nothing to overlap). Every placement
 runs one full burst before it is measured (`process`: the calibration runs).
 
 - `overlap_throughput_ratio`: the burst's throughput with `process` placement over `inproc`. Threads: process,
@@ -278,6 +278,7 @@ def main() -> None:
     video_node = process.graph.order[-1]
     workload(inproc, tokens, 0.0, steps, out, "warm")  # warmed by one burst, as process was by calibration
     workload(shared, tokens, 0.0, steps, out, "swarm")
+
     def burst(kind: str, r: int):
         torch.set_num_threads(1 if kind == "inproc_1t" else 2)
         if kind.startswith("inproc"):

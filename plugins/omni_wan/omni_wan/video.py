@@ -27,7 +27,7 @@ def to_uint8(frames: np.ndarray) -> np.ndarray:
 
 def write_mp4(frames: np.ndarray, path: str | Path, fps: int, quality: int = 8, preset: str = "veryfast") -> Path:
     """frames: (num_frames, height, width, 3), float in [0, 1] or uint8. The x264 `preset` trades CPU for file
-    size, not quality (that is the CRF, from `quality`): veryfast took 2-4x less CPU than ffmpeg's medium on the
+    size, not quality (that is the CRF, from `quality`): veryfast took 1.4-4x less CPU than ffmpeg's medium on the
     runtime's videos (docs/wan.md)."""
     path = Path(path)
     pixels = frames if frames.dtype == np.uint8 else to_uint8(frames)
