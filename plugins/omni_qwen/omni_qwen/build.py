@@ -7,6 +7,7 @@ Both KV backends run under the same scheduler and runner. The pool is sized from
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable
 
@@ -72,7 +73,8 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
                             max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
     runner = ARModelRunner(backend, context_window, capacity)
-    inputs = ARInputProcessor(lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
+    own = _own_tokenizer(lm)
+    inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
     model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)
@@ -81,4 +83,18 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
         f"({capacity * per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency {capacity / context_window:.1f} "
         f"requests at the full {context_window}-token context; up to {max_num_seqs} sequences and "
         f"{config.ar_max_num_batched_tokens} tokens per step; prefix caching {'on' if caching else 'off'}")
-    return ARStage(node, Engine(scheduler, runner), inputs, outputs, summary)
+    stage = ARStage(node, Engine(scheduler, runner), inputs, outputs, summary)
+    stage.concurrent_process = own is not None
+    return stage
+
+
+def _own_tokenizer(lm: CausalLM):
+    """A copy of the model's tokenizer for input processing alone, so a stage worker may tokenize a new request
+    beside a step that decodes with the model's (a Hugging Face fast tokenizer used from two threads at once can
+    fail with "Already borrowed"); None if it cannot be copied: then processing waits for the steps."""
+    try:
+        return copy.deepcopy(lm.tokenizer)
+    except Exception:  # noqa: BLE001 - a custom (trust_remote_code) tokenizer may not copy
+        log.debug("the tokenizer of %s cannot be copied: input processing waits for the steps", lm.path,
+                  exc_info=True)
+        return None

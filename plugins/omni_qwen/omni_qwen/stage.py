@@ -24,7 +24,8 @@ log = logging.getLogger("omni")
 
 class ARStage(Stage):
     """An AR node. `process` tokenizes and checks a request once; the engine's scheduler stops it at EOS, its
-    budget or the context window; `postprocess` streams its text and stops it on a stop string."""
+    budget or the context window; `postprocess` streams its text and stops it on a stop string. `process` may
+    run beside a step (`concurrent_process`, set by build.py) when it has a tokenizer of its own."""
 
     def __init__(self, node: NodeSpec, engine: Engine, inputs: ARInputProcessor, outputs: AROutputProcessor,
                  summary: str):

@@ -37,7 +37,13 @@ def test_model_loads_once_per_path(host, tiny_ckpt):
     plan = PipelinePlan("two", [NodeSpec("a", "ar.prompt_bridge"), NodeSpec("b", "ar.text_generation", final=True)])
     graph = GraphBuilder(host.registry).build(plan, {"ar_model": str(tiny_ckpt), "ar_device": "cpu"})
     a, b = graph.stages["a"], graph.stages["b"]
-    assert a.inputs.tokenizer is b.inputs.tokenizer
+    lm = a.outputs.decode.__self__
+    assert b.outputs.decode.__self__ is lm  # one CausalLM (model and tokenizer), owned by the plugin
+    # each stage tokenizes with a copy of its own, so a stage worker may process an input beside a step that
+    # decodes with the model's tokenizer (a fast tokenizer used from two threads can fail "Already borrowed")
+    assert len({id(lm.tokenizer), id(a.inputs.tokenizer), id(b.inputs.tokenizer)}) == 3
+    assert a.concurrent_process and b.concurrent_process
+    assert a.inputs.tokenizer.encode("a red fox") == lm.tokenizer.encode("a red fox")
     assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedQwen2, owned by the plugin
     assert a.engine.runner.backend.pool is not b.engine.runner.backend.pool  # each stage its own KV pool
 
