@@ -6,7 +6,7 @@ its stage while it has work and sends the events back (from a sender thread); wh
 Its reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
 denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it waits
 for the step running now: one decode step for an AR entry stage), or at once too when the stage's
-`concurrent_process` says it may run beside a step (Wan's). A downstream input is handed off in one message
+`concurrent_process` says it may run beside a step (Wan's, the AR stages'). A downstream input is handed off in one message
 (`hand_off`: process then add, in the worker), so the front never waits at a hand-off. A worker exits when its
 parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on the front's `close()`.
 """
