@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,3 +133,33 @@ def fuzz(url: str, headers: dict | None = None, max_examples: int = 12, bodies: 
         run()
         checked.append(f"{operation.method.upper()} {operation.path}")
     return checked
+
+
+class BackgroundChat:
+    """A streaming chat through the official client on a thread of its own: `texts` and `times` (monotonic) of
+    its deltas as they come; `started()` waits for the first."""
+
+    def __init__(self, client, model: str, content: str):
+        self.texts: list[str] = []
+        self.times: list[float] = []
+        self.thread = threading.Thread(target=self._run, args=(client, model, content), daemon=True)
+        self.thread.start()
+
+    def _run(self, client, model: str, content: str) -> None:
+        for chunk in client.chat.completions.create(model=model, stream=True,
+                                                    messages=[{"role": "user", "content": content}]):
+            if chunk.choices and chunk.choices[0].delta.content:
+                self.times.append(time.monotonic())
+                self.texts.append(chunk.choices[0].delta.content)
+
+    def started(self, timeout: float = 30) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.texts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return bool(self.texts)
+
+    def join(self, timeout: float = 30) -> str:
+        """Its whole text, once it ended (a failure if it is still streaming after `timeout`)."""
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"the chat still streams after {timeout}s"
+        return "".join(self.texts)

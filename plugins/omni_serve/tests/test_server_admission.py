@@ -3,13 +3,10 @@ others go on, and once one ends the next is admitted."""
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import openai
 from click.testing import CliRunner
-from serving import running
+from serving import BackgroundChat, running
 
 from omni_kernel.cli import main
 
@@ -18,21 +15,9 @@ def test_a_request_over_the_limit_gets_429_and_the_next_one_after_is_served(tmp_
     args = ["--pipeline", "steady", "--max-concurrent-requests", "1"]
     with running(args, tmp_path / "server.log", plugins=("restart_plugin:RestartPlugin",)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        words = [f"w{i}" for i in range(50)]  # 1 s at 20 ms a word
-        text: list[str] = []
-
-        def stream():
-            for chunk in client.chat.completions.create(model="steady", stream=True,
-                                                        messages=[{"role": "user", "content": " ".join(words)}]):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    text.append(chunk.choices[0].delta.content)
-
-        streaming = threading.Thread(target=stream, daemon=True)
-        streaming.start()
-        deadline = time.monotonic() + 30
-        while not text and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert text, server.output()
+        words = " ".join(f"w{i}" for i in range(50))  # 1 s at 20 ms a word
+        chat = BackgroundChat(client, "steady", words)
+        assert chat.started(), server.output()
 
         with httpx.Client(base_url=server.url, timeout=10) as http:
             body = {"model": "steady", "messages": [{"role": "user", "content": "hello there"}]}
@@ -42,8 +27,7 @@ def test_a_request_over_the_limit_gets_429_and_the_next_one_after_is_served(tmp_
             assert error["code"] == "too_many_requests" and "1 requests in flight" in error["message"], error
             assert refused.headers["Retry-After"] == "1"
 
-            streaming.join(30)
-            assert not streaming.is_alive() and "".join(text) == " ".join(words)  # the one in flight went on
+            assert chat.join() == words  # the one in flight went on
             served = http.post("/v1/chat/completions", json=body)
             assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"] == "hello there"
             assert 'omni_http_requests_total{route="/v1/chat/completions",status="429"} 1.0' in http.get("/metrics").text

@@ -8,12 +8,11 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
 import time
 
 import httpx
 import openai
-from serving import running
+from serving import BackgroundChat, running
 
 
 def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tmp_path):
@@ -21,23 +20,10 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
     args = ["--pipeline", "steady", "--pipeline", "flaky", "--placement", "process", "-c", f"flaky_gate={gate}"]
     with running(args, tmp_path / "server.log", plugins=("restart_plugin:RestartPlugin",)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        words = [f"w{i}" for i in range(150)]  # 3 s at 20 ms a word
-        chunks: list[float] = []
-        text: list[str] = []
-
-        def stream():
-            for chunk in client.chat.completions.create(model="steady", stream=True,
-                                                        messages=[{"role": "user", "content": " ".join(words)}]):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    chunks.append(time.monotonic())
-                    text.append(chunk.choices[0].delta.content)
-
-        streaming = threading.Thread(target=stream, daemon=True)
-        streaming.start()
+        words = " ".join(f"w{i}" for i in range(150))  # 3 s at 20 ms a word
+        chat = BackgroundChat(client, "steady", words)
+        assert chat.started(), server.output()
         deadline = time.monotonic() + 30
-        while not chunks and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert chunks, server.output()
 
         (flaky,) = re.findall(r"omni\[flaky\]: loading flaky \(pid (\d+)\)", server.output())
         gate.touch()
@@ -61,9 +47,8 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
             assert 'omni_stage_restarting{model="flaky",stage="flaky"} 1.0' in metrics
             assert 'omni_stage_restarts_total{model="steady",stage="steady"} 0.0' in metrics
 
-            streaming.join(30)
-            assert not streaming.is_alive() and "".join(text) == " ".join(words)
-            assert chunks[-1] > answered  # the stream went on while the flaky worker was loading
+            assert chat.join() == words
+            assert chat.times[-1] > answered  # the stream went on while the flaky worker was loading
             assert len(re.findall(r"omni\[flaky\]: loading", server.output())) == 1  # still loading
 
             gate.unlink()
