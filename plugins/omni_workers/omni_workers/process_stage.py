@@ -40,6 +40,7 @@ from .transport import unspill
 
 log = logging.getLogger("omni")
 
+
 class ProcessStage(StageProxy):
     """The Stage contract over a worker process (see the module docstring)."""
 
