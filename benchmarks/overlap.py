@@ -18,7 +18,12 @@ runs one full burst before it is measured (`process`: the calibration runs).
   and with 1; the ratios are taken against the faster inproc run of each round
   (`overlap_throughput_ratio_vs_inproc_2t` against 2 threads). `single_request_s`: one request (the longest
   budget) alone, per round. `overlap_throughput_ratio_bound`: the inproc burst over `floor_s`, the shortest
-  burst any overlap of the two workers could reach (see `floor_s`): what a perfect pipeline would score here.
+  burst any overlap of the two workers could reach (see `floor_s`): what a perfect pipeline would score here
+  (`_no_fill`: the same floor without the fill). Why it is where it is: `second_thread_speedup`, each stage's
+  work alone in one process at 1 thread over 2 threads (the AR stage's burst; `n` requests of the diffusion
+  stage one after another); `overlap_throughput_ratio_stages`, a perfect overlap with no fill and no tail
+  against a baseline that runs each stage at that speed; `inproc_switching_cost`, the inproc burst over its two
+  stages' work alone, both at 2 threads (the baseline's loss from taking turns).
 - `itl_p99_under_video_ratio`: a streaming `ar_text` chat's inter-token latency p99 while a `wan_i2v` job
   denoises (the chat starts 0.15 s after it; the video's steps are set from a two-point timing so that its
   denoising outlasts the chat, and `itl_video_outlasted_chat` says it did), over the chat alone, both with
@@ -163,13 +168,48 @@ def busy(omni, run) -> tuple[float, dict[str, float]]:
     return elapsed, {node: cpu_s(s.proc.pid) - before[node] for node, s in stages.items()}
 
 
-def floor_s(burst_cpu: dict[str, float], tail_cpu: float, tail_s: float) -> float:
-    """The shortest burst any overlap could reach: the last request's diffusion cannot start before its AR stage
-    is done, so at best every other piece of work runs with both cores busy at one thread each (the fixed split's
-    CPU seconds, over 2) and then that diffusion runs alone on both cores (`tail_s`: a lone request's time after
-    its AR stage, shared cores; `tail_cpu`: its diffusion worker's CPU seconds at one thread). Fill (nothing for
-    the diffusion stage until the first request leaves the AR stage) is left out, so the floor is optimistic."""
-    return (sum(burst_cpu.values()) - tail_cpu) / 2 + tail_s
+def floor_s(burst_cpu: dict[str, float], tail_cpu: float, tail_s: float, fill_cpu: float = 0.0,
+            fill_s: float = 0.0) -> float:
+    """The shortest burst any overlap could reach. The diffusion stage has nothing to do until the first request
+    leaves the AR stage (the fill: `fill_s` with the AR worker alone on both cores, shared cores; `fill_cpu`: its
+    CPU seconds at one thread, the fixed split's time to its first hand-off), and the last request's diffusion
+    cannot start before its AR stage is done (the tail: `tail_s`, a lone request's time after its AR stage, shared
+    cores; `tail_cpu`: its diffusion worker's CPU seconds at one thread). At best every other piece of work runs
+    with both cores busy at one thread each (the fixed split's CPU seconds, over 2). With the fill left out (the
+    defaults), the floor is more optimistic still."""
+    return fill_s + (sum(burst_cpu.values()) - fill_cpu - tail_cpu) / 2 + tail_s
+
+
+def thread_times(run, reverse: bool = False) -> tuple[float, float]:
+    """`run()`'s time with torch at 1 thread and at 2 (one process; `reverse`: the 2-thread run first)."""
+    import torch
+
+    times = {}
+    for threads in ((2, 1) if reverse else (1, 2)):
+        torch.set_num_threads(threads)
+        times[threads] = run()
+    torch.set_num_threads(2)
+    return times[1], times[2]
+
+
+def ar_burst(ar, tokens: list[int]) -> float:
+    """The burst's AR stage alone: the same prompts and budgets on an `ar_text` pipeline."""
+    return drive_time([ar], [(0.0, ar, ar.request(f"a red fox in the snow, take {i}", max_tokens=t, ignore_eos=True,
+                                                  seed=i)) for i, t in enumerate(tokens)])
+
+
+def diffusion_alone(video, steps: int, out: Path, n: int = 4) -> float:
+    """`n` `wan_i2v` requests one after another, each alone in the stage, as the burst's hand-offs mostly come."""
+    return sum(video_time(video, steps, out) for _ in range(n))
+
+
+def stage_ratio(burst_cpu: dict[str, float], order, speedup: dict[str, float]) -> float:
+    """What a perfect overlap would score with no fill and no tail, against an inproc baseline that ran each
+    stage's work at the speed the second thread gives that stage alone (`speedup`; the stage's CPU seconds at 1
+    thread over it) and lost nothing by switching between the stages."""
+    ar_cpu, video_cpu = burst_cpu[order[0]], burst_cpu[order[-1]]
+    inproc = ar_cpu / speedup["ar"] + video_cpu / speedup["diffusion"]
+    return inproc / ((ar_cpu + video_cpu) / 2)
 
 
 def calibrate(process, n: int, steps: int, out: Path) -> tuple[list[int], dict]:
@@ -224,11 +264,15 @@ def itl_p99(chat, video, max_tokens: int, steps: int, out: Path) -> tuple[float,
     return gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], times[-1] - times[0], covered
 
 
-def video_time(video, steps: int, out: Path) -> float:
+def drive_time(omnis, submits) -> float:
     start = time.perf_counter()
-    drive([video], [(0.0, video, video.request("a fox", image=IMAGE, num_inference_steps=steps, seed=1,
-                                               output=str(out / f"vt_{time.time_ns()}.mp4"), **VIDEO))])
+    drive(omnis, submits)
     return time.perf_counter() - start
+
+
+def video_time(video, steps: int, out: Path) -> float:
+    return drive_time([video], [(0.0, video, video.request("a fox", image=IMAGE, num_inference_steps=steps, seed=1,
+                                                           output=str(out / f"vt_{time.time_ns()}.mp4"), **VIDEO))])
 
 
 def bench_ar_model() -> str:
@@ -279,12 +323,21 @@ def main() -> None:
     workload(inproc, tokens, 0.0, steps, out, "warm")  # warmed by one burst, as process was by calibration
     workload(shared, tokens, 0.0, steps, out, "swarm")
 
+    ar_alone = Omni("ar_text", ar_model=ar_model)
+    video_alone = Omni("wan_i2v", device="cpu")
+    ar_burst(ar_alone, tokens)
+    diffusion_alone(video_alone, steps, out, 1)
+    speedups = {"ar": [], "diffusion": []}  # per round: inproc, 1 thread over 2, each stage's work alone
+    switching = []  # per round: the inproc burst at 2 threads over its two stages' work run alone at 2 threads
+    firsts = {"process": {}, "process_fixed_split": {}}  # the latest round's AR finish times per request
+
     def burst(kind: str, r: int):
         torch.set_num_threads(1 if kind == "inproc_1t" else 2)
         if kind.startswith("inproc"):
             return workload(inproc, tokens, 0.0, steps, out, f"{kind}{r}"), None
         omni = shared if kind == "process" else process
-        return busy(omni, partial(workload, omni, tokens, 0.0, steps, out, f"{kind}{r}"))
+        firsts[kind] = {}
+        return busy(omni, partial(workload, omni, tokens, 0.0, steps, out, f"{kind}{r}", firsts[kind]))
 
     for r in range(pairs):
         order = ["inproc_2t", "process", "inproc_1t", "process_fixed_split"]
@@ -293,14 +346,26 @@ def main() -> None:
         (a2, _), (b, cpu), (a1, _), (f, cpu_f) = (got[kind] for kind in order)
         for key, value in (("inproc_2t", a2), ("inproc_1t", a1), ("process", b), ("process_fixed_split", f)):
             times[key].append(value)
+        ar1, ar2 = thread_times(partial(ar_burst, ar_alone, tokens), reverse=r % 2 == 1)
+        video1, video2 = thread_times(partial(diffusion_alone, video_alone, steps, out, n), reverse=r % 2 == 1)
+        speedups["ar"].append(ar1 / ar2)
+        speedups["diffusion"].append(video1 / video2)
+        switching.append(a2 / (ar2 + video2))
         lone["inproc_2t"].append(workload(inproc, tokens[-1:], 0.0, steps, out, f"li{r}"))
         ends: dict[int, float] = {}
         lone["process"].append(workload(shared, tokens[-1:], 0.0, steps, out, f"ls{r}", ends))
         lone_f, cpu_lone = busy(process, partial(workload, process, tokens[-1:], 0.0, steps, out, f"lf{r}"))
         lone["process_fixed_split"].append(lone_f)
-        floor = floor_s(cpu_f, cpu_lone[video_node], lone["process"][-1] - ends[0])
-        bounds.append({"floor_s": round(floor, 3), "tail_s": round(lone["process"][-1] - ends[0], 3),
-                       "ratio_bound": round(min(a1, a2) / floor, 3)})
+        tail_s = lone["process"][-1] - ends[0]
+        fill_s, fill_cpu = min(firsts["process"].values()), min(firsts["process_fixed_split"].values())
+        floor = floor_s(cpu_f, cpu_lone[video_node], tail_s, fill_cpu, fill_s)
+        floor_no_fill = floor_s(cpu_f, cpu_lone[video_node], tail_s)
+        bounds.append({"floor_s": round(floor, 3), "fill_s": round(fill_s, 3), "fill_cpu_s": round(fill_cpu, 3),
+                       "tail_s": round(tail_s, 3), "tail_cpu_s": round(cpu_lone[video_node], 3),
+                       "burst_cpu_s": round(sum(cpu_f.values()), 3), "ratio_bound": round(min(a1, a2) / floor, 3),
+                       "ratio_bound_no_fill": round(min(a1, a2) / floor_no_fill, 3),
+                       "ratio_stages": round(stage_ratio(cpu_f, process.graph.order,
+                                                         {k: v[-1] for k, v in speedups.items()}), 3)})
         ratios.append(min(a1, a2) / b)
         ratios2.append(a2 / b)
         ratios_fixed.append(min(a1, a2) / f)
@@ -308,8 +373,11 @@ def main() -> None:
             f"(worker CPU {', '.join(f'{k} {v:.2f}s' for k, v in cpu.items())}), fixed split {f:.2f}s (worker "
             f"busy {', '.join(f'{k} {v:.2f}s' for k, v in cpu_f.items())}) -> throughput ratio "
             f"{min(a1, a2) / b:.2f}, fixed split {min(a1, a2) / f:.2f}; one request alone: "
-            f"{', '.join(f'{k} {v[-1]:.2f}s' for k, v in lone.items())}; floor {floor:.2f}s -> at most "
-            f"{min(a1, a2) / floor:.2f}")
+            f"{', '.join(f'{k} {v[-1]:.2f}s' for k, v in lone.items())}; floor {floor:.2f}s (fill {fill_s:.2f}s, "
+            f"tail {tail_s:.2f}s) -> at most {min(a1, a2) / floor:.2f} ({min(a1, a2) / floor_no_fill:.2f} without "
+            f"the fill); the second thread speeds inproc AR up {speedups['ar'][-1]:.2f}x, diffusion "
+            f"{speedups['diffusion'][-1]:.2f}x (no fill, no tail, no switching: {bounds[-1]['ratio_stages']:.2f}); "
+            f"inproc burst / its stages alone {switching[-1]:.2f}")
     overlap = statistics.median(ratios)
     shared.close()
     chat_p = Omni("ar_text", placement="process", worker_threads=1, ar_model=ar_model)
@@ -350,7 +418,7 @@ def main() -> None:
             f"cores alone {alone * 1000:.2f} ms, under video {under * 1000:.2f} ms; inproc alone "
             f"{alone_i * 1000:.2f} ms, under video {under_i * 1000:.2f} ms; video outlasted the chat: {cov_f}, {cov}, "
             f"{cov_i}")
-    for o in (chat_p, video_p, chat_sh, video_sh, inproc):
+    for o in (chat_p, video_p, chat_sh, video_sh, inproc, ar_alone, video_alone):
         o.close()
 
     # Ray over process.
@@ -401,6 +469,11 @@ def main() -> None:
         "overlap_throughput_ratio_vs_inproc_2t": round(statistics.median(ratios2), 3),
         "overlap_throughput_ratio_fixed_split": round(statistics.median(ratios_fixed), 3),
         "overlap_throughput_ratio_bound": round(statistics.median(b["ratio_bound"] for b in bounds), 3),
+        "overlap_throughput_ratio_bound_no_fill": round(statistics.median(b["ratio_bound_no_fill"] for b in bounds),
+                                                        3),
+        "overlap_throughput_ratio_stages": round(statistics.median(b["ratio_stages"] for b in bounds), 3),
+        "second_thread_speedup": {k: round(statistics.median(v), 3) for k, v in speedups.items()},
+        "inproc_switching_cost": round(statistics.median(switching), 3),
         "overlap_bounds": bounds,
         "overlap_throughput_ratios": [round(x, 3) for x in ratios],
         "overlap_throughput_ratios_fixed_split": [round(x, 3) for x in ratios_fixed],
