@@ -198,7 +198,7 @@ def ar_burst(ar, tokens: list[int]) -> float:
                                                   seed=i)) for i, t in enumerate(tokens)])
 
 
-def diffusion_alone(video, steps: int, out: Path, n: int = 4) -> float:
+def diffusion_alone(video, steps: int, out: Path, n: int) -> float:
     """`n` `wan_i2v` requests one after another, each alone in the stage, as the burst's hand-offs mostly come."""
     return sum(video_time(video, steps, out) for _ in range(n))
 
