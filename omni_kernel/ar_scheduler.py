@@ -7,6 +7,8 @@ preempted by recompute: its blocks are freed and it waits again with prompt + ge
 prompt, so it later yields exactly the tokens it would have (its computed full blocks usually come back as
 prefix-cache hits). The model runner learns what to compute from `ScheduledChunk`s and returns the sampled
 token of each chunk that `samples`; `update` appends it and decides whether the sequence is finished.
+The ARSequence is the request's one record: its tokens (prompt + generated, stored once), its KV progress, and a
+slot each for the model runner (`state`: the sampler's generator) and the output processor (`output`: the text).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import attrs
 
 from .kv_blocks import BlockManager
-from .request import StageInput
+from .request import StageInput, StageStats
 from .scheduler import RequestOutput, SchedulerOutput
 
 
@@ -66,13 +68,15 @@ class ARPrompt:
 
 @attrs.define(eq=False)
 class ARSequence:
-    """One request's progress, owned by the scheduler: its tokens, KV progress and the counters of its trace."""
+    """One request's record, owned by the scheduler: its tokens, KV progress and the counters of its trace."""
 
     item: StageInput
     token_ids: list[int]  # prompt + generated so far
     num_prompt: int
     max_tokens: int | None
     ignore_eos: bool
+    state: Any = None  # the model runner's
+    output: Any = None  # the output processor's
     num_computed: int = 0
     prefix_hit_tokens: int = -1  # of the first admission (re-admissions after preemption are not hits); -1: not yet
     num_preemptions: int = 0
@@ -98,6 +102,10 @@ class ARSequence:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.num_prompt
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
 
     def record(self, chunk: ScheduledChunk, step_ms: float, step_seqs: int, step_tokens: int) -> None:
         if chunk.num_tokens == 1 and self.num_output and chunk.start == len(self.token_ids) - 1:
@@ -147,7 +155,7 @@ class ARScheduler:
         self.scheduled: tuple[tuple[ARSequence, ScheduledChunk], ...] = ()
         self.num_preemptions = 0
 
-    def add(self, item: StageInput) -> None:
+    def add(self, item: StageInput) -> ARSequence:
         prompt = item.processed
         if not isinstance(prompt, ARPrompt):
             raise TypeError("an AR request needs its input processed into an ARPrompt (StageInput.processed)")
@@ -156,6 +164,7 @@ class ARScheduler:
         seq = ARSequence(item, list(prompt.token_ids), len(prompt.token_ids), prompt.max_tokens, prompt.ignore_eos)
         self.sequences[item.request_id] = seq
         self.waiting.append(seq)
+        return seq
 
     def schedule(self) -> ARSchedulerOutput:
         """Decodes first, then running prompts in chunks, then new prompts while blocks and budget last."""
@@ -238,8 +247,7 @@ class ARScheduler:
             self.blocks.commit(seq.request_id, seq.token_ids, seq.num_computed)
             if chunk.samples and seq.request_id in results:
                 reason = self._stop_reason(seq, seq.token_ids[-1])
-                outputs.append(RequestOutput(seq.request_id, seq.token_ids[-1], reason,
-                                             stats=seq.stats() if reason else None, item=seq.item))
+                outputs.append(RequestOutput(seq.request_id, seq.token_ids[-1], reason, record=seq))
                 if reason is not None:
                     self.abort(seq.request_id)
         self.scheduled = ()
@@ -254,15 +262,16 @@ class ARScheduler:
             return "context_window"
         return None
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> ARSequence | None:
         seq = self.sequences.pop(request_id, None)
         if seq is None:
-            return
+            return None
         if seq in self.running:
             self.running.remove(seq)
         else:
             self.waiting = deque(s for s in self.waiting if s is not seq)
         self.blocks.free(request_id)
+        return seq
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -270,9 +279,15 @@ class ARScheduler:
     def request_ids(self) -> set[str]:
         return set(self.sequences)
 
-    def stats(self, request_id: str) -> dict[str, Any]:
-        """The trace counters of a request still held (e.g. one its stage stops on a stop string)."""
-        return self.sequences[request_id].stats()
+    def collect(self) -> list[RequestOutput]:
+        return []  # nothing runs beside the steps
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.has_unfinished()
+
+    def stats(self) -> StageStats:
+        return StageStats(running=len(self.running), waiting=len(self.waiting), kv_blocks_total=self.blocks.num_blocks,
+                          kv_blocks_used=self.blocks.num_used, prefix_hit_tokens=self.blocks.hit_tokens)
 
     def _room(self, seq: ARSequence) -> int:
         """Tokens the sequence can add with its own partly filled block and the free blocks."""
@@ -303,5 +318,5 @@ class ARScheduler:
             chunks.append(chunk)
             scheduled.append((seq, chunk))
         self.scheduled = tuple(scheduled)
-        return ARSchedulerOutput([c.request_id for c in chunks], chunks=chunks,
+        return ARSchedulerOutput([c.request_id for c in chunks], records=[seq for seq, _ in scheduled], chunks=chunks,
                                  block_size=self.blocks.block_size, preempted=preempted)

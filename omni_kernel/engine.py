@@ -1,7 +1,7 @@
 """Engine: a Scheduler plus a model runner. step() = schedule -> run -> update.
 
-The scheduler owns every request's progress and decides when it is finished; the model runner returns one
-result per request (a sampled token, denoised latents) or an exception for a request that failed alone. An
+The scheduler owns every request's progress and record and decides when it is finished; the model runner keeps
+its per-request state in the record's `state` slot and returns one result per request (a sampled token, denoised latents) or an exception for a request that failed alone. An
 exception from the runner fails that step's batch; one from the scheduler leaves it inconsistent, so the
 engine is marked dead and fails everything it holds.
 """
@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import EngineDead
 from .protocols import ModelRunner, Scheduler
-from .request import StageInput
+from .request import StageInput, StageStats
 from .scheduler import RequestOutput
 
 log = logging.getLogger("omni")
@@ -27,47 +27,46 @@ class Engine:
         self.failed: list[RequestOutput] = []  # add-time failures, reported by the next step
         self.dead: EngineDead | None = None
 
-    def add_request(self, item: StageInput) -> None:
+    def add_request(self, item: StageInput) -> Any:
+        """The scheduler's record of the new request, or None when it failed (reported by the next step)."""
         if self.dead is not None:
             self.failed.append(RequestOutput(item.request_id, error=self.dead))
-            return
+            return None
+        record = None
         try:
-            self.runner.add_request(item)
-            self.scheduler.add(item)
+            record = self.scheduler.add(item)
+            self.runner.add_request(record)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-            self._free(item.request_id)
+            if record is not None:
+                self.scheduler.abort(item.request_id)
             self.failed.append(RequestOutput(item.request_id, error=exc))
+            return None
+        return record
 
     def step(self) -> list[RequestOutput]:
         outputs, self.failed = self.failed, []
         if self.dead is not None:
             return outputs
         try:
+            done = self.scheduler.collect()
             batch = self.scheduler.schedule()
-            if not batch:
-                return outputs
-            results, step_ms = self._run(batch)
-            errors = {rid: r for rid, r in results.items() if isinstance(r, BaseException)}
-            for rid in errors:
-                self.scheduler.abort(rid)
-            done = self.scheduler.update(batch, {k: v for k, v in results.items() if k not in errors},
-                                         step_ms)
+            if batch:
+                results, step_ms = self._run(batch)
+                for rid, exc in results.items():
+                    if isinstance(exc, BaseException):
+                        done.append(RequestOutput(rid, error=exc, record=self.scheduler.abort(rid)))
+                done += self.scheduler.update(batch, {k: v for k, v in results.items()
+                                                      if not isinstance(v, BaseException)}, step_ms)
         except Exception as exc:  # noqa: BLE001 - the scheduler's state can no longer be trusted
             return outputs + self._die(exc)
-        for rid, exc in errors.items():
-            self._free(rid)
-            outputs.append(RequestOutput(rid, error=exc))
         for out in done:
-            if out.finished is not None:
-                self._free(out.request_id)
+            if out.finished is not None or out.error is not None:
+                self._free(out.record)
         return outputs + done
 
     def abort(self, request_id: str) -> None:
-        held = request_id in self.scheduler.request_ids()
-        self.scheduler.abort(request_id)
         self.failed = [o for o in self.failed if o.request_id != request_id]
-        if held:
-            self._free(request_id)
+        self._free(self.scheduler.abort(request_id))
 
     def has_unfinished(self) -> bool:
         return bool(self.failed) or (self.dead is None and self.scheduler.has_unfinished())
@@ -75,6 +74,17 @@ class Engine:
     def request_ids(self) -> set[str]:
         held = set() if self.dead is not None else self.scheduler.request_ids()
         return held | {o.request_id for o in self.failed}
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a step would make progress (at once when there is work to schedule)."""
+        if self.failed:
+            return True
+        return self.dead is None and self.scheduler.wait(timeout)
+
+    def stats(self) -> StageStats:
+        if self.dead is not None:
+            return StageStats(dead=str(self.dead))
+        return self.scheduler.stats()
 
     def _run(self, batch) -> tuple[dict[str, Any], float]:
         start = time.perf_counter()
@@ -89,13 +99,16 @@ class Engine:
         log.error("engine failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
         self.dead = EngineDead(f"the stage's engine failed and takes no more requests "
                                f"({type(exc).__name__}: {' '.join(str(exc).split())})")
-        held = self.scheduler.request_ids()
-        for rid in held:
-            self._free(rid)
-        return [RequestOutput(rid, error=self.dead) for rid in sorted(held)]
+        outputs = []
+        for rid in sorted(self.scheduler.request_ids()):
+            self._free(self.scheduler.abort(rid))
+            outputs.append(RequestOutput(rid, error=self.dead))
+        return outputs
 
-    def _free(self, request_id: str) -> None:
+    def _free(self, record: Any) -> None:
+        if record is None:
+            return
         try:
-            self.runner.free(request_id)
+            self.runner.free(record)
         except Exception:  # noqa: BLE001 - freeing must not fail the step
-            log.exception("freeing request %s failed", request_id)
+            log.exception("freeing request %s failed", record.item.request_id)

@@ -19,7 +19,7 @@ from .params import ARParams
 from .registry import NodeType
 from .request import StageInput, StageOutput
 from .scheduler import SchedulerOutput, StepScheduler
-from .stage import Stage
+from .stage import Outputs, Stage
 
 _WORD = re.compile(r"\s*\S+|\s+")
 
@@ -35,20 +35,22 @@ class Words:
 class IdentityRunner:
     """The "model": step k of a request returns its k-th word."""
 
-    def __init__(self):
-        self.words: dict[str, tuple[str, ...]] = {}
-
-    def add_request(self, item: StageInput) -> None:
-        self.words[item.request_id] = item.processed.words
+    def add_request(self, record) -> None:
+        record.state = record.item.processed.words
 
     def run(self, batch: SchedulerOutput) -> dict[str, str]:
-        return {rid: self.words[rid][step] for rid, step in zip(batch.request_ids, batch.steps)}
+        return {job.request_id: job.state[step] for job, step in zip(batch.records, batch.steps)}
 
-    def free(self, request_id: str) -> None:
-        self.words.pop(request_id, None)
+    def free(self, record) -> None:
+        pass
 
 
-class EchoStage(Stage):
+class EchoInputs:
+    concurrent = True
+
+    def check(self, item: StageInput) -> None:
+        pass
+
     def process(self, item: StageInput) -> StageInput:
         if not item.prompt:
             raise InvalidParameter("prompt", "must not be empty")
@@ -56,13 +58,17 @@ class EchoStage(Stage):
         budget = min(len(words), item.params.max_tokens or len(words))
         return attrs.evolve(item, processed=Words(words, budget))
 
-    def postprocess(self, outputs) -> list:
-        events = super().postprocess([o for o in outputs if o.error is not None])
+
+class EchoOutputs(Outputs):
+    """Each step's word as a TokenDelta; the whole text when the request is finished."""
+
+    def process(self, outputs) -> tuple[list, list[str]]:
+        events, _ = super().process([o for o in outputs if o.error is not None])
         for out in (o for o in outputs if o.error is None):
             events.append(TokenDelta(out.request_id, self.node_id, out.result))
             if out.finished:
                 events.append(StageFinished(out.request_id, self.node_id, self._output(out.item)))
-        return events
+        return events, []
 
     def _output(self, item: StageInput) -> StageOutput:
         words, num = item.processed.words, item.processed.num_steps
@@ -75,7 +81,7 @@ class EchoStage(Stage):
 
 def build_echo_stage(node: NodeSpec, config) -> Stage:
     scheduler = StepScheduler(max_batch=16, num_steps=lambda item: item.processed.num_steps)
-    return EchoStage(node, "ar", Engine(scheduler, IdentityRunner()))
+    return Stage(node, "ar", EchoInputs(), Engine(scheduler, IdentityRunner()), EchoOutputs(node.id))
 
 
 ECHO_NODE = NodeType("kernel.echo", "ar", build_echo_stage, params=ARParams,

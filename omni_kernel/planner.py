@@ -72,8 +72,7 @@ class GraphBuilder:
                     raise PluginError(f"node type {node_type.name!r} declares kind {node_type.kind!r} but its "
                                       f"factory built a stage of kind {stage.kind!r}")
             for stage in stages.values():
-                if hasattr(stage, "wait_ready"):
-                    stage.wait_ready()
+                stage.wait_ready()
         except BaseException:
             if workers is not None:
                 workers.close()

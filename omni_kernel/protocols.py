@@ -1,7 +1,8 @@
 """The contracts between layers, as typing Protocols (docs/plugins.md explains each method).
 
-The kernel's own classes satisfy them (Stage; StepScheduler, DiffusionScheduler, ARScheduler); a plugin
-brings its ModelRunner and may bring its own implementation of any other layer as long as it keeps the contract.
+A stage is the kernel's `Stage` (stage.py), assembled from a plugin's three parts: an InputProcessor, an Engine
+over the plugin's Scheduler (or one of the kernel's) and ModelRunner, and an OutputProcessor. The proxies of
+stage workers (omni_workers) implement the same Stage contract over a pipe.
 """
 
 from __future__ import annotations
@@ -9,46 +10,73 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from .request import Request, StageInput, StageOutput
+from .request import Request, StageInput, StageOutput, StageStats
 
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Owns each request's progress: which requests run this step, and when each one is finished."""
+    """Owns each request's record and progress: which requests run this step, and when each one is finished."""
 
-    def add(self, item: StageInput) -> None: ...
-    def schedule(self) -> Any: ...  # a SchedulerOutput, falsy when nothing runs
+    def add(self, item: StageInput) -> Any: ...  # the new request's record (with `item`, `state`, `output`)
+    def schedule(self) -> Any: ...  # a SchedulerOutput (with the records), falsy when nothing runs
     # A RequestOutput per request that got a result; a request absent from `results` failed: keep nothing of it.
     def update(self, batch: Any, results: Mapping[str, Any], step_ms: float = 0.0) -> list: ...
-    def abort(self, request_id: str) -> None: ...
+    def collect(self) -> list: ...  # RequestOutputs of work that ended beside the steps (a background export)
+    def abort(self, request_id: str) -> Any: ...  # the removed record, or None
     def has_unfinished(self) -> bool: ...
     def request_ids(self) -> set[str]: ...
+    def wait(self, timeout: float | None = None) -> bool: ...  # block until a step would make progress
+    def stats(self) -> StageStats: ...
 
 
 @runtime_checkable
 class ModelRunner(Protocol):
-    """A model family's code. It keeps per-request model state (KV cache, latents) keyed by request id."""
+    """A model family's code. It keeps per-request model state in the record's `state` slot."""
 
-    def add_request(self, item: StageInput) -> None: ...  # a processed input; raise for one it cannot take
+    def add_request(self, record: Any) -> None: ...  # raise for a request it cannot take
     def run(self, batch: Any) -> Mapping[str, Any]: ...  # a result (or exception) per request id
-    def free(self, request_id: str) -> None: ...  # a no-op for an id it never received
+    def free(self, record: Any) -> None: ...  # release what the request holds outside its record
+
+
+@runtime_checkable
+class InputProcessor(Protocol):
+    """What a stage makes of a request's input, once, before its engine sees it: no model, only its tokenizer or
+    config. `concurrent`: `process` reads nothing a step changes, so a stage worker may run it beside a step."""
+
+    concurrent: bool
+
+    def check(self, item: StageInput) -> None: ...  # downstream nodes, at submit: cheap; raises UserError
+    def process(self, item: StageInput) -> StageInput: ...  # sets `processed`; raises UserError
+
+
+@runtime_checkable
+class OutputProcessor(Protocol):
+    """Turns the engine's RequestOutputs into events (token deltas, progress, StageFinished, StageFailed).
+    `process` also returns the ids of requests it stops itself (a stop string); the stage aborts them."""
+
+    def add(self, record: Any) -> None: ...  # a request the engine took; may set `record.output`
+    def process(self, outputs: list) -> tuple[list, list[str]]: ...
 
 
 @runtime_checkable
 class Stage(Protocol):
-    """One graph node: input processing (once per request), an Engine, output processing."""
+    """One graph node, in this process (the kernel's Stage) or behind a proxy (a worker, a Ray actor)."""
 
     node_id: str
     kind: str
+    concurrent_process: bool
 
-    def check(self, item: StageInput) -> None: ...  # downstream nodes, at submit: cheap, no model
+    def check(self, item: StageInput) -> None: ...
     def process(self, item: StageInput) -> StageInput: ...  # once per request; raises UserError
     def add_request(self, item: StageInput) -> None: ...  # a failure comes back as a StageFailed event
+    def hand_off(self, item: StageInput) -> None: ...  # process + add_request: an upstream stage's output
     def step(self) -> list: ...
     def abort(self, request_id: str) -> None: ...
     def has_unfinished(self) -> bool: ...
     def request_ids(self) -> set[str]: ...
     def wait(self, timeout: float | None = None) -> bool: ...  # block until a step would make progress
+    def wait_ready(self, timeout: float | None = None) -> None: ...  # block until built (a worker loads)
+    def stats(self) -> StageStats: ...
 
 
 @runtime_checkable

@@ -97,3 +97,19 @@ class RequestResult:
             body["stop_reason"] = self.output.stop_reason
         body["trace"] = jsonable(dict(self.trace))
         return body
+
+
+@attrs.frozen
+class StageStats:
+    """What a stage reports of itself (`Stage.stats()`, published by `omni serve` on /metrics and /health): its
+    requests running and waiting, its KV blocks where it has a paged pool, and whether its engine is dead or its
+    worker restarting."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int | None = None
+    kv_blocks_used: int | None = None
+    prefix_hit_tokens: int | None = None
+    dead: str | None = None
+    restarts: int = 0
+    restarting: bool = False

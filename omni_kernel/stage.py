@@ -1,47 +1,42 @@
-"""Stage: one graph node. Input processing (once per request), an Engine, output processing."""
+"""Stage: one graph node, assembled from a plugin's parts: Stage(node, kind, inputs, Engine(scheduler, runner),
+outputs). The input processor runs once per request, the engine steps, the output processor makes the events."""
 
 from __future__ import annotations
+
+import logging
 
 from .engine import Engine
 from .events import StageFailed, StageFinished
 from .graph import NodeSpec
-from .request import StageInput, StageOutput
+from .protocols import InputProcessor, OutputProcessor
+from .request import StageInput, StageOutput, StageStats
 from .scheduler import RequestOutput
 
+log = logging.getLogger("omni")
 
-class Stage:
-    """Generic stage. Plugins subclass it: `process` turns an input into what the model runner needs,
-    `postprocess` turns the engine's RequestOutputs into events."""
 
-    # True when `process` reads no state that a step changes (a Wan input: decode the image, resolve settings), so
-    # it may run beside a step: a stage worker then answers it at once instead of after the step running now.
-    concurrent_process = False
+class Inputs:
+    """The input processor of a stage whose runner takes the input as it comes."""
 
-    def __init__(self, node: NodeSpec, kind: str, engine: Engine):
-        self.node = node
-        self.kind = kind
-        self.engine = engine
-
-    @property
-    def node_id(self) -> str:
-        return self.node.id
+    concurrent = True
 
     def check(self, item: StageInput) -> None:
-        """Refuse at submit an input this downstream node can never serve (bad sizes, an unreadable image
-        header); the connector's real input is processed at hand-off. Cheap: no model, no full decode."""
+        pass
 
     def process(self, item: StageInput) -> StageInput:
-        """Input processing, once per request (tokenize, decode an image, resolve settings); raise UserError."""
         return item
 
-    def add_request(self, item: StageInput) -> None:
-        self.engine.add_request(item)
 
-    def step(self) -> list:
-        return self.postprocess(self.engine.step())
+class Outputs:
+    """The output processor of a stage whose finished request's result is its StageOutput (or its text)."""
 
-    def postprocess(self, outputs: list[RequestOutput]) -> list:
-        """Events of one step. By default a finished request's result is its StageOutput."""
+    def __init__(self, node_id: str):
+        self.node_id = node_id
+
+    def add(self, record) -> None:
+        pass
+
+    def process(self, outputs: list[RequestOutput]) -> tuple[list, list[str]]:
         events: list = []
         for out in outputs:
             if out.error is not None:
@@ -51,6 +46,50 @@ class Stage:
                     out.request_id, self.node_id, text=None if out.result is None else str(out.result),
                     stop_reason=out.finished)
                 events.append(StageFinished(out.request_id, self.node_id, result))
+        return events, []
+
+
+class Stage:
+    """`summary` (the stage's engine and limits in one line) is logged when its first request arrives."""
+
+    def __init__(self, node: NodeSpec, kind: str, inputs: InputProcessor | None, engine: Engine,
+                 outputs: OutputProcessor | None = None, summary: str = ""):
+        self.node = node
+        self.kind = kind
+        self.inputs = inputs or Inputs()
+        self.engine = engine
+        self.outputs = outputs or Outputs(node.id)
+        self.summary = summary
+
+    @property
+    def node_id(self) -> str:
+        return self.node.id
+
+    @property
+    def concurrent_process(self) -> bool:
+        return self.inputs.concurrent
+
+    def check(self, item: StageInput) -> None:
+        self.inputs.check(item)
+
+    def process(self, item: StageInput) -> StageInput:
+        return self.inputs.process(item)
+
+    def add_request(self, item: StageInput) -> None:
+        if self.summary:
+            log.info("%s", self.summary)
+            self.summary = ""
+        record = self.engine.add_request(item)
+        if record is not None:
+            self.outputs.add(record)
+
+    def hand_off(self, item: StageInput) -> None:
+        self.add_request(self.process(item))
+
+    def step(self) -> list:
+        events, stops = self.outputs.process(self.engine.step())
+        for request_id in stops:
+            self.engine.abort(request_id)
         return events
 
     def abort(self, request_id: str) -> None:
@@ -63,5 +102,10 @@ class Stage:
         return self.engine.request_ids()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """In this process stepping is the work, so a stage with work never needs to wait."""
-        return self.has_unfinished()
+        return self.engine.wait(timeout)
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        pass  # built in this process: ready
+
+    def stats(self) -> StageStats:
+        return self.engine.stats()

@@ -126,19 +126,15 @@ class StageScheduler:
         routed: list = [event]
         for child in self.graph.children(node_id):
             connector = self.graph.connectors[(node_id, child)]
-            stage = self.graph.stages[child]
-            # A stage worker's proxy processes and adds in one message (`hand_off`), so the front does not wait
-            # for the worker's current step; a processing error comes back as that request's StageFailed.
-            hand_off = getattr(stage, "hand_off", None)
+            # One call: a stage worker's proxy processes and adds in one message, so the front does not wait for the
+            # worker's current step; its processing error comes back as that request's StageFailed.
             try:
                 item = connector.convert(event.output, flight.request)
                 item = attrs.evolve(item, params=flight.params[child]) if item.params is None else item
-                if hand_off is None:
-                    item = stage.process(item)
+                flight.trace.update(item.trace)
+                self.graph.stages[child].hand_off(item)
             except Exception as exc:  # noqa: BLE001 - a failed hand-off fails this request only
                 return routed + self._fail(flight, StageFailed.of(flight.request.request_id, child, exc))
-            flight.trace.update(item.trace)
-            (hand_off or stage.add_request)(item)
         if not flight.remaining:
             routed.append(RequestFinished(flight.request.request_id, self._result(flight)))
             del self.in_flight[flight.request.request_id]

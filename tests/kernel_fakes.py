@@ -11,7 +11,7 @@ from omni_kernel.graph import NodeSpec
 from omni_kernel.registry import NodeType, Registry
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.stage import Outputs, Stage
 
 
 def chunks(text: str, n: int) -> list[str]:
@@ -44,7 +44,8 @@ class ScriptedRunner:
         self.alone = alone
         self.live: dict[str, StageInput] = {}
 
-    def add_request(self, item: StageInput) -> None:
+    def add_request(self, record) -> None:
+        item = record.item
         error = self.fail_add(item)
         if error is not None:
             raise error
@@ -62,53 +63,37 @@ class ScriptedRunner:
             results[rid] = error or chunks(stage_text(self.node_id, item.prompt), self.steps(self.node_id, item))[step]
         return results
 
-    def free(self, request_id: str) -> None:
-        if self.live.pop(request_id, None) is not None:
-            self.log.append(("free", self.node_id, request_id))
+    def free(self, record) -> None:
+        if self.live.pop(record.request_id, None) is not None:
+            self.log.append(("free", self.node_id, record.request_id))
 
 
-class ScriptedStage(Stage):
+class ScriptedOutputs(Outputs):
     """Streams each step's piece; on finish, the whole text with a trace."""
 
-    def __init__(self, node: NodeSpec, kind: str, engine: Engine, log: list):
-        super().__init__(node, kind, engine)
+    def __init__(self, node_id: str, log: list):
+        super().__init__(node_id)
         self.log = log
-        self.items: dict[str, StageInput] = {}
-        self.done: dict[str, int] = {}
 
-    def add_request(self, item: StageInput) -> None:
-        self.items[item.request_id] = item
-        super().add_request(item)
-
-    def postprocess(self, outputs) -> list:
-        failed = [o for o in outputs if o.error is not None]
-        for out in failed:
-            self.items.pop(out.request_id, None)
-            self.done.pop(out.request_id, None)
-        events = super().postprocess(failed)
+    def process(self, outputs) -> tuple[list, list[str]]:
+        events, _ = super().process([o for o in outputs if o.error is not None])
         for out in (o for o in outputs if o.error is None):
             rid = out.request_id
             events.append(TokenDelta(rid, self.node_id, out.result))
-            self.done[rid] = self.done.get(rid, 0) + 1
             if out.finished:
                 self.log.append(("finish", self.node_id, rid))
-                steps, prompt = self.done.pop(rid), self.items.pop(rid).prompt
+                prompt = out.item.prompt
                 events.append(StageFinished(rid, self.node_id, StageOutput(
                     rid, self.node_id, text=stage_text(self.node_id, prompt), stop_reason="done",
-                    trace={f"{self.node_id}.steps": steps, f"{self.node_id}.prompt": prompt})))
-        return events
-
-    def abort(self, request_id: str) -> None:
-        super().abort(request_id)
-        self.done.pop(request_id, None)
-        self.items.pop(request_id, None)
+                    trace={f"{self.node_id}.steps": out.record.step, f"{self.node_id}.prompt": prompt})))
+        return events, []
 
 
 def fake_stage(node: NodeSpec, kind: str, log: list, max_batch: int = 2, steps=default_steps,
                **runner_kwargs) -> Stage:
     runner = ScriptedRunner(node.id, log, steps, **runner_kwargs)
     scheduler = StepScheduler(max_batch=max_batch, num_steps=lambda item: steps(node.id, item))
-    return ScriptedStage(node, kind, Engine(scheduler, runner), log)
+    return Stage(node, kind, None, Engine(scheduler, runner), ScriptedOutputs(node.id, log))
 
 
 def holds(stage: Stage, request_id: str) -> bool:

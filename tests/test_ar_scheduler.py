@@ -79,7 +79,7 @@ def run_all(engine, limit=10_000, stats=None, tokens=None):
                 assert out.finished == "max_tokens"
                 finished[out.request_id] = tokens.pop(out.request_id)
                 if stats is not None:
-                    stats[out.request_id] = out.stats
+                    stats[out.request_id] = out.record.stats()
     raise AssertionError("engine did not finish")
 
 
@@ -211,7 +211,7 @@ def test_the_scheduler_decides_eos_budget_and_context_window():
         engine = Engine(scheduler, FakeRunner(4))
         engine.add_request(StageInput("r", "p", processed=ARPrompt(prompt, max_tokens, ignore_eos)))
         outs = [o for _ in range(steps) for o in engine.step()]
-        return [o.finished for o in outs if o.finished], sum(1 for o in outs), outs[-1].stats
+        return [o.finished for o in outs if o.finished], sum(1 for o in outs), outs[-1].record.stats()
     first = solo([1, 2, 3], 1)[0]
     assert finish([1, 2, 3], eos={first})[:2] == (["eos"], 1)
     assert finish([1, 2, 3], max_tokens=1, eos={first}, ignore_eos=True)[:2] == (["max_tokens"], 1)

@@ -19,6 +19,10 @@ IMPLEMENTATIONS = [
     ("Scheduler", "omni_kernel.scheduler:DiffusionScheduler"),
     ("Scheduler", "omni_kernel.ar_scheduler:ARScheduler"),
     ("ModelRunner", "omni_kernel.identity:IdentityRunner"),
+    ("InputProcessor", "omni_kernel.stage:Inputs"),
+    ("InputProcessor", "omni_kernel.identity:EchoInputs"),
+    ("OutputProcessor", "omni_kernel.stage:Outputs"),
+    ("OutputProcessor", "omni_kernel.identity:EchoOutputs"),
 ]
 PLUGIN_ONLY = {"Connector"}  # the kernel has no implementation; plugins bring them
 

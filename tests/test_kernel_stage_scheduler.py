@@ -13,7 +13,7 @@ from omni_kernel.identity import KernelPlugin
 from omni_kernel.planner import GraphBuilder
 from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
-from omni_kernel.stage import Stage
+from omni_kernel.stage import Inputs
 from omni_kernel.stage_scheduler import StageScheduler
 
 TWO_NODES = PipelinePlan("two", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
@@ -131,7 +131,6 @@ def test_closing_a_stream_early_aborts_its_request():
     stream.close()
     stage = omni.graph.stages["echo"]
     assert rid not in omni.scheduler.in_flight and rid not in stage.request_ids()
-    assert rid not in stage.engine.runner.words
     assert not omni.has_unfinished()
 
 
@@ -179,11 +178,11 @@ def test_connector_raising_fails_only_that_request():
     assert all(not holds(stage, "bad") for stage in scheduler.graph.stages.values())
 
 
-class PickyStage(Stage):
+class PickyInputs(Inputs):
     """Processes inputs once (counted); `check` refuses early for downstream nodes."""
 
-    def __init__(self, node, kind, engine):
-        super().__init__(node, kind, engine)
+    def __init__(self, node_id):
+        self.node_id = node_id
         self.processed: list[str] = []
 
     def check(self, item):
@@ -200,16 +199,13 @@ class PickyStage(Stage):
 def picky_scheduler() -> StageScheduler:
     scheduler = two_node_scheduler()
     for node_id, stage in scheduler.graph.stages.items():
-        picky = PickyStage(stage.node, stage.kind, stage.engine)
-        picky.postprocess = stage.postprocess
-        picky.add_request = stage.add_request
-        scheduler.graph.stages[node_id] = picky
+        stage.inputs = PickyInputs(node_id)
     return scheduler
 
 
 def test_inputs_are_processed_once_entry_at_submit_downstream_at_hand_off():
     scheduler = picky_scheduler()
-    a, b = scheduler.graph.stages["a"], scheduler.graph.stages["b"]
+    a, b = scheduler.graph.stages["a"].inputs, scheduler.graph.stages["b"].inputs
     scheduler.submit(Request("two", "fine", request_id="ok"))
     assert (a.processed, b.processed) == (["fine"], [])
     events = drain(scheduler)
@@ -287,7 +283,7 @@ def test_a_scheduler_exception_marks_the_engine_dead_and_fails_what_it_holds():
 def test_a_stage_whose_step_raises_fails_its_requests_and_the_loop_goes_on():
     scheduler = two_node_scheduler()
     stage_a = scheduler.graph.stages["a"]
-    stage_a.postprocess = lambda outputs: 1 / 0
+    stage_a.outputs.process = lambda outputs: 1 / 0
     scheduler.submit(Request("two", "x", request_id="r"))
     failed = outcome(drain(scheduler), "r")
     assert failed.kind == "runtime" and "ZeroDivisionError" in failed.error

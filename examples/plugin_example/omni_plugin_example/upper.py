@@ -1,8 +1,9 @@
-"""The text.upper stage: its config and request parameters, its model runner and its Stage.
+"""The text.upper stage: its config and request parameters, its input processor, model runner and output processor.
 
-Every omni layer is here in miniature: `process` turns an input into what the runner needs (once per
-request), the kernel's StepScheduler decides how many steps a request takes and when it is done, the runner
-computes one step for a batch, and `postprocess` turns the results into events.
+Every omni layer is here in miniature, as the kernel's Stage(inputs, Engine(scheduler, runner), outputs): the
+input processor turns an input into what the runner needs (once per request), the kernel's StepScheduler decides
+how many steps a request takes and when it is done (and owns its record), the runner computes one step for a
+batch, and the output processor turns the results into events.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from omni_kernel.graph import NodeSpec
 from omni_kernel.params import boolean, integer
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import SchedulerOutput, StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.stage import Outputs, Stage
 
 
 @attrs.frozen
@@ -47,33 +48,17 @@ class UpperText:
         return -(-len(self.text) // self.chunk)
 
 
-class UpperRunner:
-    """The "model" of this stage. Per-request state lives here, keyed by request id, until `free`."""
+class UpperInputs:
+    """The input processor, once per request. Node policy: `strip` (default true: trim the input) and `chunk`
+    (characters per step, default 4). `concurrent`: `process` reads nothing a step changes."""
 
-    def __init__(self):
-        self.texts: dict[str, UpperText] = {}
+    concurrent = True
 
-    def add_request(self, item: StageInput) -> None:
-        self.texts[item.request_id] = item.processed
+    def __init__(self, node_id: str, chunk: int, strip: bool):
+        self.node_id, self.chunk, self.strip = node_id, chunk, strip
 
-    def run(self, batch: SchedulerOutput) -> dict[str, str]:
-        results = {}
-        for rid, step in zip(batch.request_ids, batch.steps):
-            text = self.texts[rid]
-            results[rid] = text.text[step * text.chunk:(step + 1) * text.chunk]
-        return results
-
-    def free(self, request_id: str) -> None:
-        self.texts.pop(request_id, None)  # a no-op for a request this runner never received
-
-
-class UpperStage(Stage):
-    """Node policy: `chunk` (characters per step, default 4) and `strip` (default true: trim the input)."""
-
-    def __init__(self, node: NodeSpec, engine: Engine, chunk: int, strip: bool):
-        super().__init__(node, "text", engine)
-        self.chunk, self.strip = chunk, strip
-        self.items: dict[str, StageInput] = {}
+    def check(self, item: StageInput) -> None:
+        pass  # an entry node: `process` runs at submit
 
     def process(self, item: StageInput) -> StageInput:
         text = item.prompt.strip() if self.strip else item.prompt
@@ -82,37 +67,48 @@ class UpperStage(Stage):
         text = text.upper() + ("!" if item.params.shout else "")
         return attrs.evolve(item, processed=UpperText(text, self.chunk))
 
-    def add_request(self, item: StageInput) -> None:
-        self.items[item.request_id] = item
-        super().add_request(item)
 
-    def postprocess(self, outputs) -> list:
-        events = super().postprocess([o for o in outputs if o.error is not None])
-        for out in outputs:
-            item = self.items.get(out.request_id)
-            if out.error is None and item is not None:
-                events.append(TokenDelta(out.request_id, self.node_id, out.result))
-                if out.finished:
-                    text = item.processed
-                    trace = {"upper.chars": len(text.text), "upper.steps": text.num_steps}
-                    events.append(StageFinished(out.request_id, self.node_id, StageOutput(
-                        out.request_id, self.node_id, text=text.text, stop_reason="done", trace=trace)))
-            if out.error is not None or out.finished:
-                self.items.pop(out.request_id, None)
-        return events
+class UpperRunner:
+    """The "model" of this stage: step k of a request returns its k-th chunk. It keeps nothing of its own: what a
+    request needs is in its record (`record.item.processed`), which the scheduler owns."""
 
-    def abort(self, request_id: str) -> None:
-        super().abort(request_id)
-        self.items.pop(request_id, None)
+    def add_request(self, record) -> None:
+        pass
+
+    def run(self, batch: SchedulerOutput) -> dict[str, str]:
+        results = {}
+        for job, step in zip(batch.records, batch.steps):
+            text = job.item.processed
+            results[job.request_id] = text.text[step * text.chunk:(step + 1) * text.chunk]
+        return results
+
+    def free(self, record) -> None:
+        pass
+
+
+class UpperOutputs(Outputs):
+    """The output processor: each step's chunk as a TokenDelta, then the whole text (kernel's Outputs: failures)."""
+
+    def process(self, outputs) -> tuple[list, list[str]]:
+        events, _ = super().process([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            events.append(TokenDelta(out.request_id, self.node_id, out.result))
+            if out.finished:
+                text = out.item.processed
+                trace = {"upper.chars": len(text.text), "upper.steps": text.num_steps}
+                events.append(StageFinished(out.request_id, self.node_id, StageOutput(
+                    out.request_id, self.node_id, text=text.text, stop_reason="done", trace=trace)))
+        return events, []
 
 
 def build_upper_stage(node: NodeSpec, config: UpperConfig) -> Stage:
-    """The NodeType factory: one Stage with its own scheduler and runner."""
+    """The NodeType factory: Stage(inputs, Engine(scheduler, runner), outputs)."""
     unknown = sorted(set(node.policy) - {"chunk", "strip"})
     if unknown:
         raise InvalidParameter(f"policy of node {node.id}", f"unknown key(s) {', '.join(unknown)}; known: chunk, strip")
     chunk = node.policy.get("chunk", 4)
     if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
         raise InvalidParameter(f"policy chunk of node {node.id}", f"{chunk!r} is not an integer >= 1")
+    inputs = UpperInputs(node.id, chunk, bool(node.policy.get("strip", True)))
     scheduler = StepScheduler(max_batch=config.upper_max_batch, num_steps=lambda item: item.processed.num_steps)
-    return UpperStage(node, Engine(scheduler, UpperRunner()), chunk, bool(node.policy.get("strip", True)))
+    return Stage(node, "text", inputs, Engine(scheduler, UpperRunner()), UpperOutputs(node.id))
