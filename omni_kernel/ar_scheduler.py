@@ -19,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from .errors import InputError
 from .kv_blocks import BlockManager
 from .request import StageInput, StageStats
 from .scheduler import RequestOutput, SchedulerOutput
@@ -64,6 +65,11 @@ class ARPrompt:
     max_tokens: int | None = None
     ignore_eos: bool = False
     mode: str = "raw"
+
+    def kv_slots(self, context_window: int) -> int:
+        """KV slots the request may need: its prompt and its token budget, within the context window."""
+        num_prompt = len(self.token_ids)
+        return num_prompt + min(self.max_tokens or context_window, context_window - num_prompt)
 
 
 @attrs.define(eq=False)
@@ -161,6 +167,12 @@ class ARScheduler:
             raise TypeError("an AR request needs its input processed into an ARPrompt (StageInput.processed)")
         if not prompt.token_ids:
             raise ValueError("an AR request needs at least one prompt token")
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if self.context_window is not None and prompt.kv_slots(self.context_window) > capacity:
+            # Input processing refuses this with advice; one that skipped it must not stall the whole engine.
+            raise InputError(f"the prompt ({len(prompt.token_ids)} tokens) and its token budget need "
+                             f"{prompt.kv_slots(self.context_window)} KV slots but this stage's KV pool holds "
+                             f"{capacity} tokens")
         seq = ARSequence(item, list(prompt.token_ids), len(prompt.token_ids), prompt.max_tokens, prompt.ignore_eos)
         self.sequences[item.request_id] = seq
         self.waiting.append(seq)

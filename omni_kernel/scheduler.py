@@ -136,6 +136,7 @@ class StepScheduler:
                 self.queue.append(job)
                 continue
             result = None if error is not None else job.pending.result()
+            job.pending = None  # delivered: freeing the request now leaves what it made
             outputs.append(RequestOutput(job.request_id, result, None if error else "done", error, record=job))
         return outputs
 

@@ -1,5 +1,5 @@
-"""build_stage: an AR node's Stage = input processor + Engine(ARScheduler(BlockManager), ARModelRunner(backend))
-+ output processor.
+"""build_stage: an AR node's Stage(ARInputProcessor, Engine(ARScheduler(BlockManager), ARModelRunner(backend)),
+AROutputProcessor).
 
 Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
 (QwenConfig.kv_memory_for) and the model's K/V bytes per token.
@@ -18,6 +18,7 @@ from omni_kernel.engine import Engine
 from omni_kernel.errors import InvalidParameter, ModelError
 from omni_kernel.graph import NodeSpec
 from omni_kernel.kv_blocks import BlockManager
+from omni_kernel.stage import Stage
 
 from .backends import DynamicCacheBackend, PagedBackend
 from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
@@ -27,7 +28,6 @@ from .outputs import AROutputProcessor
 from .paged.pool import KVPool
 from .paged.qwen2 import PagedQwen2
 from .runner import ARModelRunner
-from .stage import ARStage
 
 log = logging.getLogger("omni")
 
@@ -52,7 +52,7 @@ def kv_bytes_per_token(config, element_size: int) -> int:
 
 
 def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig,
-                paged_model: Callable[[], PagedQwen2]) -> ARStage:
+                paged_model: Callable[[], PagedQwen2]) -> Stage:
     """`paged_model()` gives the (shared) PagedQwen2 over `lm`'s weights, built on first use."""
     model, context_window = lm.model, lm.context_window
     backend_name = choose_backend(config, model)
@@ -72,7 +72,7 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     max_num_seqs = config.max_num_seqs_for(settings)
     scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
                             max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
-    runner = ARModelRunner(backend, context_window, capacity)
+    runner = ARModelRunner(backend)
     own = _own_tokenizer(lm)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
     model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
@@ -83,9 +83,8 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
         f"({capacity * per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency {capacity / context_window:.1f} "
         f"requests at the full {context_window}-token context; up to {max_num_seqs} sequences and "
         f"{config.ar_max_num_batched_tokens} tokens per step; prefix caching {'on' if caching else 'off'}")
-    stage = ARStage(node, Engine(scheduler, runner), inputs, outputs, summary)
-    stage.concurrent_process = own is not None
-    return stage
+    inputs.concurrent = own is not None
+    return Stage(node, "ar", inputs, Engine(scheduler, runner), outputs, summary)
 
 
 def _own_tokenizer(lm: CausalLM):

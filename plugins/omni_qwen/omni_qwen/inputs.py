@@ -20,15 +20,19 @@ from .config import ARNodeSettings, QwenParams
 
 def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
     """Refuse a request whose prompt and budget can never fit the KV pool (it would stall the engine)."""
-    num_prompt = len(prompt.token_ids)
-    needed = num_prompt + min(prompt.max_tokens or context_window, context_window - num_prompt)
+    needed = prompt.kv_slots(context_window)
     if capacity_tokens is not None and needed > capacity_tokens:
-        raise InputError(f"the prompt ({num_prompt} tokens) and its token budget need {needed} KV slots but "
+        raise InputError(f"the prompt ({len(prompt.token_ids)} tokens) and its token budget need {needed} KV slots but "
                          f"this stage's KV pool holds {capacity_tokens} tokens: raise ar_kv_memory or lower "
                          "max_tokens")
 
 
 class ARInputProcessor:
+    """`concurrent`: whether `process` may run beside a step (build.py sets it when the tokenizer is the stage's own
+    copy, not the one the output side decodes with)."""
+
+    concurrent = False
+
     def __init__(self, tokenizer, settings: ARNodeSettings, context_window: int, vocab_size: int,
                  capacity_tokens: int | None = None):
         self.tokenizer = tokenizer
@@ -36,6 +40,9 @@ class ARInputProcessor:
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
+
+    def check(self, item: StageInput) -> None:
+        pass  # an AR node is an entry node: its input is processed at submit
 
     def process(self, item: StageInput) -> StageInput:
         """The input with `processed` set to its ARPrompt and `params.seed` fixed; InputError when it cannot run."""

@@ -1,8 +1,9 @@
 """AROutputProcessor: sampled tokens -> streamed text and the final StageOutput with its ar.* trace.
 
-Per request it holds the detokenizer, the text so far and how much of it was streamed. Token-level stops
-(EOS, token budget, context window) are the scheduler's; stop strings need text, so they are found here and
-the stage then stops the request. Text that could still be the start of a stop string is held back.
+Per request it keeps, in the scheduler's record (`ARSequence.output`), the detokenizer, the text so far and how much
+of it was streamed; the tokens are the record's own. Token-level stops (EOS, token budget, context window) are the
+scheduler's; stop strings need text, so they are found here and the stage then stops the request. Text that could
+still be the start of a stop string is held back.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.events import TokenDelta
-from omni_kernel.request import StageInput, StageOutput
+from omni_kernel.ar_scheduler import ARSequence
+from omni_kernel.events import StageFailed, StageFinished, TokenDelta
+from omni_kernel.request import StageOutput
+from omni_kernel.scheduler import RequestOutput
 from omni_kernel.trace import prefixed
 
 from .config import ARNodeSettings
@@ -23,10 +26,8 @@ from .detokenize import IncrementalDetokenizer
 
 @attrs.define
 class RequestText:
-    item: StageInput
     detok: IncrementalDetokenizer
     start: float
-    token_ids: list[int] = attrs.Factory(list)
     text: str = ""
     sent: int = 0  # characters of text already streamed
     ttft_ms: float = 0.0
@@ -39,22 +40,35 @@ class AROutputProcessor:
         self.decode = decode
         self.settings = settings
         self.model_trace = dict(model_trace)  # ar.* fields of the model and KV backend, without the prefix
-        self.requests: dict[str, RequestText] = {}
 
-    def add(self, item: StageInput) -> None:
-        self.requests[item.request_id] = RequestText(item, IncrementalDetokenizer(self.decode), time.perf_counter())
+    def add(self, seq: ARSequence) -> None:
+        seq.output = RequestText(IncrementalDetokenizer(self.decode), time.perf_counter())
 
-    def drop(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+    def process(self, outputs: list[RequestOutput]) -> tuple[list, list[str]]:
+        """Token deltas and StageFinished/StageFailed events; the ids of requests stopped on a stop string."""
+        events: list = []
+        stops: list[str] = []
+        for out in outputs:
+            if out.error is not None:
+                events.append(StageFailed.of(out.request_id, self.node_id, out.error))
+                continue
+            delta, reason = self.add_token(out.record, out.result, out.finished)
+            if delta is not None:
+                events.append(delta)
+            if reason is None:
+                continue
+            if out.finished is None:  # a stop string: the scheduler still holds the request
+                stops.append(out.request_id)
+            events.append(StageFinished(out.request_id, self.node_id, self.finish(out.record, reason)))
+        return events, stops
 
-    def add_token(self, request_id: str, token: int, finished: str | None) -> tuple[TokenDelta | None, str | None]:
+    def add_token(self, seq: ARSequence, token: int, finished: str | None) -> tuple[TokenDelta | None, str | None]:
         """The new text to stream (if any) and the stop reason: the scheduler's `finished`, or "stop" when the
         text now holds a stop string (which beats a token budget or the context window, not EOS)."""
-        req = self.requests[request_id]
-        if not req.token_ids:
+        req = seq.output
+        if seq.num_output == 1:
             req.ttft_ms = (time.perf_counter() - req.start) * 1000
-        req.token_ids.append(token)
-        stop = req.item.params.stop if req.item.params is not None else ()
+        stop = seq.item.params.stop if seq.item.params is not None else ()
         reason = finished
         if finished != "eos":
             searched = max(0, len(req.text) - max((len(s) for s in stop), default=1) + 1)
@@ -69,21 +83,21 @@ class AROutputProcessor:
         end = max(req.sent, len(req.text) - held)
         delta = None
         if end > req.sent:
-            delta = TokenDelta(request_id, self.node_id, req.text[req.sent:end])
+            delta = TokenDelta(seq.request_id, self.node_id, req.text[req.sent:end])
             req.sent = end
         return delta, reason
 
-    def finish(self, request_id: str, reason: str, stats: Mapping[str, Any]) -> StageOutput:
-        """The request's StageOutput; `stats` are the scheduler's trace counters of it."""
-        req = self.requests.pop(request_id)
-        params, prompt = req.item.params, req.item.processed
+    def finish(self, seq: ARSequence, reason: str) -> StageOutput:
+        """The request's StageOutput, with the scheduler's trace counters of it."""
+        req, stats = seq.output, seq.stats()
+        params, prompt = seq.item.params, seq.item.processed
         greedy = params is None or params.greedy
         fields = {**stats, "output_tokens": stats["generated_tokens"] - (1 if reason == "eos" else 0),
                   "ttft_ms": round(req.ttft_ms, 3), "stop_reason": reason,
                   "streaming": bool(params is not None and params.stream), "prompt_mode": prompt.mode,
                   "sampling": "greedy" if greedy else "sample", "seed": None if greedy else params.seed,
                   **self.model_trace}
-        return StageOutput(request_id, self.node_id, text=req.text, stop_reason=reason,
+        return StageOutput(seq.request_id, self.node_id, text=req.text, stop_reason=reason,
                            contract=self.settings.contract,
-                           data={"token_ids": req.token_ids, "prompt_token_ids": list(prompt.token_ids)},
+                           data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids)},
                            trace=prefixed("ar", fields))

@@ -39,7 +39,6 @@ def test_sixteen_plus_concurrent_streams(tiny_ckpt, host, hf_greedy):
     stage = omni.graph.stages["generate"]
     assert max(n for n, _, _ in stage.engine.runner.step_log) >= 16  # they really ran together
     assert stage.engine.scheduler.blocks.num_used == 0 and not stage.engine.scheduler.sequences
-    assert not stage.engine.runner.requests and not stage.outputs.requests
     lengths = {len(results[r.request_id].output.data["prompt_token_ids"]) for r in reqs}
     assert min(lengths) < 20 and max(lengths) > 100
     for request, (prompt, params) in zip(reqs, workload()):

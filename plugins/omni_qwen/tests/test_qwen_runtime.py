@@ -203,7 +203,6 @@ def assert_freed(omni):
     stage = omni.graph.stages["generate"]
     scheduler, runner = stage.engine.scheduler, stage.engine.runner
     assert scheduler.blocks.num_used == 0 and not scheduler.blocks.tables and not scheduler.sequences
-    assert not runner.requests and not stage.outputs.requests
     if runner.backend.kv_trace["kv_cache_backend"] == "dynamic_cache":
         assert not runner.backend.caches
 

@@ -45,7 +45,8 @@ class TextEmbeds:
 
 @attrs.define
 class DenoiseState:
-    """One request's denoising state; the scheduler is a private copy because UniPC keeps history."""
+    """One request's denoising state; the scheduler is a private copy because UniPC keeps history. Which step it
+    is at is the engine scheduler's to count (`StepJob.step`), passed to `denoise_batch`."""
 
     latents: torch.Tensor
     condition: torch.Tensor
@@ -54,15 +55,10 @@ class DenoiseState:
     scheduler: Any
     text: TextEmbeds
     guidance_scale: float
-    step: int = 0
 
     @property
     def total(self) -> int:
         return len(self.timesteps)
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.total
 
 
 class Wan22I2VPipeline:
@@ -146,13 +142,13 @@ class Wan22I2VPipeline:
         return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
 
     @torch.no_grad()
-    def denoise_batch(self, states: list[DenoiseState], cfg_batched: bool = True) -> None:
-        """One denoise step of every request in `states` (same latent shape), each at its own timestep, with its
+    def denoise_batch(self, states: list[DenoiseState], steps: list[int], cfg_batched: bool = True) -> None:
+        """Denoise step `steps[i]` of every request in `states` (same latent shape), each at its own timestep, with its
         own condition, text and guidance scale. The rows share the transformer call(s): all cond rows, then the
         uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one. Each request's
         UniPC scheduler then steps on its own prediction."""
         model, dtype = self.pipe.transformer, self.transformer_dtype
-        ts = [s.timesteps[s.step] for s in states]
+        ts = [s.timesteps[step] for s, step in zip(states, steps)]
         inputs = [((1 - s.mask) * s.condition + s.mask * s.latents).to(dtype) for s in states]
         stamps = [(s.mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0) for s, t in zip(states, ts)]
         guided = [i for i, s in enumerate(states) if s.guidance_scale > 1]
@@ -177,7 +173,6 @@ class Wan22I2VPipeline:
                 negative = noise[len(states) + guided.index(i)]
                 pred = negative + state.guidance_scale * (pred - negative)
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
-            state.step += 1
 
     @contextmanager
     def _context(self, texts: list[Text]):
@@ -193,13 +188,10 @@ class Wan22I2VPipeline:
         if self.cross_kv is not None:
             self.cross_kv.forget()
 
-    def decode(self, state: DenoiseState) -> np.ndarray:
-        """VAE decode and postprocess: frames as float32 (num_frames, height, width, 3) in [0, 1]."""
-        return self.decode_batch([state])[0]
-
     @torch.no_grad()
     def decode_batch(self, states: list[DenoiseState]) -> list[np.ndarray]:
-        """One VAE decode of requests with the same latent shape: each one's frames."""
+        """One VAE decode of requests with the same latent shape: each one's frames, float32 (num_frames, height,
+        width, 3) in [0, 1]."""
         from diffusers.utils.torch_utils import get_module_execution_device
 
         pipe = self.pipe

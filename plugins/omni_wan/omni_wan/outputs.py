@@ -1,28 +1,66 @@
-"""What a Wan request writes, checked when it is submitted, before any model work: the MP4 (and, with
-`profile`, its Chrome trace next to it) must be creatable, and the prompt must say something."""
+"""WanOutputProcessor: a Wan engine's outputs -> events: progress after prepare and each denoise step, and the
+StageOutput with its diffusion.* trace once the scheduler finishes a request (its MP4 written)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import time
+from collections.abc import Mapping
+from typing import Any
 
-from omni_kernel.errors import InputError, InvalidParameter
-from omni_kernel.files import check_output_path
+import attrs
+from omni_kernel.events import StageFailed, StageFinished, StageProgress
+from omni_kernel.request import StageOutput
+from omni_kernel.scheduler import RequestOutput, StepJob
 
-from .profiler import profile_path
+from .presets import DEFAULT_NEGATIVE_PROMPT
 
 
-def check_request(prompt: str, output: str | None, request_id: str, profile: bool = False) -> Path:
-    """The request's output path; InputError for an empty prompt, InvalidParameter("output") for a path that
-    cannot be written (see omni_kernel.files.check_output_path)."""
-    if not prompt.strip():
-        raise InputError("the prompt is empty")
-    path = Path(output or f"omni_{request_id}.mp4").expanduser()
-    if path.suffix.lower() != ".mp4":
-        raise InvalidParameter("output", f"{str(path)!r} must end in .mp4 (the stage writes H.264 MP4)")
-    if os.path.isdir(path):  # (never raises, e.g. for a name too long)
-        raise InvalidParameter("output", f"{str(path)!r} is a directory; name a file such as {path / 'out.mp4'}")
-    target = check_output_path(path, "output")
-    if profile:
-        check_output_path(profile_path(target), "output")
-    return target
+@attrs.frozen
+class Progress:
+    """A prepare or denoise step's result: `step` of `total` denoise steps are done."""
+
+    step: int
+    total: int
+
+
+class WanOutputProcessor:
+    def __init__(self, node_id: str, model_trace: Mapping[str, Any]):
+        self.node_id = node_id
+        self.model_trace = dict(model_trace)  # diffusion.* fields of the model and its placement
+
+    def add(self, job: StepJob) -> None:
+        pass
+
+    def process(self, outputs: list[RequestOutput]) -> tuple[list, list[str]]:
+        events: list = []
+        for out in outputs:
+            if out.error is not None:
+                events.append(StageFailed.of(out.request_id, self.node_id, out.error))
+            elif isinstance(out.result, Progress):
+                events.append(StageProgress(out.request_id, self.node_id, out.result.step, out.result.total,
+                                            "denoise"))
+            elif out.finished is not None:
+                events.append(StageFinished(out.request_id, self.node_id, self.finish(out.record)))
+        return events, []
+
+    def finish(self, job: StepJob) -> StageOutput:
+        wan, params = job.state, job.item.params
+        data = {"frames": wan.frames} if params.return_frames else None
+        return StageOutput(job.request_id, self.node_id, path=str(job.item.processed.output), data=data,
+                           contract="video/mp4", trace=self._trace(job))
+
+    def _trace(self, job: StepJob) -> dict:
+        wan, s, processed = job.state, job.item.processed.settings, job.item.processed
+        negative = "wan default" if s.negative_prompt == DEFAULT_NEGATIVE_PROMPT else s.negative_prompt
+        trace = {"diffusion.model": self.model_trace["diffusion.model"], "diffusion.prompt": job.item.prompt,
+                 "diffusion.negative_prompt": negative, "diffusion.seed": s.seed,
+                 "diffusion.fps": self.model_trace["diffusion.fps"], "diffusion.output": str(processed.output)}
+        trace.update(s.trace())
+        trace.update({k: v for k, v in self.model_trace.items() if k not in trace})
+        trace.update(wan.trace)
+        sizes = wan.batch_sizes or [0]
+        trace.update({"diffusion.batch_size_mean": round(sum(sizes) / len(sizes), 3),
+                      "diffusion.batch_size_max": max(sizes)})
+        trace.update(wan.profiler.trace(detailed=job.item.params.profile))
+        trace["diffusion.elapsed_ms"] = round((time.perf_counter() - wan.start) * 1000, 3)
+        return trace

@@ -1,15 +1,35 @@
-"""Entry point of the omni_wan plugin. Imports no torch: models load when a stage first runs."""
+"""Entry point of the omni_wan plugin: its node type, pipeline and WanStages, the factory that owns the loaded
+models. Imports no torch: models load when a stage is built (build.py)."""
+
+from __future__ import annotations
 
 from omni_kernel import hookimpl
 from omni_kernel.graph import NodeSpec, PipelinePlan
 from omni_kernel.registry import NodeType
+from omni_kernel.stage import Stage
 
 from .params import WanConfig, WanParams
-from .stage import WanStages
 
 NODE_TYPE = "diffusion.wan22_i2v"
 WAN_PIPELINE = PipelinePlan("wan_i2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan")],
                             description="image + prompt -> MP4 with Wan2.2 TI2V-5B")
+
+
+class WanStages:
+    """Builds `diffusion.wan22_i2v` stages. Owns the loaded models and the prepare cache, so every graph a plugin
+    host builds shares them: a model loads once per process and host, and stays loaded."""
+
+    def __init__(self):
+        from .loader import ModelPool
+        from .prepare_cache import PrepareCache
+
+        self.pool = ModelPool()
+        self.cache = PrepareCache()
+
+    def build(self, node: NodeSpec, config: WanConfig | None) -> Stage:
+        from .build import build_stage
+
+        return build_stage(node, config or WanConfig(), self.pool, self.cache)
 
 
 class WanPlugin:

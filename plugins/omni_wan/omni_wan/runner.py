@@ -1,12 +1,12 @@
-"""WanRunner: per-request Wan2.2 state, advanced one phase per engine step.
+"""WanRunner: per-request Wan2.2 state (a WanJob in the scheduler's record), advanced one phase per engine step.
 
-The DiffusionScheduler owns each request's phase and step index: prepare -> denoise (one step per engine
+The DiffusionScheduler owns each request's record, phase and step index: prepare -> denoise (one step per engine
 step) -> decode -> export. The runner only runs what it is given; a request can be aborted between any two
 steps (the engine calls `free`), and nothing is written before export, which writes the MP4 atomically.
 A denoise batch (requests of one shape, each at its own step) is one transformer forward: `denoise`; requests
-that reach decode at the same step share one VAE decode; prepare runs batched too. The export step's result is a
-Future of the StageOutput, which DiffusionStage reports when it is done. With the model on a GPU, export (ffmpeg)
-runs on the runner's export thread, so the GPU denoises on while a finished video is encoded; on a CPU it runs
+that reach decode at the same step share one VAE decode; prepare runs batched too. With the model on a GPU,
+export (ffmpeg) runs on the runner's export thread and its step's result is the Future of it, which the scheduler
+holds the request on until it is done, so the GPU denoises on while a finished video is encoded; on a CPU it runs
 in the step, because torch's threads already use every core and an encoder beside them only slows them.
 """
 
@@ -15,33 +15,36 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import attrs
-from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.scheduler import DiffusionSchedulerOutput
+from omni_kernel.request import StageInput
+from omni_kernel.scheduler import DiffusionSchedulerOutput, StepJob
 
 from . import prepare_cache
 from .device import Placement
+from .inputs import WanInput
 from .layout import ModelLayout
-from .loader import ModelPool
+from .loader import Loaded
 from .model import TextEmbeds
-from .presets import DEFAULT_NEGATIVE_PROMPT
+from .outputs import Progress
 from .profiler import Profiler, profile_path
-from .stage import Denoised, WanInput
 from .video import write_mp4
 
 log = logging.getLogger("omni")
 
 
 @attrs.define
-class Job:
+class WanJob:
+    """What the runner keeps of one request (`StepJob.state`): its profile, model state, frames and trace."""
+
     item: StageInput
     profiler: Profiler
     start: float = attrs.Factory(time.perf_counter)
-    model: Any = None
-    state: Any = None
+    denoise: Any = None  # the model's DenoiseState, from prepare to decode
     frames: Any = None
+    export: Future | None = None
     trace: dict = attrs.Factory(dict)
     batch_sizes: list[int] = attrs.Factory(list)  # requests in each of its denoise forwards
 
@@ -51,43 +54,46 @@ class Job:
 
 
 class WanRunner:
-    def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, model_label: str, pool: ModelPool,
-                 cache: prepare_cache.PrepareCache, budget: str = "", video_preset: str = "veryfast"):
+    def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, loaded: Loaded,
+                 cache: prepare_cache.PrepareCache, video_preset: str = "veryfast"):
         self.node_id = node_id
         self.layout = layout
         self.placement = placement
-        self.model_label = model_label
-        self.pool = pool
+        self.loaded = loaded  # the model, loaded when the stage was built; its first request reports the load
+        self.model = loaded.model
         self.cache = cache
-        self.jobs: dict[str, Job] = {}
+        self.num_jobs = 0
         self.cfg_batched = True  # cond and uncond rows in one forward (False: two forwards, as diffusers does)
-        self.budget = budget  # logged once, with the first request
         self.video_preset = video_preset
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
         self.export_in_background = placement.device == "cuda"
 
-    def add_request(self, item: StageInput) -> None:
-        self.jobs[item.request_id] = Job(item, Profiler(sync=self._sync()))
+    def add_request(self, record: StepJob) -> None:
+        record.state = WanJob(record.item, Profiler(sync=self._sync()))
+        self.num_jobs += 1
 
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
-        jobs = [self.jobs[rid] for rid in batch.request_ids]
-        if batch.phase == "export":
-            return {j.item.request_id: self._export(j) for j in jobs}
-        return {"prepare": self.prepare, "denoise": self.denoise, "decode": self.decode}[batch.phase](jobs)
+        jobs = [r.state for r in batch.records]
+        if batch.phase == "denoise":
+            return self.denoise(jobs, [step - 1 for step in batch.steps])
+        return {"prepare": self.prepare, "decode": self.decode, "export": self.export_batch}[batch.phase](jobs)
 
-    def free(self, request_id: str) -> None:
-        job = self.jobs.pop(request_id, None)
-        if job is not None and job.model is not None and not self.jobs:
-            job.model.forget_batch()
+    def free(self, record: StepJob) -> None:
+        job = record.state
+        if job is None:
+            return
+        if record.pending is not None and not record.pending.cancel():
+            record.pending.add_done_callback(_remove_output)  # aborted while exporting: leave no MP4 behind
+        self.num_jobs -= 1
+        if not self.num_jobs:
+            self.model.forget_batch()
 
-    def prepare(self, jobs: list[Job]) -> dict[str, Any]:
+    def prepare(self, jobs: list[WanJob]) -> dict[str, Any]:
         """Requests prepared at the same step share one text-encoder call for the texts the cache lacks and one VAE
         encode for the images it lacks (one size: the batch key); each then draws its own noise. If the shared
         encode fails, each request encodes its own, so one bad request fails alone."""
-        loaded = self.pool.acquire(self.layout.path, self.placement)
-        if self.budget:
-            log.info("%s: %s", self.node_id, self.budget)
-            self.budget = ""
+        loaded = self.loaded
+        self.loaded = attrs.evolve(loaded, cold=False, load_ms=0.0)
         start = time.perf_counter()
         fresh, texts_done = self._encode_missing(loaded, jobs)
         images_done = self._synced()
@@ -103,7 +109,7 @@ class WanRunner:
                 results[job.item.request_id] = exc
         return results
 
-    def _encode_missing(self, loaded, jobs: list[Job]) -> tuple[set, float]:
+    def _encode_missing(self, loaded, jobs: list[WanJob]) -> tuple[set, float]:
         """Encode every text and image of `jobs` that the cache lacks, texts in one call and images in one;
         returns the keys computed and when the texts were done."""
         model, fresh = loaded.model, set()
@@ -135,13 +141,13 @@ class WanRunner:
         return set(missing)
 
     @staticmethod
-    def _encode_images(model, jobs: list[Job]) -> list:
+    def _encode_images(model, jobs: list[WanJob]) -> list:
         s = jobs[0].input.settings
         return model.encode_images([j.input.image for j in jobs], s.height, s.width)
 
-    def _prepare_one(self, job: Job, loaded, fresh: set) -> Denoised:
+    def _prepare_one(self, job: WanJob, loaded, fresh: set) -> Progress:
         s, image = job.input.settings, job.input.image
-        model = job.model = loaded.model
+        model = loaded.model
 
         def cached(key, compute):
             value, hit = self.cache.get_or_compute(key, compute)
@@ -159,81 +165,67 @@ class WanRunner:
             import torch
 
             generator = torch.Generator("cpu").manual_seed(s.seed)
-            job.state = model.prepare(text, condition, s.height, s.width, s.num_frames, s.steps, s.guidance_scale,
+            job.denoise = model.prepare(text, condition, s.height, s.width, s.num_frames, s.steps, s.guidance_scale,
                                       generator)
-        if job.state.total != s.steps:  # the scheduler counts s.steps denoise steps; they must be the timesteps
-            raise RuntimeError(f"the noise scheduler made {job.state.total} timesteps for {s.steps} steps")
+        if job.denoise.total != s.steps:  # the scheduler counts s.steps denoise steps; they must be the timesteps
+            raise RuntimeError(f"the noise scheduler made {job.denoise.total} timesteps for {s.steps} steps")
         job.trace.update({"diffusion.load_was_cold": loaded.cold, "diffusion.load_ms": round(loaded.load_ms, 3),
                           "diffusion.text_cache": "hit" if text_hit else "miss",
                           "diffusion.image_cache": "hit" if image_hit else "miss",
-                          "diffusion.prepare_cache_hit": text_hit and image_hit})
-        return Denoised(0, job.state.total)
+                          "diffusion.prepare_cache_hit": text_hit and image_hit,
+                          "diffusion.cfg_batched": self.cfg_batched and s.guidance_scale > 1})
+        return Progress(0, job.denoise.total)
 
     @staticmethod
     def _text(model_key, model, text: str, cached):
         return cached(prepare_cache.text_key(model_key, text), lambda: model.encode_text(text))
 
-    def denoise(self, jobs: list[Job]) -> dict[str, Denoised]:
-        """One step of every job, at its own step, in one forward; each job's profile gets the batch's span."""
-        steps = [(j.state.step, float(j.state.timesteps[j.state.step])) for j in jobs]
+    def denoise(self, jobs: list[WanJob], steps: list[int]) -> dict[str, Progress]:
+        """Step `steps[i]` of every job in one forward; each job's profile gets the batch's span."""
+        timesteps = [float(j.denoise.timesteps[step]) for j, step in zip(jobs, steps)]
         start = time.perf_counter()
-        jobs[0].model.denoise_batch([j.state for j in jobs], cfg_batched=self.cfg_batched)
+        self.model.denoise_batch([j.denoise for j in jobs], steps, cfg_batched=self.cfg_batched)
         end = self._synced()
-        for job, (step, timestep) in zip(jobs, steps):
+        for job, step, timestep in zip(jobs, steps, timesteps):
             job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
             job.batch_sizes.append(len(jobs))
-        return {j.item.request_id: Denoised(j.state.step, j.state.total) for j in jobs}
+            job.trace["diffusion.cfg_batched"] = self.cfg_batched and job.input.settings.guidance_scale > 1
+        return {j.item.request_id: Progress(step + 1, j.denoise.total) for j, step in zip(jobs, steps)}
 
-    def decode(self, jobs: list[Job]) -> dict[str, None]:
+    def decode(self, jobs: list[WanJob]) -> dict[str, None]:
         start = time.perf_counter()
-        frames = jobs[0].model.decode_batch([j.state for j in jobs])
+        frames = self.model.decode_batch([j.denoise for j in jobs])
         end = self._synced()
         for job, video in zip(jobs, frames):
             job.profiler.record("vae_decode", start, end, batch_size=len(jobs))
-            job.frames, job.state = video, None
+            job.frames, job.denoise = video, None
         return dict.fromkeys((j.item.request_id for j in jobs), None)
 
-    def _export(self, job: Job) -> Future:
-        if self.export_in_background:
-            return self.exports.submit(self.export, job)
-        done: Future = Future()
-        try:
-            done.set_result(self.export(job))
-        except Exception as exc:  # noqa: BLE001 - reported by the stage, as a failed background export is
-            done.set_exception(exc)
-        return done
+    def export_batch(self, jobs: list[WanJob]) -> dict[str, Any]:
+        """Each job's MP4: written now (None, or the error), or the Future of the export thread writing it."""
+        results: dict[str, Any] = {}
+        for job in jobs:
+            if self.export_in_background:
+                results[job.item.request_id] = self.exports.submit(self.export, job)
+                continue
+            try:
+                results[job.item.request_id] = self.export(job)
+            except Exception as exc:  # noqa: BLE001 - e.g. the disk is full: this request fails alone
+                results[job.item.request_id] = exc
+        return results
 
-    def export(self, job: Job) -> StageOutput:
-        """Write the MP4 (CPU work only, maybe on the export thread: its span needs no device sync)."""
-        params, output = job.item.params, job.input.output
+    def export(self, job: WanJob) -> str:
+        """Write the MP4 (CPU work only, maybe on the export thread: its span needs no device sync), and with
+        `profile` the Chrome trace next to it; the MP4's path."""
+        output = job.input.output
         start = time.perf_counter()
         write_mp4(job.frames, output, fps=self.layout.fps, preset=self.video_preset)
         job.profiler.record("export", start, time.perf_counter(), frames=len(job.frames))
-        trace = self._trace(job, params.profile)
-        if params.profile:
+        if job.item.params.profile:
             log.info("profile of request %s (%s):\n%s", job.item.request_id, self.node_id, job.profiler.table())
             chrome = job.profiler.write_chrome_trace(profile_path(output), job.item.request_id)
-            trace["diffusion.profile_trace"] = str(chrome)
-        data = {"frames": job.frames} if params.return_frames else None
-        return StageOutput(job.item.request_id, self.node_id, path=str(output), data=data, contract="video/mp4",
-                           trace=trace)
-
-    def _trace(self, job: Job, profile: bool) -> dict:
-        s = job.input.settings
-        negative = "wan default" if s.negative_prompt == DEFAULT_NEGATIVE_PROMPT else s.negative_prompt
-        trace = {"diffusion.model": self.model_label, "diffusion.prompt": job.item.prompt,
-                 "diffusion.negative_prompt": negative, "diffusion.seed": s.seed, "diffusion.fps": self.layout.fps,
-                 "diffusion.output": str(job.input.output)}
-        trace.update(s.trace())
-        trace.update(self.placement.trace())
-        trace.update(job.trace)
-        sizes = job.batch_sizes or [0]
-        trace.update({"diffusion.batch_size_mean": round(sum(sizes) / len(sizes), 3),
-                      "diffusion.batch_size_max": max(sizes),
-                      "diffusion.cfg_batched": self.cfg_batched and s.guidance_scale > 1})
-        trace.update(job.profiler.trace(detailed=profile))
-        trace["diffusion.elapsed_ms"] = round((time.perf_counter() - job.start) * 1000, 3)
-        return trace
+            job.trace["diffusion.profile_trace"] = str(chrome)
+        return str(output)
 
     def _synced(self) -> float:
         """perf_counter() after the device has finished its queued work."""
@@ -248,3 +240,8 @@ class WanRunner:
         import torch
 
         return torch.cuda.synchronize
+
+
+def _remove_output(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        Path(future.result()).unlink(missing_ok=True)

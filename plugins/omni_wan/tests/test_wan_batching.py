@@ -42,9 +42,9 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
     calls, decodes = [], []
     real, real_decode = runner.denoise, runner.decode
 
-    def spy(jobs):
-        calls.append({j.item.request_id: j.state.step for j in jobs})
-        return real(jobs)
+    def spy(jobs, steps):
+        calls.append({j.item.request_id: step for j, step in zip(jobs, steps)})
+        return real(jobs, steps)
 
     runner.denoise = spy
     runner.decode = lambda jobs: decodes.append(sorted(j.item.request_id for j in jobs)) or real_decode(jobs)
@@ -72,7 +72,7 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
     assert all(len(batch) > 1 for batch in calls[:5])
     assert decodes == [["a", "b"], ["c"]]  # a and b finish at the same step: one VAE decode
     assert [e.error for e in events if isinstance(e, RequestFailed)] == ["aborted"]
-    assert not (tmp_path / "d.mp4").exists() and "d" not in runner.jobs
+    assert not (tmp_path / "d.mp4").exists() and "d" not in omni.graph.stages["wan"].request_ids()
     finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
     assert sorted(finished) == ["a", "b", "c"]
     for rid in "abc":
@@ -98,7 +98,7 @@ def test_cfg_off_and_on_do_not_share_a_forward_but_both_batch(omni, images, tmp_
     runner = omni.graph.stages["wan"].engine.runner
     sizes = []
     real = runner.denoise
-    runner.denoise = lambda jobs: sizes.append(sorted(j.item.request_id for j in jobs)) or real(jobs)
+    runner.denoise = lambda jobs, steps: sizes.append(sorted(j.item.request_id for j in jobs)) or real(jobs, steps)
     try:
         for rid, guidance in (("on1", 5.0), ("off1", 1.0), ("on2", 2.0), ("off2", 1.0)):
             omni.submit(omni.request("waves", image=images["blue"], request_id=rid, **SIZE, seed=5,
@@ -155,7 +155,7 @@ def test_latent_tokens_and_the_cpu_default_budget():
     from omni_wan.layout import ModelLayout
     from omni_wan.params import WanConfig
     from omni_wan.presets import Settings
-    from omni_wan.stage import CPU_TOKEN_BUDGET, latent_tokens, token_budget
+    from omni_wan.build import CPU_TOKEN_BUDGET, latent_tokens, token_budget
 
     layout = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
     quality = Settings(preset="quality", height=704, width=1280, num_frames=121, steps=50, guidance_scale=5.0,
@@ -207,7 +207,7 @@ def test_phase_order_lets_newcomers_prepare_and_join_the_denoise_batch():
 
 def _model(omni):
     runner = omni.graph.stages["wan"].engine.runner
-    return runner, runner.pool.acquire(runner.layout.path, runner.placement).model
+    return runner, runner.model
 
 
 def _run(omni, requests):

@@ -1,0 +1,79 @@
+"""build_stage: a `diffusion.wan22_i2v` node's Stage(WanInputProcessor, Engine(DiffusionScheduler, WanRunner),
+WanOutputProcessor), with its model loaded (once per process and plugin host: the ModelPool).
+
+One engine step is one phase (prepare, one denoise step, decode, export). Finishing and newly arrived requests go
+first (export, decode, prepare), then every denoising request of one batch key (size, frames, CFG on/off, dtype)
+shares one denoise forward, each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens`
+latent tokens.
+"""
+
+from __future__ import annotations
+
+import json
+
+from omni_kernel.engine import Engine
+from omni_kernel.graph import NodeSpec
+from omni_kernel.scheduler import DiffusionScheduler
+from omni_kernel.stage import Stage
+
+from .demo import ensure_demo_model
+from .device import Placement, place
+from .inputs import WanInputProcessor
+from .layout import ModelLayout, read_layout
+from .loader import ModelPool
+from .outputs import WanOutputProcessor
+from .params import WanConfig
+from .prepare_cache import PrepareCache
+from .presets import Settings
+from .runner import WanRunner
+
+CPU_TOKEN_BUDGET = 16384  # on a CPU a forward is compute-bound long before memory matters
+
+
+def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: PrepareCache) -> Stage:
+    if config.model:
+        layout, label, default_preset = read_layout(config.model), config.model, "quality"
+    else:
+        layout, label, default_preset = read_layout(ensure_demo_model()), "demo (random weights)", "smoke"
+    default_preset = node.policy.get("preset", default_preset)
+    placement = place(config)
+    budget, why = token_budget(config, placement, layout)
+    loaded = pool.acquire(layout.path, placement)
+    runner = WanRunner(node.id, layout, placement, loaded, cache, video_preset=config.wan_video_preset)
+    scheduler = DiffusionScheduler(
+        max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
+        batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),
+        cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget,
+        phase_order=("export", "decode", "prepare", "denoise"))
+    model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
+    summary = f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise step ({why})"
+    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset), Engine(scheduler, runner),
+                 WanOutputProcessor(node.id, model_trace), summary)
+
+
+def batch_key(s: Settings, dtype: str) -> tuple:
+    """Requests that can share a denoise forward: same latent shape, CFG on or off, same dtype."""
+    return s.height, s.width, s.num_frames, s.guidance_scale > 1, dtype
+
+
+def latent_tokens(s: Settings, layout: ModelLayout) -> int:
+    """A request's rows in a denoise forward: its transformer sequence length, twice with CFG."""
+    frames = (s.num_frames - 1) // layout.temporal_factor + 1
+    tokens = frames * (s.height // layout.spatial_multiple) * (s.width // layout.spatial_multiple)
+    return tokens * (2 if s.guidance_scale > 1 else 1)
+
+
+def token_budget(config: WanConfig, placement: Placement, layout: ModelLayout) -> tuple[int, str]:
+    """`wan_max_batch_tokens`, or a default: on a GPU, half its memory beyond 24 GiB (the weights, the VAE
+    decode) at a rough 4 bytes x (ffn_dim + 8 x hidden) of activations per token (bf16, with headroom)."""
+    if config.wan_max_batch_tokens is not None:
+        return config.wan_max_batch_tokens, "wan_max_batch_tokens"
+    if placement.device != "cuda":
+        return CPU_TOKEN_BUDGET, "default for cpu"
+    import torch
+
+    t = json.loads((layout.path / "transformer" / "config.json").read_text(encoding="utf-8"))
+    hidden = t.get("num_attention_heads", 24) * t.get("attention_head_dim", 128)
+    per_token = 4 * (t.get("ffn_dim", 14336) + 8 * hidden)
+    spare = torch.cuda.get_device_properties(0).total_memory - 24 * 2**30
+    return max(1, spare // 2 // per_token), "default for cuda: half the memory beyond 24 GiB"

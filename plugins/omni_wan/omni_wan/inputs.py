@@ -1,0 +1,78 @@
+"""WanInputProcessor: what a Wan stage makes of a request's input, once, before its engine sees it.
+
+The prompt must say something, the MP4 (and with `profile` its Chrome trace) must be creatable, the image is
+decoded (EXIF orientation applied) and the preset and overrides are resolved against the model's layout; an
+unseeded request gets its seed here. `check` (a downstream node, at submit) reads only the image header.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import attrs
+from omni_kernel.errors import InputError, InvalidParameter
+from omni_kernel.files import check_output_path
+from omni_kernel.request import StageInput
+
+from .images import image_digest, image_size, open_image
+from .layout import ModelLayout
+from .params import WanParams
+from .presets import Settings, resolve
+from .profiler import profile_path
+
+
+@attrs.frozen
+class WanInput:
+    """A processed request: everything the runner needs, computed once."""
+
+    settings: Settings  # seed filled in
+    image: Any = attrs.field(repr=False)  # RGB PIL image, EXIF orientation applied
+    digest: str
+    output: Path
+
+
+def check_request(prompt: str, output: str | None, request_id: str, profile: bool = False) -> Path:
+    """The request's output path; InputError for an empty prompt, InvalidParameter("output") for a path that
+    cannot be written (see omni_kernel.files.check_output_path)."""
+    if not prompt.strip():
+        raise InputError("the prompt is empty")
+    path = Path(output or f"omni_{request_id}.mp4").expanduser()
+    if path.suffix.lower() != ".mp4":
+        raise InvalidParameter("output", f"{str(path)!r} must end in .mp4 (the stage writes H.264 MP4)")
+    if os.path.isdir(path):  # (never raises, e.g. for a name too long)
+        raise InvalidParameter("output", f"{str(path)!r} is a directory; name a file such as {path / 'out.mp4'}")
+    target = check_output_path(path, "output")
+    if profile:
+        check_output_path(profile_path(target), "output")
+    return target
+
+
+class WanInputProcessor:
+    concurrent = True  # processing reads the image and the layout only: never a step's state
+
+    def __init__(self, layout: ModelLayout, default_preset: str):
+        self.layout = layout
+        self.default_preset = default_preset
+
+    def check(self, item: StageInput) -> None:
+        # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
+        # when the connector's input is processed.
+        params = _params(item)
+        check_request(item.prompt, params.output, item.request_id, params.profile)
+        resolve(params, self.layout, image_size(item.image), self.default_preset)
+
+    def process(self, item: StageInput) -> StageInput:
+        params = _params(item)
+        output = check_request(item.prompt, params.output, item.request_id, params.profile)
+        image = open_image(item.image)
+        settings = resolve(params, self.layout, image.size, self.default_preset)
+        if settings.seed is None:
+            settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
+        return attrs.evolve(item, processed=WanInput(settings, image, image_digest(image), output.absolute()))
+
+
+def _params(item: StageInput) -> WanParams:
+    return item.params if item.params is not None else WanParams()
