@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 KERNEL_VENV := .venv-kernel
-PLUGINS := plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers
+PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 

@@ -43,12 +43,12 @@ def main() -> None:
 
     import numpy as np
     import torch
+    from omni_hf import quiet_hf_load
     from omni_kernel import Omni
     from omni_wan.demo import build_tiny_checkpoint
     from omni_wan.images import open_image
-    from omni_wan.loader import quiet_libraries
 
-    with quiet_libraries():
+    with quiet_hf_load(("transformers", "diffusers")):
         from diffusers import WanImageToVideoPipeline
     from omni_wan.presets import DEFAULT_NEGATIVE_PROMPT
     from omni_wan.video import write_mp4
@@ -63,7 +63,7 @@ def main() -> None:
                       num_inference_steps=args.steps, guidance_scale=args.guidance_scale, seed=args.seed)
         omni = Omni("wan_i2v", model=str(model), device="cpu")
         cache = omni.host.pm.get_plugin("omni_wan").stages.cache
-        with quiet_libraries():
+        with quiet_hf_load(("transformers", "diffusers")):
             pipe = WanImageToVideoPipeline.from_pretrained(str(model), use_safetensors=True)
         pipe.set_progress_bar_config(disable=True)
         image = open_image(IMAGE)

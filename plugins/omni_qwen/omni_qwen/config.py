@@ -13,13 +13,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+from omni_hf import DTYPE_NAMES
 
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.graph import NodeSpec
 from omni_kernel.params import ARParams, boolean, integer, option, text
 
 KV_BACKENDS = ("paged", "dynamic_cache")
-DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_MAX_NUM_SEQS = 64
 BLOCK_SIZE = 16

@@ -7,88 +7,33 @@ the KV backends (backends.py); tokenizing a prompt to the stage's input processo
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-from transformers.utils import logging as hf_logging
 
-from omni_kernel.errors import InvalidParameter, ModelError
+import omni_hf
+from omni_kernel.errors import ModelError
 from omni_kernel.files import check_safetensors_index, safetensors_shapes
 
 log = logging.getLogger("omni")
 
 TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.model", "vocab.txt",
                    "sentencepiece.bpe.model")
-DTYPES = {"auto": None, "float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(name: str | None) -> torch.dtype | None:
-    if name is None:
-        return None
-    if name not in DTYPES:
-        raise InvalidParameter("ar_dtype", f"{name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_device(name: str | None) -> str:
-    if name is None:
-        return default_device()
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise InvalidParameter("ar_device", f"{name!r} is not a torch device (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameter("ar_device", f"{name!r} asks for CUDA but no CUDA device is available")
-    return name
+    """omni_hf.resolve_device for the ar_device setting."""
+    return omni_hf.resolve_device(name, "ar_device")
 
 
-@contextlib.contextmanager
 def quiet_progress():
-    """transformers draws a progress bar per load and save, prints load reports and warns; the CLI's own output
-    is the text and the trace. Inside this block the progress bar is off, transformers' log records and Python
-    warnings go to the "omni" log at debug level, and torch.load refuses to run (nothing is ever unpickled)."""
-    enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    library = hf_logging.get_logger()  # configures transformers' root logger, so its handler is the one to swap
-    saved = library.handlers[:], library.level, library.propagate
-    library.handlers[:], library.propagate = [_ToDebug()], False
-    library.setLevel(logging.WARNING)
-    loader = torch.load
-    torch.load = _no_unpickling
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                yield
-            finally:
-                for w in caught:
-                    log.debug("%s: %s", w.category.__name__, w.message)
-    finally:
-        torch.load = loader
-        library.handlers[:], library.level, library.propagate = saved[0], saved[1], saved[2]
-        if enabled:
-            hf_logging.enable_progress_bar()
-
-
-class _ToDebug(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        log.debug("%s: %s", record.name, record.getMessage())
-
-
-def _no_unpickling(*args, **kwargs):
-    raise ModelError("the checkpoint asks to unpickle a file (torch.load); omni loads safetensors only")
+    """omni_hf.quiet_hf_load over transformers: no progress bar, library logs at debug, no torch.load."""
+    return omni_hf.quiet_hf_load(("transformers",))
 
 
 # Sanity bounds of config values that size tensors and the KV pool: a value outside is a broken config.
@@ -164,7 +109,7 @@ class CausalLM:
     def load(cls, path: str | Path, dtype: str | None = None, device: str | None = None,
              trust_remote_code: bool = False) -> CausalLM:
         path = Path(path).expanduser().resolve()
-        torch_dtype = resolve_dtype(dtype)
+        torch_dtype = omni_hf.torch_dtype(dtype, "ar_dtype")
         config = check_model_dir(path, trust_remote_code)
         device = resolve_device(device)
         start = time.perf_counter()

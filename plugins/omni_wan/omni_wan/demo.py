@@ -64,9 +64,9 @@ def build_tiny_checkpoint(path: Path, *, dims: dict | None = None, seed: int = 0
     `dims` overrides the transformer size (num_layers, num_attention_heads, attention_head_dim, ffn_dim), so a
     benchmark can build one large enough that a run takes seconds.
     """
-    from .loader import quiet_libraries
+    from omni_hf import quiet_hf_load
 
-    with quiet_libraries():
+    with quiet_hf_load(("transformers", "diffusers")):
         return _build(Path(path), dims or {}, seed)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import attrs
-from omni_kernel.errors import InvalidParameter
+from omni_hf import resolve_device
 
 from .params import WanConfig
 
@@ -43,12 +43,7 @@ def place(config: WanConfig) -> Placement:
     `disable_cpu_offload` keeps everything on the GPU. On the CPU offload does not apply."""
     import torch
 
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise InvalidParameter("device", "'cuda' was asked for, but torch sees no CUDA device")
-    if device == "cuda":
+    if resolve_device(config.device) == "cuda":
         memory = torch.cuda.get_device_properties(0).total_memory
         vae_dtype, why = resolve_vae_dtype(config.vae_dtype, "cuda", memory)
         return Placement("cuda", "bf16", vae_dtype, why, "off" if config.disable_cpu_offload else "model_cpu_offload")
@@ -63,9 +58,3 @@ def resolve_vae_dtype(requested: str | None, device: Device, gpu_memory_bytes: i
     if device == "cpu":
         return "fp32", "default for cpu"
     return ("fp32" if gpu_memory_bytes >= _BIG_GPU_BYTES else "bf16"), "default for cuda"
-
-
-def torch_dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -4,13 +4,9 @@
 from __future__ import annotations
 
 import logging
-import threading
-import time
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
-import attrs
+import omni_hf
 from omni_kernel.errors import ModelError
 from omni_kernel.files import safetensors_shapes
 
@@ -20,33 +16,17 @@ from .layout import WEIGHTS
 log = logging.getLogger("omni")
 
 
-@attrs.frozen
-class Loaded:
-    model: object
-    key: tuple  # names the loaded model in prepare-cache keys too
-    cold: bool
-    load_ms: float
-
-
 class ModelPool:
-    def __init__(self):
-        self._models: dict[tuple, object] = {}
-        self._lock = threading.Lock()
+    """Wan2.2 pipelines by (path, placement), kept in an omni_hf.ModelPool (locked; cold or warm, load_ms)."""
 
-    def acquire(self, path: Path, placement: Placement) -> Loaded:
-        key = (str(path), placement)
-        with self._lock:
-            model = self._models.get(key)
-            if model is not None:
-                return Loaded(model, key, cold=False, load_ms=0.0)
-            start = time.perf_counter()
-            model = _load(path, placement)
-            self._models[key] = model
-            return Loaded(model, key, cold=True, load_ms=(time.perf_counter() - start) * 1000)
+    def __init__(self):
+        self.models = omni_hf.ModelPool(lambda key: _load(Path(key[0]), key[1]))
+
+    def acquire(self, path: Path, placement: Placement) -> omni_hf.Loaded:
+        return self.models.acquire((str(path), placement))  # the key names the model in prepare-cache keys too
 
     def clear(self) -> None:
-        with self._lock:
-            self._models.clear()
+        self.models.clear()
 
 
 def _load(path: Path, placement: Placement):
@@ -55,7 +35,7 @@ def _load(path: Path, placement: Placement):
     log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)", path, placement.device, placement.vae_dtype,
              placement.offload)
     try:
-        with quiet_libraries():
+        with omni_hf.quiet_hf_load(("transformers", "diffusers")):
             check_tensors(path)
             return Wan22I2VPipeline.load(path, placement)
     except ModelError:
@@ -114,48 +94,3 @@ def tensor_problem(model, shapes: dict[str, tuple[int, ...]]) -> str | None:
         k = shaped[0]
         return f"tensor {k} has shape {list(shapes[k])}, the config needs {list(expected[k])}"
     return None
-
-
-@contextmanager
-def quiet_libraries():
-    """Silence diffusers' and transformers' progress bars (the CLI draws its own progress and prints one line per
-    problem): their log records (load reports) and Python warnings go to the "omni" log at debug level, and
-    torch.load refuses to run (nothing is ever unpickled); their settings are restored afterwards."""
-    import diffusers.utils.logging as dlog
-    import torch
-    import transformers.utils.logging as tlog
-
-    bars = tlog.is_progress_bar_enabled(), dlog.is_progress_bar_enabled()
-    tlog.disable_progress_bar()
-    dlog.disable_progress_bar()
-    libraries = [tlog.get_logger(), dlog.get_logger()]  # their root loggers, configured
-    saved = [(lib.handlers[:], lib.level, lib.propagate) for lib in libraries]
-    for lib in libraries:
-        lib.handlers[:], lib.propagate = [_ToDebug()], False
-        lib.setLevel(logging.WARNING)
-    loader, torch.load = torch.load, _no_unpickling
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            try:
-                yield
-            finally:
-                for w in caught:
-                    log.debug("%s: %s", w.category.__name__, w.message)
-    finally:
-        torch.load = loader
-        for lib, (handlers, level, propagate) in zip(libraries, saved):
-            lib.handlers[:], lib.level, lib.propagate = handlers, level, propagate
-        if bars[0]:
-            tlog.enable_progress_bar()
-        if bars[1]:
-            dlog.enable_progress_bar()
-
-
-class _ToDebug(logging.Handler):
-    def emit(self, record: logging.LogRecord) -> None:
-        log.debug("%s: %s", record.name, record.getMessage())
-
-
-def _no_unpickling(*args, **kwargs):
-    raise ModelError("the checkpoint asks to unpickle a file (torch.load); omni loads safetensors only")

@@ -16,10 +16,11 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+from omni_hf import torch_dtype
 
 from .cpu_vae import speed_up_cpu_vae
 from .crossattn import CrossKV, TextKV
-from .device import Placement, torch_dtype
+from .device import Placement
 
 log = logging.getLogger("omni")
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline

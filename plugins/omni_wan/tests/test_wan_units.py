@@ -6,11 +6,12 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from omni_hf import DTYPE_NAMES
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.params import ARParams, options_of
 from omni_wan.device import place
 from omni_wan.layout import ModelLayout
-from omni_wan.params import WanConfig, WanParams
+from omni_wan.params import VAE_DTYPES, WanConfig, WanParams
 from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
 from omni_wan.presets import PRESETS, resolve
 from omni_wan.video import write_mp4
@@ -87,6 +88,7 @@ def test_device_cpu_places_everything_on_the_cpu_in_fp32():
     placement = place(WanConfig(device="cpu", disable_cpu_offload=True))
     assert attrs.astuple(placement) == ("cpu", "fp32", "fp32", "default for cpu", "not applicable (CPU)")
     assert place(WanConfig(device="cpu", vae_dtype="bf16")).vae_dtype_reason == "requested"
+    assert set(VAE_DTYPES) <= set(DTYPE_NAMES)  # every VAE dtype offered is one omni_hf.torch_dtype maps
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines: auto must fall back to the CPU")
