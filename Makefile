@@ -49,3 +49,9 @@ test-kernel-only:
 
 clean:
 	rm -rf $(VENV) $(KERNEL_VENV) *.egg-info plugins/*/*.egg-info
+
+# The real Qwen2.5 tokenizer that omni_qwen's tests use (docs/qwen.md), fetched once into the omni cache.
+.PHONY: fixtures
+fixtures: $(STAMP)
+	$(PY) -m omni_qwen.qwen25_tokenizer
+test: fixtures

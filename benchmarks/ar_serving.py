@@ -1,7 +1,7 @@
 """AR serving benchmark: this runtime's ar_text stage against HF transformers on the same random-weight model.
 
 Builds (once, into $OMNI_CACHE_DIR/bench/) a random-weight checkpoint of the Qwen2.5-0.5B-Instruct shape in
-bf16 with a small locally trained tokenizer, loads it through the real stage (Omni("ar_text") with the paged
+bf16 with the real Qwen2.5 tokenizer, loads it through the real stage (Omni("ar_text") with the paged
 KV backend), and measures, in one process on that one loaded model: (a) HF `generate` one request at a time
 (on a subset), (b) HF `generate` in static left-padded batches of 32 in arrival order, (c) transformers' own
 continuous batching (the manager behind `generate_batch`, with per-request max_new_tokens), (d) this runtime
@@ -46,11 +46,16 @@ def say(*args) -> None:
 
 
 def ensure_checkpoint(layers: int) -> Path:
-    """The Qwen2.5-0.5B-shaped random checkpoint, saved with save_pretrained (about 1 GB for 24 layers)."""
-    path = cache_dir() / "bench" / f"qwen2.5-0.5b-shape-random-{layers}l"
+    """The Qwen2.5-0.5B-shaped random checkpoint, saved with save_pretrained (about 1 GB for 24 layers), with the
+    real Qwen2.5 tokenizer's files (fetched first when the omni cache lacks them)."""
+    path = cache_dir() / "bench" / f"qwen2.5-0.5b-shape-qwen-tokenizer-{layers}l"
     if (path / "config.json").is_file():
         return path
-    from omni_qwen.demo import train_tokenizer
+    import shutil
+
+    from omni_qwen.qwen25_tokenizer import fetch
+
+    tokenizer = fetch()
 
     config = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
@@ -66,7 +71,8 @@ def ensure_checkpoint(layers: int) -> Path:
     model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=0, do_sample=False)
     tmp = path.with_name(path.name + ".tmp")
     model.save_pretrained(tmp)
-    train_tokenizer().save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer / name, tmp / name)
     tmp.rename(path)
     return path
 

@@ -10,9 +10,9 @@ caching is off so that repeated rounds do not hit a warm cache.
 Systems run alternately (in-process, omni HTTP, transformers serve; then again), so load that comes and goes on
 a shared machine hurts each alike; each ratio is the median of the per-round ratios. TTFT and inter-token
 latency (time between streamed chunks that carry text) are measured by the clients (`*_samples`: how many).
-The checkpoint has the Qwen2.5-0.5B shape but its small tokenizer's vocabulary (ar_serving.py keeps the 151936
-vocabulary, whose ids mostly decode to no text, so nothing would stream). The last line printed is one JSON
-object.
+The checkpoint has the Qwen2.5-0.5B shape but the demo tokenizer's small vocabulary, as when the figures in
+docs/serving.md were measured (ar_serving.py's has the real Qwen2.5 tokenizer's 151936). The last line printed is
+one JSON object.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve.py --quick
 """

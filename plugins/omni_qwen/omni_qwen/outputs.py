@@ -73,11 +73,13 @@ class AROutputProcessor:
         if finished != "eos":
             searched = max(0, len(req.text) - max((len(s) for s in stop), default=1) + 1)
             req.text += req.detok.add(token)
+            if finished:  # the last token: text held back for a partial character is final, and searched too
+                req.text += req.detok.flush()
             hits = [i for i in (req.text.find(s, searched) for s in stop) if i >= 0]
             if hits:
                 req.text = req.text[:min(hits)]
                 reason = "stop"
-        if reason in ("eos", "max_tokens", "context_window"):
+        else:
             req.text += req.detok.flush()
         held = 0 if reason else max((len(s) for s in stop), default=1) - 1
         end = max(req.sent, len(req.text) - held)

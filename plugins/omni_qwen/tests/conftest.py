@@ -11,7 +11,29 @@ from pathlib import Path
 import pytest
 import torch
 
+from omni_qwen import qwen25_tokenizer as _qwen25
+
 torch.set_num_threads(1)
+
+# Read at import, before the session's omni_cache points OMNI_CACHE_DIR at a tmp dir: `make fixtures` fetched
+# the real tokenizer into the user's cache.
+QWEN25_TOKENIZER_DIR = _qwen25.default_dir()
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer_dir() -> Path:
+    """The real Qwen2.5 tokenizer directory (omni_qwen.qwen25_tokenizer), with llama.cpp's test vectors."""
+    if not _qwen25.present(QWEN25_TOKENIZER_DIR):
+        pytest.skip(f"the real Qwen2.5 tokenizer is not in {QWEN25_TOKENIZER_DIR}: run `make fixtures`")
+    return QWEN25_TOKENIZER_DIR
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer(qwen25_tokenizer_dir):
+    """It, loaded the way omni loads an AR model's tokenizer (AutoTokenizer.from_pretrained)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen25_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
