@@ -92,7 +92,7 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
     result = await until_disconnect(request, collect(stream, final, watch))
     if result is None:
         return Response(status_code=499)
-    text, finished = result
+    _, finished = result
     if isinstance(finished, RequestFailed):
         raise APIError.of_failure(finished.kind, finished.error, finished.field)
     out = finished.result
