@@ -22,7 +22,6 @@ from .engine import AsyncOmni
 from .protocol import APIError
 
 log = logging.getLogger("omni")
-SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(.*)$", re.S)
 
 
@@ -47,28 +46,6 @@ class Job:
         return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,
                 "model": self.model, "size": self.size, "seconds": self.seconds, "created_at": self.created_at,
                 "completed_at": self.completed_at, "expires_at": expires, "error": self.error}
-
-
-def parse_size(size: str | None) -> tuple[int, int] | None:
-    if size is None or size == "":
-        return None
-    match = SIZE.match(size)
-    if not match:
-        raise APIError(400, f"invalid size: {size!r} is not WIDTHxHEIGHT, e.g. 1280x704", "size")
-    return int(match.group(1)), int(match.group(2))
-
-
-def frames_for(seconds: str | None, fps: int) -> int | None:
-    """A frame count of the 4k+1 form for a duration in seconds."""
-    if seconds is None or seconds == "":
-        return None
-    try:
-        value = float(seconds)
-    except ValueError:
-        value = float("nan")
-    if not (0 < value <= 60):
-        raise APIError(400, f"invalid seconds: {seconds!r} is not a number of seconds in (0, 60]", "seconds")
-    return max(1, round(value * fps / 4)) * 4 + 1
 
 
 class VideoJobs:

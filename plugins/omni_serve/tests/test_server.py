@@ -296,6 +296,25 @@ def test_video_without_an_image_and_with_a_non_image(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference"
 
 
+def test_video_fields_are_the_options_wan_declares_and_seconds_become_frames(client, http, tmp_path):
+    for fields, param in (({"steps": "2"}, "steps"), ({"num_inference_steps": "two"}, "num_inference_steps"),
+                          ({"output": "/tmp/x.mp4"}, "output")):
+        with open(ASSET, "rb") as image:
+            r = http.post("/v1/videos", files={"input_reference": ("i.png", image, "image/png")},
+                          data={"prompt": "p", "model": "wan_i2v", **fields})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "valid fields: " in (message := http.post("/v1/videos", data={"prompt": "p", "steps": "2"}).text)
+    assert "num_inference_steps" in message and "input_reference" in message and "output" not in message
+    with open(ASSET, "rb") as image:
+        job = client.videos.create(model="wan_i2v", prompt="a short one", input_reference=image, size="64x64",
+                                   seconds="0.5", extra_body={"num_inference_steps": 1})
+    done = client.videos.poll(job.id, poll_interval_ms=50)
+    assert done.status == "completed" and done.seconds == "0.5", done
+    client.videos.download_content(job.id).write_to_file(out := tmp_path / "short.mp4")
+    assert _decode(out) == (13, (64, 64))  # 0.5 s at the model's 24 fps, as 4k+1 frames
+    client.videos.delete(job.id)
+
+
 def test_access_log_has_one_line_per_request(server, http):
     r = http.get("/v1/models")
     rid = r.headers["x-request-id"]

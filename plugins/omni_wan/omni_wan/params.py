@@ -59,6 +59,9 @@ class WanParams:
                                flag="--width", validator=integer(1))
     num_frames: int | None = option(None, help="number of frames (overrides the preset)", type=int,
                                     flag="--num-frames", validator=integer(1))
+    # The OpenAI Videos API asks for a duration; the frame count it means depends on the model's fps (resolve).
+    seconds: float | None = option(None, help="video length in seconds, as frames at the model's fps (num_frames "
+                                              "wins)", type=float, validator=number(above=0, maximum=60))
     num_inference_steps: int | None = option(None, help="denoise steps (overrides the preset)", type=int,
                                              flag="--steps", validator=integer(1))
     guidance_scale: float | None = option(None, help="classifier-free guidance scale (overrides the preset)",

@@ -78,13 +78,20 @@ def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int],
         preset=name,
         height=_given(params.height, height),
         width=_given(params.width, width),
-        num_frames=_given(params.num_frames, preset.num_frames),
+        num_frames=_given(params.num_frames, preset.num_frames if params.seconds is None
+                          else frames_for(params.seconds, layout)),
         steps=_given(params.num_inference_steps, preset.steps),
         guidance_scale=float(_given(params.guidance_scale, preset.guidance_scale)),
         negative_prompt=_given(params.negative_prompt, DEFAULT_NEGATIVE_PROMPT),
         seed=params.seed)
     validate(settings, layout)
     return settings
+
+
+def frames_for(seconds: float, layout: ModelLayout) -> int:
+    """The frame count of the valid form (temporal_factor * k + 1) nearest to `seconds` at the model's fps."""
+    t = layout.temporal_factor
+    return max(1, round(seconds * layout.fps / t)) * t + 1
 
 
 def validate(settings: Settings, layout: ModelLayout) -> None:

@@ -73,6 +73,17 @@ def test_a_portrait_image_turns_the_preset_size_to_portrait():
     assert (explicit.height, explicit.width) == (64, 96)  # given sizes are taken as they are
 
 
+def test_seconds_become_frames_at_the_model_fps_and_num_frames_wins():
+    assert resolve(WanParams(seconds=5), LAYOUT, (1280, 720), "smoke").num_frames == 121  # 5 s at 24 fps, 4k+1
+    assert resolve(WanParams(seconds=0.01), LAYOUT, (1280, 720), "smoke").num_frames == 5  # at least 4*1+1
+    slow = attrs.evolve(LAYOUT, fps=8, temporal_factor=8)
+    assert resolve(WanParams(seconds=2), slow, (1280, 720), "smoke").num_frames == 17  # the model's own factors
+    assert resolve(WanParams(seconds=5, num_frames=9), LAYOUT, (1280, 720), "smoke").num_frames == 9
+    for bad in (0, -1, 61, float("nan")):
+        with pytest.raises(InvalidParameter, match="invalid seconds"):
+            WanParams(seconds=bad)
+
+
 def test_prepare_cache_evicts_the_least_recently_used_entry():
     cache = PrepareCache()
     for key in range(MAX_ENTRIES):

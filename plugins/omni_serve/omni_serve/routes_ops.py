@@ -1,0 +1,36 @@
+"""The routes for operators and clients looking around: GET /v1/models, GET /health, GET /metrics. /health and
+/metrics read the engine's latest snapshot, never a scheduler."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from .state import State
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(served: State):
+    data = [{"id": model, "object": "model", "created": served.created, "owned_by": "omni", "root": name,
+             "capabilities": ["chat.completions", "completions"] if served.kinds[name] == "text" else ["videos"]}
+            for model, name in served.names.items()]
+    return {"object": "list", "data": data}
+
+
+@router.get("/health")
+async def health(served: State):
+    engine = served.engine
+    snap = engine.snapshot
+    dead = {n: d for n in engine.omnis if (d := snap.pipeline_dead(n))}
+    if snap.dead or dead or not engine.alive:
+        reason = snap.dead or "; ".join(f"{n}: {d}" for n, d in dead.items()) or "the engine thread stopped"
+        return JSONResponse({"status": "dead", "error": reason, "dead_models": sorted(dead)}, status_code=503)
+    restarting = sorted(f"{s.pipeline}/{s.node}" for s in snap.stages if s.restarting)
+    return {"status": "ok", "models": sorted(served.names), "in_flight": snap.in_flight, "restarting": restarting}
+
+
+@router.get("/metrics")
+async def prometheus(served: State):
+    return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,107 @@
+"""POST /v1/chat/completions and POST /v1/completions, streamed (SSE) or not, with the mapping of OpenAI's
+fields onto the pipeline's declared request parameters (`sampling`, `chat_prompt`)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from omni_kernel.events import RequestFailed
+
+from .guards import until_disconnect
+from .handlers import api_error
+from .protocol import NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from .state import Served, State
+from .text import FINISH, Watch, collect, sse
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest, served: State):
+    return await answer(request, served, body, chat=True)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest, served: State):
+    return await answer(request, served, body, chat=False)
+
+
+def sampling(body: SamplingFields) -> dict[str, Any]:
+    """OpenAI's sampling fields as request parameters; any other field is passed on by its name, for the
+    kernel to refuse (naming it) unless a node of the pipeline declares it."""
+    if body.n is not None and body.n != 1:
+        raise APIError(400, f"invalid n: {body.n} choices are not supported (only n=1)", "n")
+    if body.max_tokens is not None and body.max_completion_tokens is not None \
+            and body.max_tokens != body.max_completion_tokens:
+        raise APIError(400, "invalid max_tokens: max_tokens and max_completion_tokens disagree", "max_tokens")
+    params = {"max_tokens": body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+              "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
+              "stop": body.stop, "ignore_eos": body.ignore_eos}
+    params = {k: v for k, v in params.items() if v is not None}
+    for key, value in (body.model_extra or {}).items():
+        if key in NEUTRAL:
+            neutral = NEUTRAL[key]
+            if neutral is not None and value not in neutral:
+                raise APIError(400, f"invalid {key}: {value!r} is not supported", key)
+            continue
+        if key in SERVER_OWNED:
+            raise APIError(400, f"invalid {key}: set by the server, not by a request", key)
+        params[key] = value
+    return params
+
+
+def chat_prompt(body: ChatCompletionRequest, served: Served, name: str) -> tuple[str, dict[str, Any]]:
+    """The prompt and parameters of a chat: the whole conversation where the pipeline takes `messages`, else
+    its one user message as the prompt."""
+    messages = [("system" if m.role == "developer" else m.role,
+                 m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []))
+                for m in body.messages]
+    if "messages" in served.options(name):
+        return "", {"messages": messages}
+    if len(messages) == 1 and messages[0][0] == "user":
+        return messages[0][1], {}
+    raise APIError(400, f"invalid messages: model {body.model!r} takes one user message", "messages")
+
+
+async def answer(request: Request, served: Served, body: SamplingFields, chat: bool):
+    arrival = time.perf_counter()
+    name = served.resolve(body.model, "text")
+    params = sampling(body)
+    if chat:
+        prompt, extra = chat_prompt(body, served, name)
+        params.update(extra)
+    else:
+        prompt = body.prompt
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    try:
+        stream = await served.engine.open(name, prompt, request_id=rid, **params)
+    except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
+        raise api_error(exc) from None
+    final = served.final(name)
+    watch = Watch(served.metrics, body.model, arrival)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(sse(stream, final, watch, rid, body.model, chat, usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    result = await until_disconnect(request, collect(stream, final, watch))
+    if result is None:
+        return Response(status_code=499)
+    _, finished = result
+    if isinstance(finished, RequestFailed):
+        raise APIError.of_failure(finished.kind, finished.error, finished.field)
+    out = finished.result
+    watch.done(out, "chat" if chat else "completions")
+    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop"),
+                              "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": out.text or ""}
+    else:
+        choice["text"] = out.text or ""
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": body.model, "choices": [choice], "usage": watch.usage(out)}

@@ -1,0 +1,73 @@
+"""`Served`: what every route reads, built once per app and kept on `app.state.served` (routes take it as the
+`State` dependency). It knows which pipeline each served model name means, what kind each pipeline is, and the
+request options its node types declare; nothing here reaches into a stage."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import attrs
+from fastapi import Depends, Request
+
+from omni_kernel.params import OptionInfo, options_of
+
+from .engine import AsyncOmni
+from .guards import ServeSettings
+from .metrics import Metrics
+from .protocol import APIError
+from .videos import VideoJobs
+
+ROUTES = {"text": "/v1/chat/completions or /v1/completions", "video": "/v1/videos"}
+
+
+@attrs.define
+class Served:
+    engine: AsyncOmni
+    settings: ServeSettings
+    jobs: VideoJobs
+    metrics: Metrics
+    names: dict[str, str]  # served model name (a pipeline key or an alias) -> pipeline key
+    kinds: dict[str, str]  # pipeline key -> "text" or "video"
+    created: int = attrs.Factory(lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncOmni, settings: ServeSettings) -> Served:
+        jobs = VideoJobs(engine, settings.output_dir, settings.video_ttl)
+        jobs.metrics = Metrics(lambda: engine.snapshot, jobs.counts)
+        names = {**{n: n for n in engine.omnis}, **dict(settings.aliases)}
+        return cls(engine, settings, jobs, jobs.metrics, names, {n: _kind(engine, n) for n in engine.omnis})
+
+    def resolve(self, model: str, kind: str) -> str:
+        """The pipeline a request's `model` names, refused (404 / 400) unless it is served and of `kind`."""
+        name = self.names.get(model)
+        if name is None:
+            raise APIError(404, f"the model {model!r} does not exist; served models: {', '.join(sorted(self.names))}",
+                           "model", "model_not_found")
+        if self.kinds[name] != kind:
+            raise APIError(400, f"invalid model: {model!r} is a {self.kinds[name]} pipeline; use "
+                                f"{ROUTES[self.kinds[name]]}", "model")
+        return name
+
+    def final(self, name: str) -> str:
+        return self.engine.omnis[name].graph.final
+
+    def options(self, name: str) -> dict[str, OptionInfo]:
+        """The request options the pipeline's node types declare, by name."""
+        graph = self.engine.omnis[name].graph
+        return {k: info for t in graph.node_types.values() for k, info in options_of(t.params).items()}
+
+
+def _kind(engine: AsyncOmni, name: str) -> str:
+    """"video" when the final node is a diffusion node told the path of the file it writes (`output`)."""
+    graph = engine.omnis[name].graph
+    node_type = graph.node_types.get(graph.final)
+    writes = "output" in options_of(getattr(node_type, "params", None))
+    return "video" if writes and getattr(node_type, "kind", None) == "diffusion" else "text"
+
+
+def served(request: Request) -> Served:
+    return request.app.state.served
+
+
+State = Annotated[Served, Depends(served)]
