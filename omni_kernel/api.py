@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from .graph import PipelinePlan
 from .planner import GraphBuilder, Planner
 from .plugins import PluginHost, load_host
 from .request import Request, RequestResult
@@ -27,10 +28,10 @@ class Omni:
     has one, else with `load_host()`.
     """
 
-    def __init__(self, pipeline: str, host: PluginHost | None = None, **config: Any):
+    def __init__(self, pipeline: str | PipelinePlan, host: PluginHost | None = None, **config: Any):
         self.host = host or load_host()
         self.settings = RunSettings.pop(config)
-        self.plan = Planner(self.host.registry).plan(pipeline)
+        self.plan = pipeline if isinstance(pipeline, PipelinePlan) else Planner(self.host.registry).plan(pipeline)
         self.graph = GraphBuilder(self.host.registry).build(self.plan, config, self.settings,
                                                              getattr(self.host, "rebuild", None))
         self.scheduler = StageScheduler(self.graph)

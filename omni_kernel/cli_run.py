@@ -12,15 +12,14 @@ from pathlib import Path
 
 import click
 
+from .api import Omni
 from .cli_options import placement_options
 from .errors import InvalidParameter, OmniError, UserError
 from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
 from .files import check_output_path, remove_outputs, write_json
 from .flags import Flag, collect, values
-from .placement import RunSettings
 from .planner import GraphBuilder, Planner
 from .plugins import load_host
-from .stage_scheduler import StageScheduler
 from .trace import format_trace, jsonable
 
 
@@ -89,25 +88,20 @@ class RunCommand(click.Command):
 def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,
          trace_json, as_json: bool, settings: dict | None = None) -> None:
     host = ctx.obj.get("host") or load_host()
-    graph = None
+    omni = None
     try:
-        run_settings = RunSettings.pop(dict(settings or {}))
         plan = Planner(host.registry).plan(pipeline)
-        builder = GraphBuilder(host.registry)
-        builder.validate(plan)  # "install omni-wan" says more than "does not use --image"
-        if image is not None and not any("image" in t.inputs for t in host.registry.node_types_of(plan).values()):
+        types = host.registry.node_types_of(plan)
+        # Before any model loads; with a node type missing, Omni's validation says which plugin to install.
+        if image is not None and len(types) == len(plan.nodes) and not any("image" in t.inputs for t in types.values()):
             raise UserError(f"pipeline {pipeline!r} does not use --image")
         given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
         if trace_json:  # before any model loads: a bad trace path must not cost the run
             _check_trace_json(trace_json, given["params"].get("output"))
         with _signals_interrupt():
-            graph = builder.build(plan, given["config"], run_settings, getattr(host, "rebuild", None))
-            scheduler = StageScheduler(graph)
-            from .request import Request
-
-            request = Request(pipeline, prompt, image=image, params=given["params"])
+            omni = Omni(plan, host=host, **given["config"], **(settings or {}))
             stream = bool(given["params"].get("stream")) and not as_json
-            result, streamed = _drive(scheduler, request, stream)
+            result, streamed = _drive(omni, omni.request(prompt, image=image, **given["params"]), stream)
             if trace_json:
                 _write_trace(trace_json, result)
     except UserError as exc:
@@ -117,8 +111,8 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; the request was aborted and no partial output was kept") from None
     finally:
-        if graph is not None:
-            graph.close()
+        if omni is not None:
+            omni.close()
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
@@ -164,12 +158,12 @@ def _signals_interrupt():
             signal.signal(s, handler)
 
 
-def _drive(scheduler: StageScheduler, request, stream: bool):
+def _drive(omni: Omni, request, stream: bool):
     """Run the request; return its result and whether the final node's text was streamed to stdout."""
     progress = sys.stderr.isatty()
-    final = scheduler.graph.final
+    final = omni.graph.final
     streamed: set[str] = set()
-    for event in scheduler.generate_stream(request):
+    for event in omni.scheduler.generate_stream(request):
         if isinstance(event, TokenDelta) and stream:
             # stdout carries the final node's text only; upstream stages stream to stderr as they go
             upstream = event.node_id != final

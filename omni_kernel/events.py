@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import attrs
 
 from .errors import USER_KINDS, ErrorKind, OmniError, classify, rebuild
 from .request import RequestResult, StageOutput
+
+
+# Why a stage finished a request (StageOutput.stop_reason): an AR stage at EOS, a stop string, its token budget or the
+# context window; a step-scheduled stage after its last step.
+StopReason = Literal["eos", "stop", "max_tokens", "context_window", "done"]
+STOP_REASONS: tuple[str, ...] = get_args(StopReason)
+TRUNCATED_STOP_REASONS = frozenset({"max_tokens", "context_window"})  # cut off, not done: the text may be partial
 
 
 @attrs.frozen

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import PluginError, UnknownPipeline
+from .errors import GraphError, PluginError, UnknownPipeline
 from .graph import PipelinePlan, StageGraph, validate_plan
 from .params import split
 from .registry import Registry
@@ -36,7 +36,14 @@ class GraphBuilder:
         self.registry = registry
 
     def validate(self, plan: PipelinePlan) -> list[str]:
-        return validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items())
+        order = validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items())
+        types = self.registry.node_types_of(plan)
+        for e in plan.edges:
+            wanted = getattr(self.registry.connectors[e.connector].item, "source_contract", None)
+            if wanted is not None and types[e.source].output_contract != wanted:
+                raise GraphError("contract", [e.source], f"connector {e.connector!r} reads {wanted!r} but node "
+                                 f"{e.source} ({types[e.source].name}) outputs {types[e.source].output_contract!r}")
+        return order
 
     def configs(self, plan: PipelinePlan, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """Each node's config instance; an undeclared key is refused before any model loads."""

@@ -18,6 +18,7 @@ class NodeType:
     `config` and `params` are attrs classes of `params.option` fields: the model-level settings the factory
     receives (as one instance) and the request parameters each StageInput carries. `inputs` names the request
     inputs the node reads besides the prompt (e.g. "image"). An undeclared key is refused everywhere.
+    `output_contract` names what its StageOutput holds for a connector that declares a `source_contract`.
     """
 
     name: str
@@ -27,6 +28,7 @@ class NodeType:
     params: type | None = None
     inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     description: str = ""
+    output_contract: str | None = None
 
 
 @attrs.frozen

@@ -8,7 +8,7 @@ import attrs
 
 from omni_kernel import Request, StageInput, StageOutput
 
-from .guidance import GUIDANCE_FIELD, parse_guidance
+from .guidance import CONTRACT, GUIDANCE_FIELD, parse_guidance
 
 GUIDANCE_HEADER = "Supplemental guidance: "
 
@@ -26,6 +26,7 @@ class ARToDiffusionConnector:
     name: str = "ar_to_diffusion"
     source_kind: str = "ar"
     target_kind: str = "diffusion"
+    source_contract: str = CONTRACT  # the graph builder checks the source node type's output_contract against it
     strategy: str = "append"
     field: str = GUIDANCE_FIELD
     extra_fields: tuple[str, ...] = attrs.field(default=(), converter=tuple)

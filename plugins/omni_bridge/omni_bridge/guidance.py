@@ -11,15 +11,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+from omni_kernel import TRUNCATED_STOP_REASONS
 
-CONTRACT = "supplemental_guidance"
+CONTRACT = "supplemental_guidance"  # the output contract of the node types this bridge reads (NodeType.output_contract)
 GUIDANCE_FIELD = "guidance"
 
 # The closed set of reasons a bridge falls back to the user's prompt alone, in the order they are checked.
 FALLBACK_REASONS = ("contract_mismatch", "empty", "truncated", "invalid_json", "missing_fields")
-
-# Stop reasons that mean the model was cut off, not done: its text is never trusted.
-TRUNCATED_STOP_REASONS = frozenset({"max_tokens", "length", "token_budget", "context_window", "max_length"})
 
 # A model can write many braces; each start is one raw_decode, so the scan stays linear-ish on junk.
 _MAX_OBJECT_STARTS = 64
@@ -46,7 +44,7 @@ def parse_guidance(text: Any, stop_reason: Any = None, contract: Any = None,
         return Guidance(reason="contract_mismatch")
     if not isinstance(text, str) or not text.strip():
         return Guidance(reason="empty")
-    if isinstance(stop_reason, str) and stop_reason in TRUNCATED_STOP_REASONS:
+    if isinstance(stop_reason, str) and stop_reason in TRUNCATED_STOP_REASONS:  # cut off: its text is never trusted
         return Guidance(reason="truncated")
     found_json = False
     for value in _json_values(text):

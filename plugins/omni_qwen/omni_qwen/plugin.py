@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.stage import Stage
@@ -26,8 +25,10 @@ class QwenStages:
     once and keeps it loaded."""
 
     def __init__(self):
-        self.models: dict[tuple, Any] = {}
-        self.paged_models: dict[tuple, Any] = {}
+        from omni_hf import ModelPool
+
+        self.models = ModelPool(_load_causal_lm)  # key: (path, dtype, device, trust_remote_code)
+        self.paged_models = ModelPool(lambda key: _paged(self.model(key)))
 
     def text_generation(self, node: NodeSpec, config: QwenConfig | None) -> Stage:
         policy = node_policy(node, TEXT_GENERATION_POLICY)
@@ -61,20 +62,24 @@ class QwenStages:
 
     def model(self, key: tuple):
         """The loaded CausalLM for a (path, dtype, device, trust_remote_code) key."""
-        if key not in self.models:
-            from .model import CausalLM
-
-            path, dtype, device, trust = key
-            self.models[key] = CausalLM.load(path, dtype=dtype, device=device, trust_remote_code=trust)
-        return self.models[key]
+        return self.models.acquire(key).model
 
     def paged_model(self, key: tuple):
         """The PagedQwen2 over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
-        if key not in self.paged_models:
-            from .paged.qwen2 import PagedQwen2
+        return self.paged_models.acquire(key).model
 
-            self.paged_models[key] = PagedQwen2(self.model(key).model)
-        return self.paged_models[key]
+
+def _load_causal_lm(key: tuple):
+    from .model import CausalLM
+
+    path, dtype, device, trust = key
+    return CausalLM.load(path, dtype=dtype, device=device, trust_remote_code=trust)
+
+
+def _paged(lm):
+    from .paged.qwen2 import PagedQwen2
+
+    return PagedQwen2(lm.model)
 
 
 class QwenPlugin:
@@ -87,9 +92,9 @@ class QwenPlugin:
                           params=QwenParams, description="the prompt as one user message through the chat "
                                                          "template; stops at EOS or the context window"))
         register(NodeType("ar.prompt_bridge", "ar", self.stages.prompt_bridge, config=QwenConfig,
-                          params=QwenParams, description="asks the model for JSON supplemental guidance for a "
-                                                         "Wan video prompt (contract supplemental_guidance, "
-                                                         "internal token budget)"))
+                          params=QwenParams, output_contract=CONTRACT,
+                          description="asks the model for JSON supplemental guidance for a Wan video prompt "
+                                      "(contract supplemental_guidance, internal token budget)"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

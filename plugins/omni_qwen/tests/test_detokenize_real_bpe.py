@@ -15,6 +15,8 @@ from omni_qwen.config import ARNodeSettings, QwenParams
 from omni_qwen.detokenize import REPLACEMENT, IncrementalDetokenizer
 from omni_qwen.inputs import ARInputProcessor
 from omni_qwen.model import CausalLM
+from omni_kernel.ar_scheduler import ARScheduler
+from omni_kernel.kv_blocks import BlockManager
 from omni_qwen.outputs import AROutputProcessor
 
 TEXTS = {
@@ -73,14 +75,16 @@ def run_output(tokenizer, decode, ids: list[int], stop: tuple[str, ...] = ()):
     item = ARInputProcessor(tokenizer, settings_, 32768, 151936).process(
         StageInput("r", "x", params=QwenParams(stop=stop)))
     outputs = AROutputProcessor("n", decode, settings_, {})
-    outputs.add(item)
+    seq = ARScheduler(BlockManager(64, 16)).add(item)  # the request's record, as the engine's scheduler keeps it
+    outputs.add(seq)
     deltas, reason = [], None
     for n, token in enumerate(ids, 1):
-        delta, reason = outputs.add_token("r", token, "max_tokens" if n == len(ids) else None)
+        seq.token_ids.append(token)
+        delta, reason = outputs.add_token(seq, token, "max_tokens" if n == len(ids) else None)
         deltas.append(delta.text if delta is not None else "")
         if reason:
             break
-    return deltas, reason, n, outputs.finish("r", reason, {"generated_tokens": n})
+    return deltas, reason, n, outputs.finish(seq, reason)
 
 
 @pytest.mark.parametrize("name", TEXTS)

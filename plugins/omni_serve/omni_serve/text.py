@@ -6,12 +6,12 @@ import json
 import time
 from collections.abc import AsyncIterator
 
-from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.events import STOP_REASONS, TRUNCATED_STOP_REASONS, RequestFailed, RequestFinished, TokenDelta
 
 from .metrics import Metrics
 from .protocol import APIError
 
-FINISH = {"eos": "stop", "stop": "stop", "max_tokens": "length", "context_window": "length"}
+FINISH = {reason: "length" if reason in TRUNCATED_STOP_REASONS else "stop" for reason in STOP_REASONS}
 
 
 class Watch:
