@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from .graph import PipelinePlan
 from .planner import GraphBuilder, Planner
 from .plugins import PluginHost, load_host
-from .request import Request, RequestResult
 from .stage_scheduler import StageScheduler
 from .placement import RunSettings
 
 
-class Omni:
-    """Build a pipeline's StageGraph once (models stay loaded) and run requests through it.
+class Omni(StageScheduler):
+    """Build a pipeline's StageGraph once (models stay loaded) and run requests through it: the StageScheduler of
+    that graph.
 
     `config` holds the model-level settings the pipeline's node types declare (e.g. ar_model, model,
     vae_dtype); request parameters (max_tokens, steps, output, ...) go to `request`/`generate` as keywords.
@@ -32,9 +31,13 @@ class Omni:
         self.host = host or load_host()
         self.settings = RunSettings.pop(config)
         self.plan = pipeline if isinstance(pipeline, PipelinePlan) else Planner(self.host.registry).plan(pipeline)
-        self.graph = GraphBuilder(self.host.registry).build(self.plan, config, self.settings,
-                                                             getattr(self.host, "rebuild", None))
-        self.scheduler = StageScheduler(self.graph)
+        super().__init__(GraphBuilder(self.host.registry).build(self.plan, config, self.settings,
+                                                                getattr(self.host, "rebuild", None)))
+
+    @property
+    def scheduler(self) -> StageScheduler:
+        """The same object (an Omni is its graph's StageScheduler); kept for callers written before."""
+        return self
 
     def close(self) -> None:
         """Stop the stage workers (nothing to do for in-process stages)."""
@@ -45,26 +48,3 @@ class Omni:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
-                **params: Any) -> Request:
-        extra = {"request_id": request_id} if request_id else {}
-        return Request(self.plan.name, prompt, image=image, params=params, **extra)
-
-    def generate(self, prompt: str, **kwargs: Any) -> RequestResult:
-        return self.scheduler.generate(self.request(prompt, **kwargs))
-
-    def generate_stream(self, prompt: str, **kwargs: Any) -> Iterator:
-        return self.scheduler.generate_stream(self.request(prompt, **kwargs))
-
-    def submit(self, request: Request) -> str:
-        return self.scheduler.submit(request)
-
-    def step(self) -> list:
-        return self.scheduler.step()
-
-    def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()

@@ -51,7 +51,13 @@ class Engine:
             done = self.scheduler.collect()
             batch = self.scheduler.schedule()
             if batch:
-                results, step_ms = self._run(batch)
+                start = time.perf_counter()
+                try:
+                    results = dict(self.runner.run(batch))
+                except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep the engine
+                    log.debug("engine step failed", exc_info=exc)
+                    results = {rid: exc for rid in batch.request_ids}
+                step_ms = (time.perf_counter() - start) * 1000
                 for rid, exc in results.items():
                     if isinstance(exc, BaseException):
                         done.append(RequestOutput(rid, error=exc, record=self.scheduler.abort(rid)))
@@ -85,15 +91,6 @@ class Engine:
         if self.dead is not None:
             return StageStats(dead=str(self.dead))
         return self.scheduler.stats()
-
-    def _run(self, batch) -> tuple[dict[str, Any], float]:
-        start = time.perf_counter()
-        try:
-            results = dict(self.runner.run(batch))
-        except Exception as exc:  # noqa: BLE001 - the step failed: fail its requests, keep the engine
-            log.debug("engine step failed", exc_info=exc)
-            results = {rid: exc for rid in batch.request_ids}
-        return results, (time.perf_counter() - start) * 1000
 
     def _die(self, exc: Exception) -> list[RequestOutput]:
         log.error("engine failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter, RequestAborted
+from .errors import InvalidParameter
 from .events import RequestFailed, RequestFinished, StageFailed, StageFinished
 from .graph import StageGraph
 from .params import split
@@ -158,6 +158,11 @@ class StageScheduler:
 
     # Thin helpers over submit + step.
 
+    def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
+                **params: Any) -> Request:
+        extra = {"request_id": request_id} if request_id else {}
+        return Request(self.graph.name, prompt, image=image, params=params, **extra)
+
     def run(self, requests: Iterable[Request]) -> Iterator:
         """Submit every request, then yield all events until nothing is in flight."""
         for request in requests:
@@ -165,9 +170,10 @@ class StageScheduler:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate_stream(self, request: Request) -> Iterator:
-        """Yield the events of one request; closing the iterator early aborts the request."""
-        rid = self.submit(request)
+    def generate_stream(self, prompt: str | Request, **kwargs: Any) -> Iterator:
+        """Yield the events of one request (a Request, or a prompt and `request`'s keywords); closing the iterator
+        early aborts the request."""
+        rid = self.submit(prompt if isinstance(prompt, Request) else self.request(prompt, **kwargs))
         done = False
         try:
             while not done:
@@ -179,15 +185,28 @@ class StageScheduler:
                     yield event
         finally:
             if not done:
-                self.abort(rid)
-                self.backlog = [e for e in self.backlog if e.request_id != rid]
+                self._drop(rid)
 
-    def generate(self, request: Request) -> RequestResult:
-        """Run one request to the end; raise its error (typed, as the stage raised it) if it fails."""
-        for event in self.generate_stream(request):
-            if isinstance(event, RequestFinished):
-                return event.result
-            if isinstance(event, RequestFailed):
-                raise event.exception()
-        raise RequestAborted("aborted")
+    def generate(self, prompt: str | Request, **kwargs: Any) -> RequestResult:
+        """Run one request to the end (a Request, or a prompt and `request`'s keywords); raise its error (typed,
+        as the stage raised it) if it fails. Steps in this frame, not through generate_stream: a short call chain."""
+        rid = self.submit(prompt if isinstance(prompt, Request) else self.request(prompt, **kwargs))
+        try:
+            while True:
+                for event in self.step():
+                    if event.request_id != rid:
+                        self.backlog.append(event)
+                    elif isinstance(event, RequestFinished):
+                        rid = None
+                        return event.result
+                    elif isinstance(event, RequestFailed):
+                        rid = None
+                        raise event.exception()
+        finally:
+            if rid is not None:
+                self._drop(rid)
 
+    def _drop(self, request_id: str) -> None:
+        """Abort a request its caller stopped waiting for, and forget its events."""
+        self.abort(request_id)
+        self.backlog = [e for e in self.backlog if e.request_id != request_id]

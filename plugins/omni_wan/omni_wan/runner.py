@@ -73,10 +73,20 @@ class WanRunner:
         self.num_jobs += 1
 
     def run(self, batch: DiffusionSchedulerOutput) -> dict[str, Any]:
+        """The batch's phase; a denoise step is one forward of every job at its own step, here (the hot path)."""
         jobs = [r.state for r in batch.records]
-        if batch.phase == "denoise":
-            return self.denoise(jobs, [step - 1 for step in batch.steps])
-        return {"prepare": self.prepare, "decode": self.decode, "export": self.export_batch}[batch.phase](jobs)
+        if batch.phase != "denoise":
+            return {"prepare": self.prepare, "decode": self.decode, "export": self.export_batch}[batch.phase](jobs)
+        steps = [step - 1 for step in batch.steps]  # the scheduler's step 0 was prepare
+        timesteps = [float(j.denoise.timesteps[step]) for j, step in zip(jobs, steps)]
+        start = time.perf_counter()
+        self.model.denoise_batch([j.denoise for j in jobs], steps, cfg_batched=self.cfg_batched)
+        end = self._synced()
+        for job, step, timestep in zip(jobs, steps, timesteps):
+            job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
+            job.batch_sizes.append(len(jobs))
+            job.trace["diffusion.cfg_batched"] = self.cfg_batched and job.input.settings.guidance_scale > 1
+        return {j.item.request_id: Progress(step + 1, j.denoise.total) for j, step in zip(jobs, steps)}
 
     def free(self, record: StepJob) -> None:
         job = record.state
@@ -179,18 +189,6 @@ class WanRunner:
     @staticmethod
     def _text(model_key, model, text: str, cached):
         return cached(prepare_cache.text_key(model_key, text), lambda: model.encode_text(text))
-
-    def denoise(self, jobs: list[WanJob], steps: list[int]) -> dict[str, Progress]:
-        """Step `steps[i]` of every job in one forward; each job's profile gets the batch's span."""
-        timesteps = [float(j.denoise.timesteps[step]) for j, step in zip(jobs, steps)]
-        start = time.perf_counter()
-        self.model.denoise_batch([j.denoise for j in jobs], steps, cfg_batched=self.cfg_batched)
-        end = self._synced()
-        for job, step, timestep in zip(jobs, steps, timesteps):
-            job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
-            job.batch_sizes.append(len(jobs))
-            job.trace["diffusion.cfg_batched"] = self.cfg_batched and job.input.settings.guidance_scale > 1
-        return {j.item.request_id: Progress(step + 1, j.denoise.total) for j, step in zip(jobs, steps)}
 
     def decode(self, jobs: list[WanJob]) -> dict[str, None]:
         start = time.perf_counter()
