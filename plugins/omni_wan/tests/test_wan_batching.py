@@ -40,14 +40,17 @@ def _request(omni, rid, images, tmp_path):
 def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(omni, images, tmp_path):
     runner = omni.graph.stages["wan"].engine.runner
     calls, decodes = [], []
-    real, real_decode = runner.denoise, runner.decode
+    real = runner.run
 
-    def spy(jobs, steps):
-        calls.append({j.item.request_id: step for j, step in zip(jobs, steps)})
-        return real(jobs, steps)
+    def spy(batch):
+        rids = [r.request_id for r in batch.records]
+        if batch.phase == "denoise":
+            calls.append({rid: step - 1 for rid, step in zip(rids, batch.steps)})  # the scheduler's step 0: prepare
+        if batch.phase == "decode":
+            decodes.append(sorted(rids))
+        return real(batch)
 
-    runner.denoise = spy
-    runner.decode = lambda jobs: decodes.append(sorted(j.item.request_id for j in jobs)) or real_decode(jobs)
+    runner.run = spy
     events = []
     try:
         omni.submit(_request(omni, "a", images, tmp_path))
@@ -66,7 +69,7 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
         while omni.has_unfinished():
             events += omni.step()
     finally:
-        del runner.denoise, runner.decode
+        del runner.run
 
     assert {"a": 2, "b": 2, "d": 2, "c": 0} in calls  # c's first step rides with the others' third
     assert all(len(batch) > 1 for batch in calls[:5])
@@ -97,8 +100,9 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
 def test_cfg_off_and_on_do_not_share_a_forward_but_both_batch(omni, images, tmp_path):
     runner = omni.graph.stages["wan"].engine.runner
     sizes = []
-    real = runner.denoise
-    runner.denoise = lambda jobs, steps: sizes.append(sorted(j.item.request_id for j in jobs)) or real(jobs, steps)
+    real = runner.run
+    runner.run = lambda batch: (batch.phase == "denoise" and sizes.append(sorted(r.request_id for r in batch.records))
+                                or real(batch))
     try:
         for rid, guidance in (("on1", 5.0), ("off1", 1.0), ("on2", 2.0), ("off2", 1.0)):
             omni.submit(omni.request("waves", image=images["blue"], request_id=rid, **SIZE, seed=5,
@@ -107,7 +111,7 @@ def test_cfg_off_and_on_do_not_share_a_forward_but_both_batch(omni, images, tmp_
         while omni.has_unfinished():
             events += omni.step()
     finally:
-        del runner.denoise
+        del runner.run
     assert {tuple(s) for s in sizes} == {("on1", "on2"), ("off1", "off2")}
     traces = {e.request_id: e.result.trace for e in events if isinstance(e, RequestFinished)}
     assert traces["off1"]["diffusion.cfg_batched"] is False and traces["on1"]["diffusion.cfg_batched"] is True
