@@ -175,12 +175,6 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         alias_map[name] = target
     started = time.perf_counter()
     engine = AsyncOmni.build(plan, plugin_host, max_in_flight)
-    for name, omni in engine.omnis.items():
-        for node_id in omni.graph.order:
-            stage = omni.graph.stages[node_id]
-            if getattr(stage, "summary", ""):
-                log.info("%s/%s", name, stage.summary)
-                stage.summary = ""
     log.info("built %s in %.1fs", ", ".join(engine.omnis), time.perf_counter() - started)
     temp_dir = None
     if output_dir is None:
