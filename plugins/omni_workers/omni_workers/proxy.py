@@ -166,14 +166,15 @@ class StageProxy:
             self.pending.append(StageFailed(rid, self.node.id, message, error_kind))
         self.held.clear()
 
-    def _built(self, kind: str, concurrent_process: bool = False) -> None:
-        """The worker built its stage: ready, if it is of the kind its node type declares."""
+    def _built(self, kind: str, concurrent_process: bool = False, stats: StageStats | None = None) -> None:
+        """The worker built its stage (of `kind`, with its `concurrent_process` and first stats): ready, if it is
+        of the kind its node type declares."""
         if kind != self.kind:
             self.close()
             raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
                               f"stage of kind {kind!r}")
         self.concurrent_process = bool(concurrent_process)
-        self.remote = StageStats()
+        self.remote = stats or StageStats()
         self.ready = True
         self.build_s = time.monotonic() - self.started
 

@@ -81,7 +81,7 @@ class StageActor:
             return
         self.host = StageHost(stage, spec.node.id)
         self.threads = spec.threads
-        self.status = ("ready", stage.kind, stage.concurrent_process)
+        self.status = ("ready", stage.kind, stage.concurrent_process, stage.stats())
         threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
 
     def ready(self) -> tuple:

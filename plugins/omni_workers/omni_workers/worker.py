@@ -76,7 +76,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         outbox.put(None)
         sender.join(10)
         return
-    outbox.put(("ready", stage.kind, stage.concurrent_process))
+    outbox.put(("ready", stage.kind, stage.concurrent_process, stage.stats()))
     host = StageHost(stage, spec.node.id)
     share = CoreShare(*spec.cores) if spec.cores else None
     _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir, share)
