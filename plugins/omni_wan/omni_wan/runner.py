@@ -26,7 +26,7 @@ from . import prepare_cache
 from .device import Placement
 from .inputs import WanInput
 from .layout import ModelLayout
-from .loader import Loaded
+from omni_hf import Loaded
 from .model import TextEmbeds
 from .outputs import Progress
 from .profiler import Profiler, profile_path
