@@ -3,7 +3,8 @@
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`; `fake_video` is `render` alone (its entry stage, with
 `concurrent_process` on). A prompt with "crash" kills the worker process in a
-step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
+step, "explode" makes the `words` scheduler raise at its second step (its engine is then dead), "bad" is refused
+by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
@@ -95,6 +96,13 @@ class SleepyRunner:
 
     def free(self, record) -> None:
         pass
+
+
+class WordsScheduler(StepScheduler):
+    def schedule(self):
+        if any("explode" in job.item.prompt and job.step >= 1 for job in self.queue):
+            raise RuntimeError("injected scheduler fault")
+        return super().schedule()
 
 
 class WordsInputs:
@@ -189,7 +197,7 @@ def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
     if config.fake_fail_build:
         raise ModelError("the fake model is missing")
     runner = SleepyRunner(_sleep(node), lambda item: item.processed)
-    scheduler = StepScheduler(max_batch=8, num_steps=lambda item: len(item.processed))
+    scheduler = WordsScheduler(max_batch=8, num_steps=lambda item: len(item.processed))
     return Stage(node, "ar", WordsInputs(), Engine(scheduler, runner), WordsOutputs(node.id))
 
 
