@@ -176,7 +176,7 @@ class ProcessStage(StageProxy):
                     self.proc.kill()  # started, but died before it took its spec
                 self.conn = None
                 self.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could "
-                                              f"not be restarted ({type(exc).__name__}: {exc})")
+                                       f"not be restarted ({type(exc).__name__}: {exc})")
                 log.error("%s", self.dead)
 
     def _dead_error(self, how: str = "not running") -> OmniError:

@@ -2,7 +2,8 @@
 
 The front starts it as a fresh interpreter (spawn.py) and sends it its sys.path, then its WorkerSpec. The worker
 runs its engine loop continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps
-its stage while it has work and sends the events back (from a sender thread); when idle it blocks on its inbox.
+its stage while it has work and sends the events back with the stage's stats when they changed (from a sender
+thread); when idle it blocks on its inbox.
 Its reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
 denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it waits
 for the step running now: one decode step for an AR entry stage), or at once too when the stage's
