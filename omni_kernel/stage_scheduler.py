@@ -32,6 +32,19 @@ class InFlight:
     start: float = attrs.Factory(time.perf_counter)
 
 
+def step_stage(stage) -> list:
+    """One step of a stage, isolated: a stage whose step raises fails (and drops) the requests it holds, not the
+    loop that steps it (the StageScheduler here, a stage worker's loop in omni_workers)."""
+    try:
+        return stage.step()
+    except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
+        log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
+        held = sorted(stage.request_ids())
+        for rid in held:
+            stage.abort(rid)
+        return [StageFailed.of(rid, stage.node_id, exc) for rid in held]
+
+
 class StageScheduler:
     step_wait_s = 0.02  # the longest a step blocks on stage workers with nothing to report (no spinning)
 
@@ -94,15 +107,7 @@ class StageScheduler:
         # upstream events (its last text) reach the caller before the downstream stage's first work.
         busy = [node_id for node_id in self.graph.order if self.graph.stages[node_id].has_unfinished()]
         for node_id in busy:
-            stage = self.graph.stages[node_id]
-            try:
-                stage_events = stage.step()
-            except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
-                log.error("stage %s failed: %s: %s", node_id, type(exc).__name__, exc, exc_info=exc)
-                stage_events = [StageFailed.of(rid, node_id, exc) for rid in sorted(stage.request_ids())]
-                for rid in stage.request_ids():
-                    stage.abort(rid)
-            for event in stage_events:
+            for event in step_stage(self.graph.stages[node_id]):
                 events.extend(self._route(node_id, event))
         return events
 

@@ -1,8 +1,9 @@
-"""Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no plugin.
+"""Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no model.
 
-They keep the production contracts: the kernel's Engine and schedulers (the Wan one is a max_batch=1
-DiffusionScheduler, as in omni_wan), runners that read `batch.request_ids` and return one result per request,
-and stages that turn RequestOutputs into events.
+They keep the production pattern, Stage(node, kind, inputs, Engine(scheduler, runner), outputs): the kernel's
+schedulers (the Wan one a DiffusionScheduler sized from omni_wan's defaults, `WanConfig().wan_max_batch`, with
+omni_wan's phase order), runners that read `batch.records` and return one result per request, and output
+processors that turn RequestOutputs into events.
 """
 
 import attrs
@@ -13,7 +14,8 @@ from omni_kernel.engine import Engine
 from omni_kernel.params import integer
 from omni_kernel.plugins import PluginHost
 from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.stage import Outputs, Stage
+from omni_wan.params import WanConfig  # torch-free: the production defaults the fake Wan stage is sized from
 
 # What the fake AR stage "writes" for a prompt: (text, stop_reason).
 REPLIES = {
@@ -48,28 +50,31 @@ class FakeARRunner:
 
     def __init__(self, node_id):
         self.node_id = node_id
-        self.items = {}
 
-    def add_request(self, item):
-        self.items[item.request_id] = item
+    def add_request(self, record):
+        pass
 
     def run(self, batch):
         results = {}
-        for rid in batch.request_ids:
-            text, stop = REPLIES[self.items[rid].prompt]
+        for job in batch.records:
+            rid = job.request_id
+            text, stop = REPLIES[job.item.prompt]
             results[rid] = StageOutput(rid, self.node_id, text=text, stop_reason=stop,
                                        contract="supplemental_guidance",
                                        trace={"ar.stop_reason": stop, "ar.output_tokens": len(text.split())})
         return results
 
-    def free(self, request_id):
-        self.items.pop(request_id, None)
+    def free(self, record):
+        pass
 
 
-class FakeARStage(Stage):
-    def postprocess(self, outputs):
+class FakeAROutputs(Outputs):
+    """The reply as one TokenDelta, then the kernel's StageFinished (its StageOutput)."""
+
+    def process(self, outputs):
         deltas = [TokenDelta(o.request_id, self.node_id, o.result.text) for o in outputs if o.error is None]
-        return deltas + super().postprocess(outputs)
+        events, stops = super().process(outputs)
+        return deltas + events, stops
 
 
 @attrs.define
@@ -81,14 +86,16 @@ class FakeWanRunner:
     received: dict = attrs.Factory(dict)  # every input it was given, kept for the tests
     phases: list = attrs.Factory(list)  # (request id, phase, step) of every step run
 
-    def add_request(self, item):
+    def add_request(self, record):
+        item = record.item
         self.items[item.request_id] = self.received[item.request_id] = item
 
     def run(self, batch):
         results = {}
-        for rid, step in zip(batch.request_ids, batch.steps):
+        for job, step in zip(batch.records, batch.steps):
+            rid = job.request_id
             self.phases.append((rid, batch.phase, step))
-            params = self.items[rid].params
+            params = job.item.params
             if batch.phase in ("prepare", "denoise"):
                 results[rid] = (step, params.num_inference_steps)  # (denoise steps done, total)
             elif batch.phase == "decode":
@@ -98,15 +105,18 @@ class FakeWanRunner:
                                            trace={"diffusion.num_inference_steps": params.num_inference_steps})
         return results
 
-    def free(self, request_id):
-        self.items.pop(request_id, None)
+    def free(self, record):
+        self.items.pop(record.request_id, None)
 
 
-class FakeWanStage(Stage):
-    def postprocess(self, outputs):
+class FakeWanOutputs(Outputs):
+    """Progress for the prepare and denoise steps, then the kernel's StageFinished (the export's StageOutput)."""
+
+    def process(self, outputs):
         progress = [StageProgress(o.request_id, self.node_id, *o.result, "denoise") for o in outputs
                     if o.error is None and isinstance(o.result, tuple)]
-        return progress + super().postprocess(outputs)
+        events, stops = super().process(outputs)
+        return progress + events, stops
 
 
 class FakeModels:
@@ -117,12 +127,15 @@ class FakeModels:
         self.wan = FakeWanRunner("video")
 
     def _ar(self, node, config):
-        return FakeARStage(node, "ar", Engine(StepScheduler(max_batch=16), FakeARRunner(node.id)))
+        return Stage(node, "ar", None, Engine(StepScheduler(max_batch=16), FakeARRunner(node.id)),
+                     FakeAROutputs(node.id))
 
     def _wan(self, node, config):
         self.wan.node_id = node.id
-        scheduler = DiffusionScheduler(max_batch=1, num_steps=lambda item: item.params.num_inference_steps)
-        return FakeWanStage(node, "diffusion", Engine(scheduler, self.wan))
+        scheduler = DiffusionScheduler(max_batch=WanConfig().wan_max_batch,
+                                       num_steps=lambda item: item.params.num_inference_steps,
+                                       phase_order=("export", "decode", "prepare", "denoise"))  # as omni_wan/build.py
+        return Stage(node, "diffusion", None, Engine(scheduler, self.wan), FakeWanOutputs(node.id))
 
     @hookimpl
     def omni_register_node_types(self, register):

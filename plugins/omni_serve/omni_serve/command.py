@@ -175,12 +175,9 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         alias_map[name] = target
     started = time.perf_counter()
     engine = AsyncOmni.build(plan, plugin_host, max_in_flight)
-    for name, omni in engine.omnis.items():
-        for node_id in omni.graph.order:
-            stage = omni.graph.stages[node_id]
-            if getattr(stage, "summary", ""):
-                log.info("%s/%s", name, stage.summary)
-                stage.summary = ""
+    for stage in engine.snapshot.stages:  # what each stage reports of itself (its worker's, if placed in one)
+        if stage.kv_blocks_total is not None:
+            log.info("%s/%s: %d KV blocks", stage.pipeline, stage.node, stage.kv_blocks_total)
     log.info("built %s in %.1fs", ", ".join(engine.omnis), time.perf_counter() - started)
     temp_dir = None
     if output_dir is None:

@@ -31,7 +31,7 @@ from omni_kernel.events import RequestFailed, RequestFinished, StageFailed
 from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 
-from .snapshot import Snapshot, stage_stats
+from .snapshot import Snapshot, StageSnapshot
 from .stream import EventStream
 
 log = logging.getLogger("omni")
@@ -294,11 +294,7 @@ class AsyncOmni:
         omni = self.omnis.get(pipeline)
         if omni is None:
             return None
-        for stage in omni.graph.stages.values():
-            dead = getattr(getattr(stage, "engine", None), "dead", None)
-            if dead is not None:
-                return str(dead)
-        return None
+        return next((dead for stage in omni.graph.stages.values() if (dead := stage.stats().dead)), None)
 
     def _publish(self) -> None:
         snapshot = self._snapshot()
@@ -310,6 +306,6 @@ class AsyncOmni:
         stages = []
         for name, omni in self.omnis.items():
             for node_id in omni.graph.order:
-                stages.append(stage_stats(name, node_id, omni.graph.stages[node_id]))
+                stages.append(StageSnapshot.of(name, node_id, omni.graph.stages[node_id]))
         return Snapshot(tuple(stages), len(self._flights), None if self.dead is None else str(self.dead),
                         self._steps, dict(self._errors), self._aborted)

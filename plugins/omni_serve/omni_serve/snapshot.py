@@ -1,6 +1,6 @@
-"""What the engine thread publishes after each step for /metrics and /health: a `StageStats` per stage and the
-engine-wide `Snapshot`, read from each stage's scheduler by `stage_stats`. Frozen, so a thread that reads
-`AsyncOmni.snapshot` never sees one half-built."""
+"""What the engine thread publishes after each step for /metrics and /health: a `StageSnapshot` per stage (its
+`Stage.stats()`, labelled with its pipeline and node) and the engine-wide `Snapshot`. Frozen, so a thread that
+reads `AsyncOmni.snapshot` never sees one half-built."""
 
 from __future__ import annotations
 
@@ -8,14 +8,18 @@ from collections.abc import Mapping
 
 import attrs
 
+from omni_kernel.request import StageStats
+
 
 @attrs.frozen
-class StageStats:
+class StageSnapshot:
+    """One stage's `StageStats` (see omni_kernel/request.py), with the pipeline, node and kind it belongs to."""
+
     pipeline: str
     node: str
     kind: str
-    running: int
-    waiting: int
+    running: int = 0
+    waiting: int = 0
     dead: str | None = None
     kv_blocks_total: int | None = None
     kv_blocks_used: int | None = None
@@ -23,10 +27,15 @@ class StageStats:
     restarts: int = 0  # of its worker process or Ray actor (placement process or ray)
     restarting: bool = False  # that worker is building its stage again: requests to it get 503 meanwhile
 
+    @classmethod
+    def of(cls, pipeline: str, node_id: str, stage) -> StageSnapshot:
+        stats: StageStats = stage.stats()
+        return cls(pipeline, node_id, stage.kind, **attrs.asdict(stats))
+
 
 @attrs.frozen
 class Snapshot:
-    stages: tuple[StageStats, ...] = ()
+    stages: tuple[StageSnapshot, ...] = ()
     in_flight: int = 0
     dead: str | None = None
     steps: int = 0
@@ -35,23 +44,3 @@ class Snapshot:
 
     def pipeline_dead(self, pipeline: str) -> str | None:
         return self.dead or next((s.dead for s in self.stages if s.pipeline == pipeline and s.dead), None)
-
-
-def stage_stats(pipeline: str, node_id: str, stage) -> StageStats:
-    engine = getattr(stage, "engine", None)
-    scheduler = getattr(engine, "scheduler", None)
-    dead = getattr(engine, "dead", None)
-    if scheduler is not None and hasattr(scheduler, "running") and hasattr(scheduler, "waiting"):
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
-    else:
-        held = len(stage.request_ids()) if dead is None else 0
-        batch = getattr(scheduler, "max_batch", held) or held
-        running, waiting = min(held, batch), max(held - batch, 0)
-    blocks = getattr(scheduler, "blocks", None)
-    kv = {}
-    if blocks is not None and hasattr(blocks, "num_used"):
-        kv = {"kv_blocks_total": blocks.num_blocks, "kv_blocks_used": blocks.num_used,
-              "prefix_hit_tokens": getattr(blocks, "hit_tokens", None)}
-    return StageStats(pipeline, node_id, stage.kind, running, waiting, None if dead is None else str(dead),
-                      restarts=getattr(stage, "restarts", 0), restarting=bool(getattr(stage, "restarting", False)),
-                      **kv)

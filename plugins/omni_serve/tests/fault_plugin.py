@@ -3,9 +3,10 @@
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.engine import Engine
-from omni_kernel.identity import EchoStage, IdentityRunner
+from omni_kernel.identity import EchoInputs, EchoOutputs, IdentityRunner
 from omni_kernel.params import ARParams
 from omni_kernel.scheduler import StepScheduler
+from omni_kernel.stage import Stage
 
 
 class ExplodingScheduler(StepScheduler):
@@ -16,8 +17,8 @@ class ExplodingScheduler(StepScheduler):
 
 
 def build(node, config):
-    return EchoStage(node, "ar", Engine(ExplodingScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps),
-                                        IdentityRunner()))
+    scheduler = ExplodingScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps)
+    return Stage(node, "ar", EchoInputs(), Engine(scheduler, IdentityRunner()), EchoOutputs(node.id))
 
 
 class FaultPlugin:

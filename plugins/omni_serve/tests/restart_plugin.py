@@ -11,9 +11,10 @@ import attrs
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.engine import Engine
-from omni_kernel.identity import EchoStage, IdentityRunner
+from omni_kernel.identity import EchoInputs, EchoOutputs, IdentityRunner
 from omni_kernel.params import ARParams, option
 from omni_kernel.scheduler import StepScheduler
+from omni_kernel.stage import Stage
 
 log = logging.getLogger("omni")
 
@@ -29,9 +30,10 @@ class SlowRunner(IdentityRunner):
         return super().run(batch)
 
 
-def _echo(node: NodeSpec, runner) -> EchoStage:
+def _echo(node: NodeSpec, runner) -> Stage:
     log.info("loading %s (pid %d)", node.id, os.getpid())
-    return EchoStage(node, "ar", Engine(StepScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps), runner))
+    scheduler = StepScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps)
+    return Stage(node, "ar", EchoInputs(), Engine(scheduler, runner), EchoOutputs(node.id))
 
 
 def build_steady(node, config):

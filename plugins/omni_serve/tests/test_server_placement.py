@@ -101,3 +101,39 @@ def test_stopping_the_server_leaves_no_worker(omni_cache, tmp_path):
     while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+
+
+def stage_metric(http, name: str, model: str, stage: str) -> float | None:
+    want = f'{name}{{model="{model}",stage="{stage}"}} '
+    line = next((line for line in http.get("/metrics").text.splitlines() if line.startswith(want)), None)
+    return None if line is None else float(line.rsplit(" ", 1)[1])
+
+
+def test_metrics_report_the_ar_workers_own_kv_blocks_and_requests(server, omni_cache):
+    """The AR stage's worker sends its stage's `stats()` with its events, so /metrics reports its real KV pool and
+    requests: the pool the same config builds in this process, blocks in use while a request streams (and one
+    request running, none waiting), all free again once the client has gone."""
+    from omni_kernel import Omni
+
+    with Omni("ar_text") as local:
+        expected = local.graph.stages["generate"].stats().kv_blocks_total
+    assert expected and expected > 0
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert stage_metric(http, "omni_kv_blocks_total", "ar_text", "generate") == expected
+        assert f"ar_text/generate: {expected} KV blocks" in server.output()  # logged at start-up, from the worker
+        body = {"model": "ar_text", "prompt": "go on", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert any(next(lines).startswith("data: ") for _ in range(6))
+            deadline = time.monotonic() + 20
+            while not stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate"):
+                assert time.monotonic() < deadline, http.get("/metrics").text
+                time.sleep(0.05)
+            assert stage_metric(http, "omni_requests_running", "ar_text", "generate") == 1
+            assert stage_metric(http, "omni_requests_waiting", "ar_text", "generate") == 0
+        deadline = time.monotonic() + 20
+        while (stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate")
+               or stage_metric(http, "omni_requests_running", "ar_text", "generate")):
+            assert time.monotonic() < deadline, http.get("/metrics").text
+            time.sleep(0.05)
+        assert stage_metric(http, "omni_kv_blocks_total", "ar_text", "generate") == expected

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from omni_hf import Loaded
+
 from omni_kernel.request import StageInput
 from omni_kernel.scheduler import DiffusionSchedulerOutput, StepJob
 
@@ -26,7 +28,6 @@ from . import prepare_cache
 from .device import Placement
 from .inputs import WanInput
 from .layout import ModelLayout
-from omni_hf import Loaded
 from .model import TextEmbeds
 from .outputs import Progress
 from .profiler import Profiler, profile_path

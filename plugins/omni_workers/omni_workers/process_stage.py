@@ -131,28 +131,28 @@ class ProcessStage(StageProxy):
                 self._died(starting)
 
     def _receive(self, message, starting: bool) -> None:
-        kind = message[0]
-        if kind == "events":
-            for request_id, data in message[1]:
+        rpc = message[0]
+        if rpc == "events":  # the events of a step (or of an add that failed) and the stage's stats after it
+            _, events, stats = message
+            for request_id, data in events:
                 self._take_event(request_id, data)
-        elif kind == "reply":
+            self._take_stats(stats)
+        elif rpc == "reply":
             self.replies[message[1]] = message[2:]
-        elif kind == "ready":
-            self._built(message[1])
+        elif rpc == "ready":
+            self._built(*message[1:])
             conn, backlog, self.backlog = self.conn, self.backlog, []
             for data in backlog:
                 if self.conn is not conn:  # it died meanwhile: _died failed what these were for
                     break
                 self._send_bytes(data)
-        elif kind == "failed":
+        elif rpc == "failed":
             error = rebuild(*message[1:])
-            self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
+            self.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
             self.close()  # fails the requests it held with that error
             if starting:
                 raise error
-            log.error("%s", self.engine.dead)
-        elif kind == "dead":
-            self.engine.dead = EngineDead(message[1])
+            log.error("%s", self.dead)
 
     def _died(self, starting: bool, how: str | None = None) -> None:
         try:
@@ -175,13 +175,13 @@ class ProcessStage(StageProxy):
                 if self.proc is not None and self.proc.poll() is None:
                     self.proc.kill()  # started, but died before it took its spec
                 self.conn = None
-                self.engine.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could "
-                                              f"not be restarted ({type(exc).__name__}: {exc})")
-                log.error("%s", self.engine.dead)
+                self.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could "
+                                       f"not be restarted ({type(exc).__name__}: {exc})")
+                log.error("%s", self.dead)
 
     def _dead_error(self, how: str = "not running") -> OmniError:
-        if self.engine.dead is not None:
-            return self.engine.dead
+        if self.dead is not None:
+            return self.dead
         if self.stopped:
             return EngineDead(f"stage {self.node.id!r}: its worker was stopped (close)")
         return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
@@ -191,7 +191,7 @@ class ProcessStage(StageProxy):
 
     # Calls answered between the worker's steps.
 
-    def _call(self, kind: str, item: StageInput):
+    def _call(self, rpc: str, item: StageInput):
         if not self.ready and self.conn is not None:
             self.pump()  # its ready message may have come
             if not self.ready and self.conn is not None and not self.group.wait_for_restarts:
@@ -200,7 +200,7 @@ class ProcessStage(StageProxy):
             raise self._dead_error()
         call_id = next(self.calls)
         process = self.proc  # before the send: a send that finds the worker dead restarts it, and the new one
-        self._send((kind, call_id, item))  # never got this call
+        self._send((rpc, call_id, item))  # never got this call
         while call_id not in self.replies:
             if self.stopped:  # closed, or its restarted worker could not build the stage
                 raise self._dead_error()
@@ -212,7 +212,7 @@ class ProcessStage(StageProxy):
             except (OSError, ValueError):  # closed meanwhile (close() from another thread): looked at above
                 pass
             self.pump()
-        return self._answer(kind, *self.replies.pop(call_id))
+        return self._answer(rpc, *self.replies.pop(call_id))
 
     def _send(self, message) -> None:
         self._send_bytes(self._pickle(message))
@@ -227,12 +227,12 @@ class ProcessStage(StageProxy):
             self.pump()
 
     def _gone(self):
-        if self.conn is None or self.engine.dead is not None:
-            return self.engine.dead or self._dead_error()
+        if self.conn is None or self.dead is not None:
+            return self.dead or self._dead_error()
         return None
 
-    def _send_add(self, kind: str, item: StageInput) -> None:
-        data = self._pickle_add(item, (kind, item))
+    def _send_add(self, rpc: str, item: StageInput) -> None:
+        data = self._pickle_add(item, (rpc, item))
         if data is not None:
             self._send_bytes(data)
 

@@ -19,7 +19,7 @@ import attrs
 from omni_kernel.errors import EngineDead, PluginError, RequestError, StageUnavailable, rebuild
 from omni_kernel.events import StageFailed, StageFinished
 from omni_kernel.graph import NodeSpec
-from omni_kernel.request import StageInput
+from omni_kernel.request import StageInput, StageStats
 
 from .stage_host import WorkerSpec
 from .tempdirs import make_dir
@@ -30,14 +30,6 @@ log = logging.getLogger("omni")
 
 class WorkerDied(RequestError):
     """A stage's worker process exited while it held requests."""
-
-
-@attrs.define
-class RemoteEngine:
-    """What the front knows of a worker's engine: whether it is dead (omni serve reports it)."""
-
-    dead: EngineDead | None = None
-    scheduler: Any = None
 
 
 class WorkerGroup:
@@ -100,9 +92,12 @@ def _close_all() -> None:
 
 class StageProxy:
     """The Stage contract shared by ProcessStage and RayStage, over `pending` (events the worker sent back, not
-    yet stepped out) and `held` (requests the worker holds). A subclass provides `pump`, `_call` (an RPC answered
-    between the worker's steps), `_gone` (why the worker cannot take a request, or None), `_send_add` and
-    `_send_abort`."""
+    yet stepped out), `held` (requests the worker holds) and `remote` (the stats its stage last sent, with its
+    events). A subclass provides `wait_ready`, `pump`, `_call` (an RPC answered between the worker's steps),
+    `_gone` (why the worker cannot take a request, or None), `_send_add` and `_send_abort`.
+
+    `dead` is set when the stage takes no more requests: its worker's engine died (its stats say so), or its
+    worker died and was not restarted. `concurrent_process` is what the worker's stage said when it was built."""
 
     what = "worker"
 
@@ -112,7 +107,9 @@ class StageProxy:
         self.group = group
         self.max_restarts = max_restarts
         self.restarts = 0
-        self.engine = RemoteEngine()
+        self.dead: EngineDead | None = None
+        self.remote = StageStats()  # what the worker's stage reported last
+        self.concurrent_process = False
         self.pending: list = []  # events received, returned by the next step
         self.held: set[str] = set()  # request ids the worker holds
         self.calls = itertools.count()
@@ -154,29 +151,49 @@ class StageProxy:
             self.held.discard(event.request_id)
         self.pending.append(event)
 
-    def _answer(self, kind: str, ok: bool, data: bytes):
+    def _answer(self, rpc: str, ok: bool, data: bytes):
         """A call's answer, as the worker pickled it: its value, or its error raised (typed)."""
         try:
             value = pickle.loads(data)
         except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has, in the processed input
-            raise RequestError(self._unreadable(f"answer to {kind!r}", exc)) from None
+            raise RequestError(self._unreadable(f"answer to {rpc!r}", exc)) from None
         if not ok:
             raise rebuild(*value)
         return value
 
-    def _fail_held(self, message: str, kind: str = "runtime") -> None:
+    def _fail_held(self, message: str, error_kind: str = "runtime") -> None:
         for rid in sorted(self.held):
-            self.pending.append(StageFailed(rid, self.node.id, message, kind))
+            self.pending.append(StageFailed(rid, self.node.id, message, error_kind))
         self.held.clear()
 
-    def _built(self, kind: str) -> None:
-        """The worker built its stage: ready, if it is of the kind its node type declares."""
+    def _built(self, kind: str, concurrent_process: bool = False, stats: StageStats | None = None) -> None:
+        """The worker built its stage (of `kind`, with its `concurrent_process` and first stats): ready, if it is
+        of the kind its node type declares."""
         if kind != self.kind:
             self.close()
             raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
                               f"stage of kind {kind!r}")
+        self.concurrent_process = bool(concurrent_process)
+        self.remote = stats or StageStats()
         self.ready = True
         self.build_s = time.monotonic() - self.started
+
+    def _take_stats(self, stats: StageStats | None) -> None:
+        """The worker's stage's stats, sent after its step (None: unchanged); a dead engine makes the stage dead."""
+        if stats is None:
+            return
+        self.remote = stats
+        if stats.dead is not None and self.dead is None:
+            self.dead = EngineDead(stats.dead)
+
+    def stats(self) -> StageStats:
+        """The worker's stats as its stage last sent them, with its restarts; while its worker builds its stage,
+        what it was sent waits."""
+        if self.dead is not None:
+            return StageStats(dead=str(self.dead), restarts=self.restarts)
+        if not self.ready:
+            return StageStats(waiting=len(self.held), restarts=self.restarts, restarting=self.restarting)
+        return attrs.evolve(self.remote, restarts=self.restarts, restarting=False)
 
     def _lost(self, died: str, who: str) -> bool:
         """The worker died (`died` says how): its requests fail; True if it is to be restarted, one of
@@ -190,7 +207,7 @@ class StageProxy:
             return True
         message = f"stage {self.node.id!r}: its {died} and was not restarted ({self.max_restarts} restarts used)"
         log.error("%s", message)
-        self.engine.dead = EngineDead(message)
+        self.dead = EngineDead(message)
         self._fail_held(message)
         return False
 
@@ -224,13 +241,13 @@ class StageProxy:
         """A downstream input: processed and added in the worker, so the front never waits for a step there."""
         self._add("hand_off", item)
 
-    def _add(self, kind: str, item: StageInput) -> None:
+    def _add(self, rpc: str, item: StageInput) -> None:
         error = self._gone()
         if error is not None:
             self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
             return
         self.held.add(item.request_id)
-        self._send_add(kind, item)
+        self._send_add(rpc, item)
 
     def step(self) -> list:
         self.pump()

@@ -81,7 +81,7 @@ class StageActor:
             return
         self.host = StageHost(stage, spec.node.id)
         self.threads = spec.threads
-        self.status = ("ready", stage.kind)
+        self.status = ("ready", stage.kind, stage.concurrent_process, stage.stats())
         threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
 
     def ready(self) -> tuple:
@@ -109,22 +109,22 @@ class StageActor:
             stage = self.host.stage
             if stage.has_unfinished() and (stage.wait(0) or stage.wait(WAIT_S)):
                 events.extend(self.host.step())
-                if (dead := self.host.newly_dead()) is not None:
-                    events.append(("dead", dead))
+            if (stats := self.host.new_stats()) is not None:  # after each step, and an add or abort that changed them
+                events.append(("stats", stats))
             busy = self.host.stage.has_unfinished()
             self._emit(events)
 
-    def _handle(self, kind: str, arg, reply=None) -> list:
+    def _handle(self, rpc: str, arg, reply=None) -> list:
         """One queued message, on the engine thread. Ray runs a threaded actor's calls in any order, so an abort
         can overtake the add it follows: remember it."""
-        if kind == "abort":
+        if rpc == "abort":
             if arg not in self.host.stage.request_ids():
                 self.aborted[arg] = None
                 while len(self.aborted) > 4096:
                     self.aborted.pop(next(iter(self.aborted)))
             self.host.abort(arg)
             return []
-        if kind == "process":
+        if rpc == "process":
             reply.append(self._answer(self.host.process, arg))
             return []
         request_id, data = arg
@@ -134,7 +134,7 @@ class StageActor:
             item = pickle.loads(data)
         except Exception as exc:  # noqa: BLE001 - e.g. a class only the front has: this request only
             return [StageFailed(request_id, self.host.node_id, self._unreadable(exc), "runtime")]
-        return self.host.add(item) if kind == "add" else self.host.hand_off(item)
+        return self.host.add(item) if rpc == "add" else self.host.hand_off(item)
 
     def _answer(self, call, data: bytes) -> tuple[bool, bytes]:
         """A call (process, check) on the front's pickled input; its answer pickled here, so that an input this actor
@@ -166,8 +166,8 @@ class StageActor:
     def abort(self, request_id: str) -> None:
         self._queue(("abort", request_id))
 
-    def process(self, kind: str, data: bytes) -> tuple[bool, bytes]:
-        if kind == "check":  # model-free by contract: answered now, not after the running step
+    def process(self, rpc: str, data: bytes) -> tuple[bool, bytes]:
+        if rpc == "check":  # model-free by contract: answered now, not after the running step
             return self._answer(self.host.check, data)
         if self.host.concurrent_process:  # the stage says its input processing may run beside a step
             return self._answer(self.host.process, data)

@@ -100,7 +100,7 @@ class RayStage(StageProxy):
         if status[0] == "failed":
             self.close()
             raise rebuild(*status[1:])
-        self._built(status[1])
+        self._built(*status[1:])
         threading.Thread(target=self._poller, args=(self.actor,), name=f"omni-ray-poll-{self.node.id}",
                          daemon=True).start()
 
@@ -118,8 +118,8 @@ class RayStage(StageProxy):
         try:
             self._take_status(0)
         except Exception as exc:  # noqa: BLE001 - e.g. its model is gone now
-            self.engine.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {exc}")
-            log.error("%s", self.engine.dead)
+            self.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {exc}")
+            log.error("%s", self.dead)
             self.close()
 
     def _poller(self, actor) -> None:
@@ -182,9 +182,9 @@ class RayStage(StageProxy):
             if isinstance(payload, BaseException):
                 self._died(payload)
                 continue
-            for message in payload:
-                if message[0] == "dead":
-                    self.engine.dead = EngineDead(message[1])
+            for message in payload:  # a step's events, then the stage's stats after it
+                if message[0] == "stats":
+                    self._take_stats(message[1])
                     continue
                 _, request_id, data = message
                 self._take_event(request_id, data)
@@ -200,8 +200,8 @@ class RayStage(StageProxy):
             try:
                 self._start()
             except Exception as error:  # noqa: BLE001 - Ray itself is gone
-                self.engine.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {error}")
-                log.error("%s", self.engine.dead)
+                self.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {error}")
+                log.error("%s", self.dead)
                 self.actor = None
                 return
             threading.Thread(target=self._await_start, args=(self.actor, self.ready_ref),
@@ -209,7 +209,7 @@ class RayStage(StageProxy):
 
     # The Stage contract.
 
-    def _call(self, kind: str, item: StageInput):
+    def _call(self, rpc: str, item: StageInput):
         if not self.ready and self.actor is not None:  # restarting
             self.pump()
             if not self.ready and self.actor is not None:
@@ -218,27 +218,27 @@ class RayStage(StageProxy):
                 self.ray.wait([self.ready_ref], timeout=START_TIMEOUT_S)
                 self._restarted()
         if self.actor is None:
-            raise self.engine.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
+            raise self.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
         data = self._pickle(item)
         try:
-            ok, answer = self.ray.get(self.actor.process.remote(kind, data))
+            ok, answer = self.ray.get(self.actor.process.remote(rpc, data))
         except Exception as exc:  # noqa: BLE001 - the actor died, or (not expected) the call failed in it
             if not isinstance(exc, self.ray.exceptions.RayActorError):
-                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {kind!r} call "
+                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {rpc!r} call "
                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
             raise WorkerDied(f"stage {self.node.id!r}: its Ray actor died while processing the input") from None
-        return self._answer(kind, ok, answer)
+        return self._answer(rpc, ok, answer)
 
     def _gone(self):
-        if self.actor is None or self.engine.dead is not None:
-            return self.engine.dead or f"stage {self.node.id!r}: its Ray actor is gone"
+        if self.actor is None or self.dead is not None:
+            return self.dead or f"stage {self.node.id!r}: its Ray actor is gone"
         return None
 
-    def _send_add(self, kind: str, item: StageInput) -> None:
+    def _send_add(self, rpc: str, item: StageInput) -> None:
         data = self._pickle_add(item, item)
         if data is not None:
-            getattr(self.actor, kind).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
+            getattr(self.actor, rpc).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
 
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:

@@ -22,7 +22,8 @@ import attrs
 from omni_kernel.errors import PluginError
 from omni_kernel.events import StageFailed
 from omni_kernel.graph import NodeSpec
-from omni_kernel.request import StageInput
+from omni_kernel.request import StageInput, StageStats
+from omni_kernel.stage_scheduler import step_stage
 
 from .cores import SHARED, set_threads
 
@@ -96,19 +97,20 @@ def set_torch_threads(threads: int | str | None) -> None:
 
 class StageHost:
     """A stage driven by messages, the same in a worker process and in a Ray actor: the RPCs (process, check),
-    add_request with a held processed input, abort, and one engine step that never raises."""
+    add_request with a held processed input, hand_off, abort, one engine step that never raises, and the stage's
+    stats, sent to the front with the events whenever they changed."""
 
     def __init__(self, stage, node_id: str):
         self.stage = stage
         self.node_id = node_id
         self.held: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.held_lock = threading.Lock()  # a concurrent `process` (reader thread) holds inputs beside the engine loop
-        self.dead_sent = False
+        self.sent: StageStats | None = None  # the stats last sent to the front
 
     @property
     def concurrent_process(self) -> bool:
         """`process` may be answered beside a step (the stage says so), not only between two."""
-        return bool(getattr(self.stage, "concurrent_process", False))
+        return self.stage.concurrent_process
 
     def process(self, item: StageInput) -> StageInput:
         out = self.stage.process(item)
@@ -123,7 +125,7 @@ class StageHost:
         self.stage.check(item)
 
     def add(self, item: StageInput) -> list:
-        """Events at once only when the input is lost; otherwise the stage reports through its own steps."""
+        """Events at once only when the input is lost or refused; otherwise the stage reports through its steps."""
         if isinstance(item.processed, Held):
             with self.held_lock:
                 processed = self.held.pop(item.request_id, None)
@@ -131,19 +133,18 @@ class StageHost:
                 return [StageFailed(item.request_id, self.node_id, f"stage {self.node_id!r} lost the processed input "
                                                                    "of this request", "runtime")]
             item = attrs.evolve(item, processed=processed)
+        return self._alone(self.stage.add_request, item)
+
+    def hand_off(self, item: StageInput) -> list:
+        """A downstream input, processed and added by the stage; a processing error fails that request alone."""
+        return self._alone(self.stage.hand_off, item)
+
+    def _alone(self, call, item: StageInput) -> list:
         try:
-            self.stage.add_request(item)
+            call(item)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
             return [StageFailed.of(item.request_id, self.node_id, exc)]
         return []
-
-    def hand_off(self, item: StageInput) -> list:
-        """Process then add a downstream input; a processing error fails that request alone, as an event."""
-        try:
-            item = self.stage.process(item)
-        except Exception as exc:  # noqa: BLE001 - this request only
-            return [StageFailed.of(item.request_id, self.node_id, exc)]
-        return self.add(item)
 
     def abort(self, request_id: str) -> None:
         with self.held_lock:
@@ -151,18 +152,12 @@ class StageHost:
         self.stage.abort(request_id)
 
     def step(self) -> list:
-        try:
-            return self.stage.step()
-        except Exception as exc:  # noqa: BLE001 - as the StageScheduler does in-process
-            log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
-            held = sorted(self.stage.request_ids())
-            for rid in held:
-                self.stage.abort(rid)
-            return [StageFailed.of(rid, self.node_id, exc) for rid in held]
+        return step_stage(self.stage)
 
-    def newly_dead(self) -> str | None:
-        dead = getattr(getattr(self.stage, "engine", None), "dead", None)
-        if dead is not None and not self.dead_sent:
-            self.dead_sent = True
-            return str(dead)
-        return None
+    def new_stats(self) -> StageStats | None:
+        """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""
+        stats = self.stage.stats()
+        if stats == self.sent:
+            return None
+        self.sent = stats
+        return stats

@@ -2,7 +2,8 @@
 
 The front starts it as a fresh interpreter (spawn.py) and sends it its sys.path, then its WorkerSpec. The worker
 runs its engine loop continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps
-its stage while it has work and sends the events back (from a sender thread); when idle it blocks on its inbox.
+its stage while it has work and sends the events back with the stage's stats when they changed (from a sender
+thread); when idle it blocks on its inbox.
 Its reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
 denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it waits
 for the step running now: one decode step for an AR entry stage), or at once too when the stage's
@@ -76,7 +77,7 @@ def worker_main(conn, spec: WorkerSpec) -> None:
         outbox.put(None)
         sender.join(10)
         return
-    outbox.put(("ready", stage.kind))
+    outbox.put(("ready", stage.kind, stage.concurrent_process, stage.stats()))
     host = StageHost(stage, spec.node.id)
     share = CoreShare(*spec.cores) if spec.cores else None
     _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir, share)
@@ -151,32 +152,32 @@ def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, sp
                 message = inbox.get_nowait()
             except queue.Empty:
                 message = None
+        events = []
         if host.stage.has_unfinished() and (host.stage.wait(0) or host.stage.wait(WAIT_S)):
             if share is not None:
                 share.before_step()
             events = host.step()
             if share is not None and not host.stage.has_unfinished():
                 share.idle()  # lend the cores before the events go out
-            if events:
-                outbox.put(("events", spill(events, spill_dir)))
-            if (dead := host.newly_dead()) is not None:
-                outbox.put(("dead", dead))
+        stats = host.new_stats()  # after each step, and after an add or abort that changed them
+        if events or stats is not None:
+            outbox.put(("events", spill(events, spill_dir), stats))
 
 
 def _handle(host: StageHost, message):
-    kind = message[0]
-    if kind in ("add", "hand_off"):
-        events = host.add(message[1]) if kind == "add" else host.hand_off(message[1])
-        return ("events", events) if events else None
-    if kind == "abort":
+    rpc = message[0]
+    if rpc in ("add", "hand_off"):
+        events = host.add(message[1]) if rpc == "add" else host.hand_off(message[1])
+        return ("events", events, None) if events else None
+    if rpc == "abort":
         host.abort(message[1])
         return None
-    if kind in ("process", "check"):
+    if rpc in ("process", "check"):
         _, call_id, item = message
         try:
-            value = host.process(item) if kind == "process" else host.check(item)
+            value = host.process(item) if rpc == "process" else host.check(item)
         except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
             return ("reply", call_id, False, classify(exc))
         return ("reply", call_id, True, value)
-    log.warning("unknown message %r", kind)
+    log.warning("unknown message %r", rpc)
     return None

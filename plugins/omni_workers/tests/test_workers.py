@@ -701,3 +701,59 @@ def test_a_stage_that_may_process_beside_a_step_answers_a_submit_while_its_step_
         done = within(lambda: drain(o))
         finished = {e.request_id: e.result.text for e in done if isinstance(e, RequestFinished)}
         assert finished == {held: "rendered 2 words", second: "rendered 2 words"}
+
+
+def test_the_proxies_keep_the_closed_stage_contract():
+    """Every method of protocols.Stage, with its parameters, on ProcessStage and RayStage (the planner calls
+    `wait_ready` and the StageScheduler `hand_off` on any stage)."""
+    import inspect
+
+    from omni_kernel import protocols
+    from omni_workers.ray_stage import RayStage
+
+    def params(function):
+        return [(p.name, p.kind, p.default is p.empty) for p in list(inspect.signature(function).parameters.values())[1:]]
+
+    for cls in (ProcessStage, RayStage):
+        for name in (n for n, v in vars(protocols.Stage).items() if callable(v) and not n.startswith("_")):
+            assert params(getattr(cls, name)) == params(getattr(protocols.Stage, name)), (cls, name)
+
+
+def test_a_worker_proxy_reports_its_stages_own_stats():
+    """The worker sends its stage's `stats()` with its events: running and waiting as its scheduler counts them
+    (8 of 10 running at the fake's max_batch 8), after an abort too (no step follows), and `restarts` from the
+    proxy; `concurrent_process` is the worker's stage's."""
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process") as o:
+        words = o.graph.stages["words"]
+        assert words.stats().running == words.stats().waiting == 0 and words.concurrent_process is False
+        assert o.graph.stages["render"].concurrent_process is False
+        ids = [o.submit(o.request(" ".join(["w"] * 40))) for _ in range(10)]
+        deadline = time.monotonic() + 30
+        while (words.stats().running, words.stats().waiting) != (8, 2):
+            assert time.monotonic() < deadline, words.stats()
+            o.step()
+        for rid in ids:
+            o.abort(rid)
+        while words.stats().running or words.stats().waiting:
+            assert time.monotonic() < deadline, words.stats()
+            o.graph.watch(0.05)
+        assert words.stats().restarts == 0 and words.stats().dead is None
+    with Omni("fake_video", host=make_host(), placement="process") as o:
+        assert o.graph.stages["render"].concurrent_process is True
+
+
+def test_a_stage_whose_engine_died_in_its_worker_is_dead_in_the_front():
+    """The worker's stats carry its dead engine's reason: the proxy's stats say it, and the stage takes no more
+    requests (engine_dead), as an in-process stage whose engine died."""
+    with Omni("fake_slow", host=make_host(), placement="process") as o:
+        done = run_all(o, ["explode now please"])
+        (failed,) = done.values()
+        assert isinstance(failed, RequestFailed) and failed.kind == "engine_dead", failed
+        words = o.graph.stages["words"]
+        deadline = time.monotonic() + 10
+        while words.stats().dead is None:
+            assert time.monotonic() < deadline
+            o.graph.watch(0.05)
+        assert "injected scheduler fault" in words.stats().dead
+        (again,) = run_all(o, ["one two"]).values()
+        assert isinstance(again, RequestFailed) and again.kind == "engine_dead", again

@@ -3,7 +3,8 @@
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`; `fake_video` is `render` alone (its entry stage, with
 `concurrent_process` on). A prompt with "crash" kills the worker process in a
-step, "bad" is refused by input processing, "frames" makes `render` return a numpy array in `data`, a word
+step, "explode" makes the `words` scheduler raise at its second step (its engine is then dead), "bad" is refused
+by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
@@ -21,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import attrs
@@ -36,7 +38,7 @@ from omni_kernel.plugins import PluginHost
 from omni_kernel.registry import NodeType
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.stage import Outputs, Stage
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads
 from omni_workers.transport import Spilled
@@ -56,22 +58,25 @@ class FakeParams:
 
 
 class SleepyRunner:
-    def __init__(self, sleep_s: float, pieces, hold: bool = False):
+    """Step k of a request returns `pieces(item)[k]` after sleeping; the request's record keeps the worker's thread
+    count at each of its steps (`state`). A prompt with "background" (with `background`) returns its last step as
+    a Future done 0.3 s later, as if exported on a thread (Wan's MP4): the scheduler holds it until then."""
+
+    def __init__(self, sleep_s: float, pieces, hold: bool = False, background: bool = False):
         self.sleep_s = sleep_s
         self.pieces = pieces
         self.hold = hold
-        self.items: dict[str, StageInput] = {}
-        self.threads: dict[str, list] = {}  # per request, the worker's thread count at each of its steps
+        self.background = background
 
-    def add_request(self, item: StageInput) -> None:
-        self.items[item.request_id] = item
+    def add_request(self, record) -> None:
+        record.state = []
 
     def run(self, batch) -> dict:
-        for rid in batch.request_ids:
-            self.threads.setdefault(rid, []).append(step_threads())
+        for job in batch.records:
+            job.state.append(step_threads())
         time.sleep(self.sleep_s)
-        for rid in batch.request_ids if self.hold else ():
-            for word in self.items[rid].prompt.split(" "):
+        for job in batch.records if self.hold else ():
+            for word in job.item.prompt.split(" "):
                 if word.startswith("hold="):
                     gate = Path(word[5:])
                     gate.with_suffix(".started").touch()
@@ -79,18 +84,33 @@ class SleepyRunner:
                     while not gate.exists() and time.monotonic() < deadline:
                         time.sleep(0.01)
         out = {}
-        for rid, step in zip(batch.request_ids, batch.steps):
-            item = self.items[rid]
+        for job, step in zip(batch.records, batch.steps):
+            item = job.item
             if "crash" in item.prompt:
                 os.kill(os.getpid(), signal.SIGKILL)
-            out[rid] = self.pieces(item)[step]
+            out[job.request_id] = self.pieces(item)[step]
+            if self.background and "background" in item.prompt and step == job.total - 1:
+                out[job.request_id] = future = Future()
+                threading.Timer(0.3, future.set_result, [None]).start()
         return out
 
-    def free(self, request_id: str) -> None:
-        self.items.pop(request_id, None)
+    def free(self, record) -> None:
+        pass
 
 
-class WordsStage(Stage):
+class WordsScheduler(StepScheduler):
+    def schedule(self):
+        if any("explode" in job.item.prompt and job.step >= 1 for job in self.queue):
+            raise RuntimeError("injected scheduler fault")
+        return super().schedule()
+
+
+class WordsInputs:
+    concurrent = False
+
+    def check(self, item: StageInput) -> None:
+        pass
+
     def process(self, item: StageInput) -> StageInput:
         if "bad" in item.prompt:
             raise InvalidParameter("prompt", "contains bad")
@@ -101,63 +121,43 @@ class WordsStage(Stage):
             trace["words.worker_only"] = WorkerOnly()
         return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace=trace)
 
-    def postprocess(self, outputs) -> list:
-        events = super().postprocess([o for o in outputs if o.error is not None])
+
+class WordsOutputs(Outputs):
+    def process(self, outputs) -> tuple[list, list[str]]:
+        events, _ = super().process([o for o in outputs if o.error is not None])
         for out in (o for o in outputs if o.error is None):
             events.append(TokenDelta(out.request_id, self.node_id, out.result + " "))
             if out.finished:
-                item = out.item
                 events.append(StageFinished(out.request_id, self.node_id, StageOutput(
-                    out.request_id, self.node_id, text=" ".join(item.processed), stop_reason="done",
-                    trace={"words.pid": os.getpid(), "words.threads": self.engine.runner.threads.pop(
-                        out.request_id, [])})))
-        return events
+                    out.request_id, self.node_id, text=" ".join(out.item.processed), stop_reason="done",
+                    trace={"words.pid": os.getpid(), "words.threads": out.record.state})))
+        return events, []
 
 
-class RenderStage(Stage):
-    """A prompt with "background" finishes 0.3 s after its last step, as if exported on a thread (Wan's MP4):
-    `wait` blocks until then, and the trace counts the steps taken meanwhile (`render.idle_steps`). Its `process`
-    only counts words, so it may run beside a step: `policy["concurrent_process"]` says so (as Wan's does)."""
+class RenderInputs:
+    """Only counts words, so it may run beside a step: `policy["concurrent_process"]` says so (as Wan's does)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.concurrent_process = bool(self.node.policy.get("concurrent_process", False))
-        self.background: dict[str, tuple[float, StageFinished]] = {}
-        self.idle_steps = 0
+    def __init__(self, concurrent: bool):
+        self.concurrent = concurrent
+
+    def check(self, item: StageInput) -> None:
+        pass
 
     def process(self, item: StageInput) -> StageInput:
         return attrs.evolve(item, processed=len(item.prompt.split(" ")))
 
-    def step(self) -> list:
-        self.idle_steps += not self.engine.has_unfinished()
-        events = []
-        for event in super().step():
-            if isinstance(event, StageFinished) and "background" in event.output.text:
-                self.background[event.request_id] = (time.monotonic() + 0.3, event)
-            else:
-                events.append(event)
-        for rid, (due, event) in list(self.background.items()):
-            if due <= time.monotonic():
-                del self.background[rid]
-                trace = {**event.output.trace, "render.idle_steps": self.idle_steps}
-                events.append(attrs.evolve(event, output=attrs.evolve(event.output, trace=trace)))
-        return events
 
-    def has_unfinished(self) -> bool:
-        return super().has_unfinished() or bool(self.background)
+class RenderOutputs(Outputs):
+    """One output per request. The trace counts the stage's steps that had nothing to report
+    (`render.idle_steps`): a stage with only background work left is waited on, not stepped in a loop."""
 
-    def request_ids(self) -> set[str]:
-        return super().request_ids() | set(self.background)
+    def __init__(self, node_id: str):
+        super().__init__(node_id)
+        self.idle_steps = 0
 
-    def wait(self, timeout: float | None = None) -> bool:
-        if self.engine.has_unfinished() or not self.background:
-            return self.engine.has_unfinished()
-        left = min(due for due, _ in self.background.values()) - time.monotonic()
-        time.sleep(max(0.0, left if timeout is None else min(left, timeout)))
-        return min(due for due, _ in self.background.values()) <= time.monotonic()
-
-    def postprocess(self, outputs) -> list:
-        events = super().postprocess([o for o in outputs if o.error is not None])
+    def process(self, outputs) -> tuple[list, list[str]]:
+        self.idle_steps += not outputs
+        events, _ = super().process([o for o in outputs if o.error is not None])
         for out in (o for o in outputs if o.error is None and o.finished):
             item = out.item
             data = None
@@ -168,14 +168,16 @@ class RenderStage(Stage):
             if "lost_frames" in item.prompt:
                 data = {"frames": Spilled(os.path.join(os.path.dirname(__file__), "no-such-spill.npy"))}
             text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
-            trace = {"render.pid": os.getpid(), "render.threads": self.engine.runner.threads.pop(out.request_id, [])}
+            trace = {"render.pid": os.getpid(), "render.threads": out.record.state}
+            if "background" in item.prompt:
+                trace["render.idle_steps"] = self.idle_steps
             if "unsendable_output" in item.prompt:
                 trace["render.lock"] = threading.Lock()
             if "unreadable_output" in item.prompt:
                 trace["render.worker_only"] = WorkerOnly()
             events.append(StageFinished(out.request_id, self.node_id, StageOutput(
                 out.request_id, self.node_id, text=text, data=data, trace=trace)))
-        return events
+        return events, []
 
 
 def _sleep(node: NodeSpec) -> float:
@@ -195,16 +197,17 @@ def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
     if config.fake_fail_build:
         raise ModelError("the fake model is missing")
     runner = SleepyRunner(_sleep(node), lambda item: item.processed)
-    return WordsStage(node, "ar", Engine(StepScheduler(max_batch=8, num_steps=lambda item: len(item.processed)),
-                                         runner))
+    scheduler = WordsScheduler(max_batch=8, num_steps=lambda item: len(item.processed))
+    return Stage(node, "ar", WordsInputs(), Engine(scheduler, runner), WordsOutputs(node.id))
 
 
 def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
     log.info("loading the fake render model")
     _load(config)
     steps = lambda item: item.params.fake_steps or item.processed  # noqa: E731
-    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item), hold=True)
-    return RenderStage(node, "video", Engine(StepScheduler(max_batch=8, num_steps=steps), runner))
+    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item), hold=True, background=True)
+    return Stage(node, "video", RenderInputs(bool(node.policy.get("concurrent_process", False))),
+                 Engine(StepScheduler(max_batch=8, num_steps=steps), runner), RenderOutputs(node.id))
 
 
 class FrontOnly:
