@@ -15,6 +15,7 @@ from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 from omni_kernel.stage import Stage
 from omni_kernel.stage_scheduler import StageScheduler
+from omni_kernel.testing import drain
 
 TWO_NODES = PipelinePlan("two", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
                          [EdgeSpec("a", "b", "to_text")])
@@ -30,15 +31,6 @@ def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> StageSchedul
     registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
                              [] if log is None else log, **stage_kwargs)
     return StageScheduler(GraphBuilder(registry).build(TWO_NODES))
-
-
-def drain(scheduler: StageScheduler, limit: int = 200) -> list:
-    events = []
-    for _ in range(limit):
-        if not scheduler.has_unfinished():
-            return events
-        events += scheduler.step()
-    raise AssertionError("the scheduler never finished")
 
 
 def texts(events, request_id: str, node_id: str | None = None) -> str:
