@@ -14,6 +14,7 @@ from omni_kernel.engine import Engine
 from omni_kernel.identity import EchoStage, IdentityRunner
 from omni_kernel.params import ARParams, option
 from omni_kernel.scheduler import StepScheduler
+from omni_kernel.testing import wait_until
 
 log = logging.getLogger("omni")
 
@@ -25,7 +26,7 @@ class FlakyConfig:
 
 class SlowRunner(IdentityRunner):
     def run(self, batch):
-        time.sleep(0.02)
+        time.sleep(0.02)  # the slow model: 20 ms a word, on purpose
         return super().run(batch)
 
 
@@ -39,9 +40,9 @@ def build_steady(node, config):
 
 
 def build_flaky(node, config: FlakyConfig):
-    deadline = time.monotonic() + 60
-    while config.flaky_gate and os.path.exists(config.flaky_gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    if config.flaky_gate:
+        wait_until(lambda: not os.path.exists(config.flaky_gate), 60,
+                   f"the test to remove the build gate {config.flaky_gate}", interval=0.02)
     return _echo(node, IdentityRunner())
 
 

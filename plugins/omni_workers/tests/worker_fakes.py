@@ -37,6 +37,7 @@ from omni_kernel.registry import NodeType
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
+from omni_kernel.testing import wait_until
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads
 from omni_workers.transport import Spilled
@@ -69,15 +70,13 @@ class SleepyRunner:
     def run(self, batch) -> dict:
         for rid in batch.request_ids:
             self.threads.setdefault(rid, []).append(step_threads())
-        time.sleep(self.sleep_s)
+        time.sleep(self.sleep_s)  # the fake model's step time (policy sleep_ms), on purpose
         for rid in batch.request_ids if self.hold else ():
             for word in self.items[rid].prompt.split(" "):
                 if word.startswith("hold="):
                     gate = Path(word[5:])
                     gate.with_suffix(".started").touch()
-                    deadline = time.monotonic() + 120
-                    while not gate.exists() and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    wait_until(gate.exists, 120, f"the test to open the gate {gate}")
         out = {}
         for rid, step in zip(batch.request_ids, batch.steps):
             item = self.items[rid]
@@ -153,7 +152,7 @@ class RenderStage(Stage):
         if self.engine.has_unfinished() or not self.background:
             return self.engine.has_unfinished()
         left = min(due for due, _ in self.background.values()) - time.monotonic()
-        time.sleep(max(0.0, left if timeout is None else min(left, timeout)))
+        time.sleep(max(0.0, left if timeout is None else min(left, timeout)))  # the fake export's 0.3 s, on purpose
         return min(due for due, _ in self.background.values()) <= time.monotonic()
 
     def postprocess(self, outputs) -> list:
@@ -183,10 +182,10 @@ def _sleep(node: NodeSpec) -> float:
 
 
 def _load(config: FakeConfig) -> None:
-    """A model load as long as the test wants: while the gate file exists (at most 60 s)."""
-    deadline = time.monotonic() + 60
-    while config.fake_build_gate and os.path.exists(config.fake_build_gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """A model load as long as the test wants: while the gate file exists (a failed build after 60 s)."""
+    if config.fake_build_gate:
+        wait_until(lambda: not os.path.exists(config.fake_build_gate), 60,
+                   f"the test to remove the build gate {config.fake_build_gate}", interval=0.02)
 
 
 def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
