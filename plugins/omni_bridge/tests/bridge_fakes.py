@@ -1,8 +1,9 @@
 """Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no plugin.
 
-They keep the production contracts: the kernel's Engine and schedulers (the Wan one is a max_batch=1
-DiffusionScheduler, as in omni_wan), runners that read `batch.request_ids` and return one result per request,
-and stages that turn RequestOutputs into events.
+They keep the production contracts: the kernel's Engine and schedulers (the Wan one a DiffusionScheduler
+batching up to `WanConfig().wan_max_batch` requests with omni_wan's phase order, read from omni_wan's own
+defaults so the fake cannot drift from them), runners that read `batch.request_ids` and return one result per
+request, and stages that turn RequestOutputs into events.
 """
 
 import attrs
@@ -14,6 +15,9 @@ from omni_kernel.params import integer
 from omni_kernel.plugins import PluginHost
 from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
 from omni_kernel.stage import Stage
+from omni_wan.params import WanConfig  # torch-free: the config's declaration only
+
+WAN_PHASE_ORDER = ("export", "decode", "prepare", "denoise")  # as omni_wan's stage builds its DiffusionScheduler
 
 # What the fake AR stage "writes" for a prompt: (text, stop_reason).
 REPLIES = {
@@ -121,7 +125,8 @@ class FakeModels:
 
     def _wan(self, node, config):
         self.wan.node_id = node.id
-        scheduler = DiffusionScheduler(max_batch=1, num_steps=lambda item: item.params.num_inference_steps)
+        scheduler = DiffusionScheduler(max_batch=WanConfig().wan_max_batch, phase_order=WAN_PHASE_ORDER,
+                                       num_steps=lambda item: item.params.num_inference_steps)
         return FakeWanStage(node, "diffusion", Engine(scheduler, self.wan))
 
     @hookimpl

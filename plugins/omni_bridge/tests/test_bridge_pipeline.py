@@ -57,9 +57,11 @@ def test_concurrent_requests_each_get_their_own_bridge_outcome():
         finished |= {e.request_id: e.result for e in omni.step() if isinstance(e, RequestFinished)}
     outcome = {prompt: (finished[r.request_id].trace["diffusion.bridge_fallback_reason"],
                         models.wan.received[r.request_id].prompt) for prompt, r in requests.items()}
-    # max_batch=1, as in production: one request's phase per Wan step, the first in the queue to the end
-    rids = [rid for rid, _, _ in models.wan.phases]
-    assert len(rids) == 3 * 5 and all(rids[i] == rids[i - 1] for i in range(1, 15) if i % 5)
+    # batched as in production (up to wan_max_batch): the three requests share each of their 5 Wan steps
+    steps = [models.wan.phases[i:i + 3] for i in range(0, len(models.wan.phases), 3)]
+    assert [phase for (_, phase, _), _, _ in steps] == ["prepare", "denoise", "denoise", "decode", "export"]
+    assert all({rid for rid, _, _ in step} == set(finished) and len({(p, s) for _, p, s in step}) == 1
+               for step in steps)
     assert outcome == {"a fox in snow": (None, "a fox in snow\n\nSupplemental guidance: slow dolly-in, soft light"),
                        "a cat on a roof": ("truncated", "a cat on a roof"),
                        "a boat at sea": ("invalid_json", "a boat at sea")}

@@ -306,7 +306,7 @@ def test_health_and_metrics(http):
     served = {"route": "/v1/completions", "status": "200"}
     counted = ("omni_http_requests_total", served), ("omni_generated_tokens_total", {"model": "echo"}), \
         ("omni_prompt_tokens_total", {"model": "echo"}), \
-        ("omni_e2e_request_latency_seconds_count", {"model": "echo", "route": "/v1/completions"})
+        ("omni_e2e_request_latency_seconds_count", {"model": "echo", "route": "completions"})
     before = [metric(http, name, 0.0, **labels) for name, labels in counted]
     usages = [http.post("/v1/completions", json={"model": "echo", "prompt": f"count {i} words"}).json()["usage"]
               for i in range(3)]
