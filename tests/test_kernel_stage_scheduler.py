@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text
 from omni_kernel import Omni
 from omni_kernel.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
 from omni_kernel.events import RequestFailed, RequestFinished, StageFinished, TokenDelta
@@ -16,6 +15,8 @@ from omni_kernel.request import Request
 from omni_kernel.stage import Stage
 from omni_kernel.stage_scheduler import StageScheduler
 from omni_kernel.testing import drain
+
+from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text
 
 TWO_NODES = PipelinePlan("two", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
                          [EdgeSpec("a", "b", "to_text")])

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
 from omni_kernel.testing import wait_until
 
 HERE = Path(__file__).resolve().parent

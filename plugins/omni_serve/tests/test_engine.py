@@ -7,7 +7,6 @@ import threading
 import time
 
 import pytest
-from fault_plugin import FaultPlugin
 
 from omni_kernel import Omni
 from omni_kernel.errors import EngineDead, InvalidParameter
@@ -16,6 +15,8 @@ from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
 from omni_serve.engine import AsyncOmni, Overloaded, ShuttingDown
+
+from fault_plugin import FaultPlugin
 
 
 @pytest.fixture

@@ -9,7 +9,9 @@ import threading
 
 import httpx
 import pytest
+
 from omni_kernel.testing import wait_until
+
 from serving import ServerProcess, fuzz, running
 
 KEY = "sk-test-0123456789"

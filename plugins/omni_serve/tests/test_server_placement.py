@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
 from omni_kernel.testing import wait_until
+
 from serving import ServerProcess, video_done
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"

@@ -12,7 +12,9 @@ import time
 
 import httpx
 import openai
+
 from omni_kernel.testing import wait_until
+
 from serving import BackgroundChat, running
 
 

@@ -11,7 +11,9 @@ import httpx
 import openai
 import pytest
 from PIL import Image
+
 from omni_kernel.testing import wait_until
+
 from serving import running, video_done
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")

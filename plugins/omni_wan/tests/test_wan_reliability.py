@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from omni_kernel.cli import main
 from omni_kernel.errors import ModelError
 

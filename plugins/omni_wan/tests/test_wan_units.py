@@ -6,6 +6,7 @@ import attrs
 import numpy as np
 import pytest
 import torch
+
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.params import ARParams, options_of
 from omni_wan.device import place
@@ -14,6 +15,7 @@ from omni_wan.params import WanConfig, WanParams
 from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
 from omni_wan.presets import PRESETS, resolve
 from omni_wan.video import write_mp4
+
 from wan_mp4 import read_mp4
 
 LAYOUT = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
