@@ -10,7 +10,7 @@ PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridg
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-kernel-only setup clean
+.PHONY: demo test test-kernel-only lint setup clean
 
 setup: $(STAMP)
 
@@ -37,8 +37,12 @@ demo: $(STAMP)
 	$(VENV)/bin/omni run --pipeline qwen_to_wan_i2v --prompt "$(PROMPT)" --image $(IMAGE) $(DEMO_FLAGS) \
 		--seed 0 --output out/demo.mp4 --trace-json out/demo_trace.json
 
-test: $(STAMP) test-kernel-only
+test: $(STAMP) lint test-kernel-only
 	$(PY) -m pytest
+
+# ruff, configured in pyproject.toml ([tool.ruff]); `$(VENV)/bin/ruff check --fix .` applies the mechanical fixes.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 # The kernel's tests again, in a venv that has no torch at all.
 test-kernel-only:

@@ -34,7 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from omni_kernel import Omni, RequestFailed, RequestFinished  # noqa: E402
+from omni_kernel import Omni, RequestFailed, RequestFinished, testing  # noqa: E402
 from omni_kernel.files import cache_dir  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
 
@@ -164,14 +164,11 @@ def hf_model_of(omni: Omni):
 
 def drain(omni: Omni, on_step=None) -> list[dict]:
     traces = []
-    while omni.has_unfinished():
-        for event in omni.step():
-            if isinstance(event, RequestFinished):
-                traces.append(dict(event.result.trace))
-            elif isinstance(event, RequestFailed):
-                raise RuntimeError(f"{event.request_id}: {event.error}")
-        if on_step:
-            on_step()
+    for event in testing.drain(omni, limit=None, on_step=on_step and (lambda _: on_step())):
+        if isinstance(event, RequestFinished):
+            traces.append(dict(event.result.trace))
+        elif isinstance(event, RequestFailed):
+            raise RuntimeError(f"{event.request_id}: {event.error}")
     return traces
 
 
@@ -223,7 +220,8 @@ def decode_efficiency(runtime: Runtime, model, batch: int, context: int, steps: 
     for _ in range(steps):
         omni.step()
     runtime_ms = (time.perf_counter() - start) / steps * 1000
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
             omni.step()

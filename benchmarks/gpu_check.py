@@ -3,8 +3,9 @@
 On the demo-size checkpoint built locally (random weights), one JSON line with:
 
 - `placements`: per offload setting (`model_cpu_offload`, the default with a GPU, and `off`), the trace's device,
-  dtype, VAE dtype and offload, whether the MP4 export ran on the export thread, the request's time, and its frames against the CPU's fp32 run of the same
-  request (`max_abs_diff_vs_cpu`, `mean_abs_diff_vs_cpu`; frames in [0, 1]);
+  dtype, VAE dtype and offload, whether the MP4 export ran on the export thread, the request's time, and its
+  frames against the CPU's fp32 run of the same request (`max_abs_diff_vs_cpu`, `mean_abs_diff_vs_cpu`; frames in
+  [0, 1]);
 - `offload_on_vs_off`: the largest frame difference between the two GPU runs;
 - `text_kv_vs_stock`: one transformer forward in the stage's dtype with the text keys and values projected once
   (used when offload is off) against diffusers' own cross-attention, for texts padded as the pipeline pads them;
@@ -39,6 +40,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
     import torch
+
     from omni_kernel import Omni
     from omni_wan.demo import build_tiny_checkpoint
 
@@ -117,6 +119,7 @@ def _batched_vs_solo(omni, images: dict, work: Path) -> dict:
 def _text_kv_vs_stock(model: str, device: str) -> dict:
     import torch
     from diffusers import WanTransformer3DModel
+
     from omni_wan.crossattn import CrossKV
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -7,8 +7,8 @@ t=0) whose AR budgets are evenly staggered (longest/16, 3 longest/16, ... 15 lon
 requests to the diffusion stage one after another while it decodes the longer ones. `longest` is calibrated on
 the `process` placement so that, over the whole burst, the AR worker's busy time (CPU seconds, one torch thread)
 matches the diffusion worker's with its ffmpeg: AR and diffusion cost about the same per request, as served
-(both stages batch, so a one-request calibration would leave one stage the bottleneck and nothing to overlap). Every placement
-runs one full burst before it is measured (`process`: the calibration runs).
+(both stages batch, so a one-request calibration would leave one stage the bottleneck and nothing to overlap).
+Every placement runs one full burst before it is measured (`process`: the calibration runs).
 
 - `overlap_throughput_ratio`: the burst's throughput with `process` placement over `inproc`. Threads: process,
   the two workers share the cores (`worker_threads="shared"`: before each step a worker takes cores // busy

@@ -1,17 +1,85 @@
-"""Pytest fixtures for omni and its plugins' tests; opt in with `pytest_plugins = ["omni_kernel.testing"]` in the
-rootdir conftest.py. Nothing is autouse and there is no `pytest11` entry point, so installing omni changes no other
-project's tests.
+"""Helpers for omni's and its plugins' tests.
 
+Pytest fixtures; opt in with `pytest_plugins = ["omni_kernel.testing"]` in the rootdir conftest.py. Nothing is
+autouse and there is no `pytest11` entry point, so installing omni changes no other project's tests.
 `omni_cache` keeps everything omni builds on first use (demo checkpoints) in a session tmp dir and keeps model
 hubs offline; `omni_logger` restores the "omni" logger that the CLI configures, so no test leaks handlers.
+
+Two plain functions, which need neither pytest nor torch (a benchmark or a stage worker may import them):
+`drain` steps anything with `has_unfinished()` and `step()` until it is done, and `wait_until` polls an
+observable condition up to a deadline. A test that needs something to have happened waits on it with
+`wait_until` instead of sleeping; both fail with a message that says what they waited for instead of hanging.
 """
 
+from __future__ import annotations
+
 import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
-import pytest
+try:
+    import pytest
+
+    fixture = pytest.fixture
+except ImportError:  # drain and wait_until work without pytest
+
+    def fixture(*args, **kwargs):
+        return lambda fn: fn
 
 
-@pytest.fixture(scope="session")
+T = TypeVar("T")
+
+
+class Steppable(Protocol):
+    """An Omni, a StageScheduler, an Engine, a Stage: whatever `step()`s requests to their end."""
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list: ...
+
+
+def drain(stepper: Steppable, limit: int | None = 10_000, *, until: Callable[[], bool] | None = None,
+          on_step: Callable[[list], Any] | None = None) -> list:
+    """Step `stepper` until nothing is unfinished (or, given `until`, until `until()` is true); return everything
+    its steps returned, in order (events from an Omni or a StageScheduler, RequestOutputs from an Engine).
+
+    `on_step(items)` runs after each step with what that step returned (to look at the scheduler between steps,
+    or to submit a late arrival). More than `limit` steps (None: no limit) fails with an AssertionError instead
+    of hanging. Unlike `StageScheduler.run`, it submits nothing, takes any steppable and has a bound.
+    """
+    done = until or (lambda: not stepper.has_unfinished())
+    items: list = []
+    steps = 0
+    while not done():
+        if limit is not None and steps >= limit:
+            raise AssertionError(f"{type(stepper).__name__} still unfinished after {limit} steps"
+                                 + ("" if until is None else " (waiting for `until`)"))
+        got = stepper.step()
+        items.extend(got)
+        steps += 1
+        if on_step is not None:
+            on_step(got)
+    return items
+
+
+def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "the condition",
+               interval: float = 0.01) -> T:
+    """Poll `predicate()` until it returns something truthy, and return that; past `timeout` seconds fail with
+    an AssertionError that says what was waited for (`what`, e.g. "the stream's first delta"). The last look is
+    taken after the deadline, so a slow poll fails only if the condition really did not come in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        late = time.monotonic() >= deadline
+        value = predicate()
+        if value:
+            return value
+        if late:
+            raise AssertionError(f"waited {timeout:g}s for {what}, in vain")
+        time.sleep(interval)
+
+
+@fixture(scope="session")
 def omni_cache(tmp_path_factory):
     """OMNI_CACHE_DIR for the whole session (subprocesses inherit it); HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1."""
     path = tmp_path_factory.mktemp("omni-cache")
@@ -23,7 +91,7 @@ def omni_cache(tmp_path_factory):
     patch.undo()
 
 
-@pytest.fixture
+@fixture
 def omni_logger():
     logger = logging.getLogger("omni")
     saved = (list(logger.handlers), logger.propagate, logger.level)

@@ -10,6 +10,7 @@ from omni_kernel.engine import Engine
 from omni_kernel.errors import EngineDead
 from omni_kernel.kv_blocks import BlockManager
 from omni_kernel.request import StageInput
+from omni_kernel.testing import drain
 
 
 def next_token(context) -> int:
@@ -65,22 +66,23 @@ def item(rid, prompt, max_tokens):
     return StageInput(rid, "p", processed=ARPrompt(prompt, max_tokens))
 
 
-def run_all(engine, limit=10_000, stats=None, tokens=None):
-    """Each finished request's generated tokens (and, into `stats`, its trace counters); `tokens` holds what
-    earlier steps already generated."""
+def collect(outputs, stats=None, tokens=None):
+    """Each finished request's generated tokens (and, into `stats`, its trace counters) from an engine's
+    RequestOutputs; `tokens` holds what earlier steps already generated."""
     tokens, finished = {} if tokens is None else tokens, {}
-    for _ in range(limit):
-        if not engine.has_unfinished():
-            return finished
-        for out in engine.step():
-            assert out.error is None, out.error
-            tokens.setdefault(out.request_id, []).append(out.result)
-            if out.finished:
-                assert out.finished == "max_tokens"
-                finished[out.request_id] = tokens.pop(out.request_id)
-                if stats is not None:
-                    stats[out.request_id] = out.record.stats()
-    raise AssertionError("engine did not finish")
+    for out in outputs:
+        assert out.error is None, out.error
+        tokens.setdefault(out.request_id, []).append(out.result)
+        if out.finished:
+            assert out.finished == "max_tokens"
+            finished[out.request_id] = tokens.pop(out.request_id)
+            if stats is not None:
+                stats[out.request_id] = out.record.stats()
+    return finished
+
+
+def run_all(engine, stats=None, tokens=None):
+    return collect(drain(engine), stats, tokens)
 
 
 def random_requests(n, seed=0, max_prompt=40, max_out=12):
@@ -137,16 +139,14 @@ def test_preemption_by_recompute_keeps_outputs_exact():
 def test_requests_arriving_while_others_decode():
     engine, _, _, bm = make_engine(num_blocks=24, budget=16, max_seqs=4)
     reqs = random_requests(9, seed=5)
-    finished, tokens = {}, {}
     pending = list(reqs)
-    while pending or engine.has_unfinished():
+
+    def arrive(_=()):  # one new request before each step while any are left
         if pending:
-            rid, prompt, m = pending.pop(0)
-            engine.add_request(item(rid, prompt, m))
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).append(out.result)
-            if out.finished:
-                finished[out.request_id] = tokens.pop(out.request_id)
+            engine.add_request(item(*pending.pop(0)))
+
+    arrive()
+    finished = collect(drain(engine, on_step=arrive, until=lambda: not pending and not engine.has_unfinished()))
     assert finished == {rid: solo(p, m) for rid, p, m in reqs}
     assert bm.num_used == 0
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import importlib.metadata
 import json
 
+import attrs
 import click
 import pytest
 from click.testing import CliRunner
-
-import attrs
 
 from omni_kernel import hookimpl, option
 from omni_kernel.cli import main

@@ -9,13 +9,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernel_fakes import TagConnector, registry_with, stage_text
 from omni_kernel.errors import GraphError, UserError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.graph import RULES, EdgeSpec, NodeSpec, PipelinePlan, validate_plan
 from omni_kernel.planner import GraphBuilder
 from omni_kernel.request import Request
 from omni_kernel.stage_scheduler import StageScheduler
+
+from kernel_fakes import TagConnector, registry_with, stage_text
 
 IDS = "abcdefg"
 NODE_KINDS = {"t.ar": "ar", "t.diff": "diffusion", "t.text": "text"}

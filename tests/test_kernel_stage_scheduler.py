@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text
 from omni_kernel import Omni
 from omni_kernel.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
 from omni_kernel.events import RequestFailed, RequestFinished, StageFinished, TokenDelta
@@ -15,6 +14,9 @@ from omni_kernel.plugins import PluginHost
 from omni_kernel.request import Request
 from omni_kernel.stage import Inputs
 from omni_kernel.stage_scheduler import StageScheduler
+from omni_kernel.testing import drain
+
+from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text
 
 TWO_NODES = PipelinePlan("two", [NodeSpec("a", "t.ar"), NodeSpec("b", "t.text", final=True)],
                          [EdgeSpec("a", "b", "to_text")])
@@ -30,15 +32,6 @@ def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> StageSchedul
     registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
                              [] if log is None else log, **stage_kwargs)
     return StageScheduler(GraphBuilder(registry).build(TWO_NODES))
-
-
-def drain(scheduler: StageScheduler, limit: int = 200) -> list:
-    events = []
-    for _ in range(limit):
-        if not scheduler.has_unfinished():
-            return events
-        events += scheduler.step()
-    raise AssertionError("the scheduler never finished")
 
 
 def texts(events, request_id: str, node_id: str | None = None) -> str:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import attrs
 
 from omni_kernel.errors import GraphError, InvalidParameter, UserError, classify, rebuild
 from omni_kernel.params import MAX_SEED, ARParams, option, parse, split

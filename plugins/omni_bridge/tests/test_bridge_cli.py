@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from bridge_fakes import FakeModels, make_host
 
 from omni_kernel.cli import main
+
+from bridge_fakes import FakeModels, make_host
 
 ARGS = ["run", "--pipeline", "qwen_to_wan_i2v", "--prompt", "a fox in snow"]
 

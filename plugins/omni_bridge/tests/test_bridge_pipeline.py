@@ -1,11 +1,12 @@
 """qwen_to_wan_i2v through the kernel's StageScheduler, with fake stages registered under the real node names."""
 
 import pytest
-from bridge_fakes import REPLIES, FakeModels, make_host
 
 from omni_bridge.plugin import BridgePlugin
 from omni_kernel import ARParams, GraphError, Omni, RequestFinished, StageProgress
 from omni_kernel.plugins import PluginHost
+
+from bridge_fakes import REPLIES, FakeModels, make_host
 
 
 def test_bridge_registers_the_connector_and_the_pipeline_only():

@@ -2,12 +2,13 @@
 Engine(ARScheduler) -> ARModelRunner -> backend): each request's greedy output, served concurrently, equals
 `generate` for that request alone, token for token (fp32); also with preemption, late arrivals and aborts."""
 
+import itertools
 import random
 
 import pytest
 import torch
 
-from omni_kernel import Omni, RequestFailed, RequestFinished, StageFailed
+from omni_kernel import Omni, RequestFailed, RequestFinished, StageFailed, testing
 from omni_kernel.ar_scheduler import ARPrompt
 from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
@@ -74,16 +75,19 @@ def parts(omni):
 
 def drain(omni, arrivals=(), every=1):
     """Step until done, submitting one queued request every `every` steps; return {request_id: StageOutput}."""
-    arrivals, finished, step = list(arrivals), {}, 0
-    while arrivals or omni.has_unfinished():
-        if arrivals and step % every == 0:
+    arrivals, steps = list(arrivals), itertools.count()
+
+    def arrive(_=()):
+        if arrivals and next(steps) % every == 0:
             submit(omni, *arrivals.pop(0))
-        for event in omni.step():
-            assert not isinstance(event, RequestFailed) or event.error == "aborted", event
-            if isinstance(event, RequestFinished):
-                finished[event.request_id] = event.result.output
-        step += 1
-        assert step < 5000
+
+    arrive()
+    finished = {}
+    for event in testing.drain(omni, limit=5000, on_step=arrive,
+                               until=lambda: not arrivals and not omni.has_unfinished()):
+        assert not isinstance(event, RequestFailed) or event.error == "aborted", event
+        if isinstance(event, RequestFinished):
+            finished[event.request_id] = event.result.output
     return finished
 
 
@@ -148,10 +152,16 @@ def test_aborted_requests_free_blocks_and_spare_the_others(make_omni, reference,
     for _ in range(5):
         omni.step()
     doomed = [s.request_id for s in scheduler.running][:2] + [s.request_id for s in scheduler.waiting][:1]
+    pool = scheduler.blocks  # the paged backend's KV lives in these blocks; a DynamicCache keeps its own
+    held = {rid: list(pool.table(rid)) if rid in pool.tables else [] for rid in doomed}
+    assert held[doomed[0]], "a running request holds blocks"
     for rid in doomed:
         omni.abort(rid)
-        assert rid not in scheduler.blocks.tables and rid not in scheduler.sequences
-        assert rid not in getattr(runner.backend, "caches", {})
+        assert rid not in pool.tables and rid not in scheduler.sequences
+        live = [b for table in pool.tables.values() for b in table.blocks]
+        assert all(pool.blocks[b].ref_count == live.count(b) for b in held[rid])  # its references are dropped
+        if backend == "dynamic_cache":
+            assert rid not in runner.backend.caches
     finished = drain(omni)
     assert not set(doomed) & set(finished)
     for rid, prompt, m in reqs:

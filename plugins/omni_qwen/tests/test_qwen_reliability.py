@@ -5,13 +5,13 @@ stderr), Python API mistakes, and resource stability over 300 requests through o
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+
 from omni_kernel import Omni
 from omni_kernel.cli import main
 from omni_kernel.errors import InputError, InvalidParameter, ModelError

@@ -15,6 +15,7 @@ from omni_kernel.identity import EchoInputs, EchoOutputs, IdentityRunner
 from omni_kernel.params import ARParams, option
 from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Stage
+from omni_kernel.testing import wait_until
 
 log = logging.getLogger("omni")
 
@@ -26,7 +27,7 @@ class FlakyConfig:
 
 class SlowRunner(IdentityRunner):
     def run(self, batch):
-        time.sleep(0.02)
+        time.sleep(0.02)  # the slow model: 20 ms a word, on purpose
         return super().run(batch)
 
 
@@ -41,9 +42,9 @@ def build_steady(node, config):
 
 
 def build_flaky(node, config: FlakyConfig):
-    deadline = time.monotonic() + 60
-    while config.flaky_gate and os.path.exists(config.flaky_gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    if config.flaky_gate:
+        wait_until(lambda: not os.path.exists(config.flaky_gate), 60,
+                   f"the test to remove the build gate {config.flaky_gate}", interval=0.02)
     return _echo(node, IdentityRunner())
 
 

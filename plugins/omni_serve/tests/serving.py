@@ -14,6 +14,8 @@ from pathlib import Path
 
 import httpx
 
+from omni_kernel.testing import wait_until
+
 HERE = Path(__file__).resolve().parent
 # The server process: `omni` with, optionally, extra plugin objects registered on its host (test plugins).
 LAUNCH = """
@@ -59,18 +61,20 @@ class ServerProcess:
                                       str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT, env=environ)
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def answers() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"omni serve exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code in (200, 503):
-                    return self
+                return httpx.get(self.url + "/health", timeout=2).status_code in (200, 503)
             except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"omni serve did not answer within {timeout}s:\n{self.output()}")
+                return False
+
+        try:
+            wait_until(answers, timeout, "omni serve to answer /health", interval=0.2)
+        except AssertionError as exc:
+            self.kill()
+            raise RuntimeError(f"{exc}:\n{self.output()}") from None
+        return self
 
     def output(self) -> str:
         if not self.log.closed:
@@ -103,6 +107,16 @@ def running(args: list[str], log_path: Path, **kwargs):
     finally:
         code = proc.stop()
         assert code == 0, proc.output()
+
+
+def video_done(http: httpx.Client, video_id: str, timeout: float = 120) -> dict:
+    """Poll GET /v1/videos/{id} until the job is completed or failed; returns the job."""
+
+    def done():
+        job = http.get(f"/v1/videos/{video_id}").json()
+        return job if job["status"] in ("completed", "failed") else None
+
+    return wait_until(done, timeout, f"video {video_id} to finish", interval=0.05)
 
 
 def fuzz(url: str, headers: dict | None = None, max_examples: int = 12, bodies: dict | None = None) -> list[str]:
@@ -153,10 +167,10 @@ class BackgroundChat:
                 self.texts.append(chunk.choices[0].delta.content)
 
     def started(self, timeout: float = 30) -> bool:
-        deadline = time.monotonic() + timeout
-        while not self.texts and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return bool(self.texts)
+        try:
+            return wait_until(lambda: bool(self.texts), timeout, "the chat's first delta")
+        except AssertionError:
+            return False
 
     def join(self, timeout: float = 30) -> str:
         """Its whole text, once it ended (a failure if it is still streaming after `timeout`)."""

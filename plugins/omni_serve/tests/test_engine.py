@@ -7,14 +7,16 @@ import threading
 import time
 
 import pytest
-from fault_plugin import FaultPlugin
 
 from omni_kernel import Omni
 from omni_kernel.errors import EngineDead, InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
+from omni_kernel.testing import wait_until
 from omni_serve.engine import AsyncOmni, Overloaded, ShuttingDown
+
+from fault_plugin import FaultPlugin
 
 
 @pytest.fixture
@@ -60,7 +62,7 @@ def test_user_error_raises_at_submit_and_nothing_stays_in_flight(engine):
 def test_idle_engine_blocks_instead_of_spinning(engine):
     asyncio.run(_run(engine, "echo", "one two"))
     before = engine.snapshot.steps
-    time.sleep(0.3)
+    time.sleep(0.3)  # the window in which a spinning loop would step: the subject of this test
     assert engine.snapshot.steps == before
     assert engine.alive
 
@@ -73,9 +75,7 @@ def test_leaving_early_aborts_the_request(engine):
         return first
 
     first = asyncio.run(main())
-    deadline = time.monotonic() + 5
-    while (engine.snapshot.in_flight or not engine.snapshot.aborted) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not engine.snapshot.in_flight and engine.snapshot.aborted, 5, "the abort to be taken")
     assert engine.snapshot.in_flight == 0 and engine.snapshot.aborted == 1
     assert engine.call(lambda: engine.omnis["echo"].has_unfinished()).result(5) is False
     assert first.request_id
@@ -150,12 +150,13 @@ def test_shutdown_lets_in_flight_finish_then_refuses(host):
         engine.submit_nowait("echo", engine.omnis["echo"].request("hi"), lambda e: None).result(1)
 
 
-def test_shutdown_timeout_aborts_the_rest(host):
-    engine = AsyncOmni({"echo": Omni("echo", host=host)}).start()
-    engine.call(lambda: time.sleep(0.2))  # keep the loop busy so the request cannot finish in time
+def test_shutdown_timeout_aborts_the_rest(host, monkeypatch):
+    omni = Omni("echo", host=host)
+    monkeypatch.setattr(omni.graph.stages["echo"], "step", lambda: [])  # no progress: the request cannot finish
+    engine = AsyncOmni({"echo": omni}).start()
 
     async def main():
-        stream = await engine.open("echo", " ".join(["w"] * 100000))
+        stream = await engine.open("echo", "never finishes")
         aborted = await asyncio.to_thread(engine.shutdown, 0.05)
         events = [e async for e in stream]
         return aborted, events
@@ -174,14 +175,10 @@ def test_a_request_over_the_in_flight_limit_is_refused_and_admitted_once_one_end
             with pytest.raises(Overloaded, match="2 requests in flight"):
                 await engine.open("echo", "one too many")
             await streams[0].aclose()  # aborts it: its place frees once the engine thread took the abort
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    third = [e async for e in engine.generate("echo", "now there is room")]
-                    break
-                except Overloaded:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.01)
+            # a snapshot that counts the abort was published after the step that let the aborted request go
+            await asyncio.to_thread(wait_until, lambda: engine.snapshot.aborted == 1, 10, "the abort to be taken")
+            assert engine.snapshot.in_flight == 1
+            third = [e async for e in engine.generate("echo", "now there is room")]
             await streams[1].aclose()
             return third
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from omni_kernel.testing import wait_until
+
 from serving import ServerProcess, fuzz
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -55,13 +57,16 @@ def tokenizer(server, omni_cache):
     return AutoTokenizer.from_pretrained(omni_cache / "demo" / "qwen2-tiny")
 
 
-def metric(http, name: str, **labels) -> float:
+def metric(http, name: str, default: float | None = None, **labels) -> float:
+    """The value of one sample in /metrics (a sample that is not there yet: `default`, else a failure)."""
     text = http.get("/metrics").text
     want = ",".join(f'{k}="{v}"' for k, v in labels.items())
     for line in text.splitlines():
         if line.startswith(name + ("{" + want + "}" if want else " ")) or (
                 want and line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise AssertionError(f"no {name} {labels} in /metrics")
 
 
@@ -202,13 +207,9 @@ def test_client_disconnect_aborts_and_frees_kv_blocks(server, http):
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: ") for line in got)
         assert metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") > 0
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        if (metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") == 0
-                and metric(http, "omni_requests_aborted_total") > aborted):
-            break
-        time.sleep(0.05)
-    assert metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") == 0
+    wait_until(lambda: metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") == 0
+               and metric(http, "omni_requests_aborted_total") > aborted, 20,
+               "the disconnected stream's abort and its KV blocks freed", interval=0.05)
     assert metric(http, "omni_requests_running", model="ar_text", stage="generate") == 0
     assert metric(http, "omni_requests_aborted_total") == aborted + 1
 
@@ -218,9 +219,8 @@ def test_non_streaming_disconnect_aborts_too(server, http):
     body = {"model": "ar_text", "prompt": "go on", "max_tokens": 480, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
-    deadline = time.monotonic() + 20
-    while metric(http, "omni_requests_aborted_total") == aborted and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: metric(http, "omni_requests_aborted_total") > aborted, 20, "the disconnected request's abort",
+               interval=0.05)
     assert metric(http, "omni_requests_aborted_total") == aborted + 1
     assert metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") == 0
 
@@ -234,8 +234,7 @@ def _decode(path: Path) -> tuple[int, tuple[int, int]]:
 
 
 def test_video_create_poll_download_delete(client, http, tmp_path):
-    steps_before = metric(http, "omni_denoise_step_seconds_count", model="wan_i2v") if "omni_denoise_step_seconds_count" \
-        in http.get("/metrics").text else 0
+    steps_before = metric(http, "omni_denoise_step_seconds_count", 0.0, model="wan_i2v")
     with open(ASSET, "rb") as image:
         job = client.videos.create(model="wan_i2v", prompt="a lighthouse at dusk", input_reference=image, size="64x96",
                                    extra_body={"num_frames": 9, "num_inference_steps": 3, "seed": 1})
@@ -260,18 +259,14 @@ def test_video_content_is_404_while_in_progress_and_delete_cancels(http, server)
                             "num_inference_steps": "200"})
     assert r.status_code == 200, r.text
     vid = r.json()["id"]
-    deadline = time.monotonic() + 30
-    while http.get(f"/v1/videos/{vid}").json()["progress"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    job = http.get(f"/v1/videos/{vid}").json()
+    job = wait_until(lambda: (job := http.get(f"/v1/videos/{vid}").json())["progress"] > 0 and job, 30,
+                     "the video's first denoise step", interval=0.02)
     assert job["status"] == "in_progress" and 0 < job["progress"] < 100
     assert http.get(f"/v1/videos/{vid}/content").status_code == 404
     assert http.delete(f"/v1/videos/{vid}").json()["deleted"] is True
     assert http.get(f"/v1/videos/{vid}").status_code == 404
-    deadline = time.monotonic() + 10
-    while metric(http, "omni_requests_running", model="wan_i2v", stage="wan") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert metric(http, "omni_requests_running", model="wan_i2v", stage="wan") == 0
+    wait_until(lambda: metric(http, "omni_requests_running", model="wan_i2v", stage="wan") == 0, 10,
+               "the deleted video's request to leave the stage", interval=0.02)
 
 
 @pytest.mark.parametrize("fields, param", [({"size": "65x64"}, "width"), ({"size": "big"}, "size"),
@@ -318,18 +313,40 @@ def test_video_fields_are_the_options_wan_declares_and_seconds_become_frames(cli
 def test_access_log_has_one_line_per_request(server, http):
     r = http.get("/v1/models")
     rid = r.headers["x-request-id"]
-    time.sleep(0.1)
+    lines = wait_until(lambda: [line for line in server.output().splitlines() if rid in line], 10,
+                       f"the access log line of {rid}")  # written once the response is sent
+    assert http.get("/health").status_code == 200  # a later request's line follows it: nothing more for rid
     lines = [line for line in server.output().splitlines() if rid in line]
     assert len(lines) == 1 and "GET /v1/models 200" in lines[0]
 
 
 def test_health_and_metrics(http):
+    """/health says ok; /metrics counts exactly what was served and reads 0 in flight once the engine is idle."""
     assert http.get("/health").json()["status"] == "ok"
+    served = {"route": "/v1/completions", "status": "200"}
+    counted = ("omni_http_requests_total", served), ("omni_generated_tokens_total", {"model": "echo"}), \
+        ("omni_prompt_tokens_total", {"model": "echo"}), \
+        ("omni_e2e_request_latency_seconds_count", {"model": "echo", "route": "completions"})
+    before = [metric(http, name, 0.0, **labels) for name, labels in counted]
+    usages = [http.post("/v1/completions", json={"model": "echo", "prompt": f"count {i} words"}).json()["usage"]
+              for i in range(3)]
+    want = [3, sum(u["completion_tokens"] for u in usages), sum(u["prompt_tokens"] for u in usages), 3]
+    assert want[1] == 9 and want[2] == 9  # echo: three words in, the same three out
+    # the HTTP counter is bumped once a response has been sent, so it may trail the client by a moment
+    wait_until(lambda: metric(http, "omni_http_requests_total", 0.0, **served) >= before[0] + 3, 10,
+               "3 more served requests")
+    assert [metric(http, name, 0.0, **labels) - b for (name, labels), b in zip(counted, before)] == want
+
+    wait_until(lambda: metric(http, "omni_requests_in_flight") == 0, 30, "the engine to be idle")
+    for pipeline, stage in (("ar_text", "generate"), ("wan_i2v", "wan"), ("echo", "echo")):
+        assert metric(http, "omni_requests_running", model=pipeline, stage=stage) == 0
+        assert metric(http, "omni_requests_waiting", model=pipeline, stage=stage) == 0
+    assert metric(http, "omni_kv_blocks_used", model="ar_text", stage="generate") == 0
+    assert metric(http, "omni_kv_blocks_total", model="ar_text", stage="generate") > 0
+    assert metric(http, "omni_engine_alive") == 1
     text = http.get("/metrics").text
-    for name in ("omni_requests_running", "omni_requests_waiting", "omni_kv_blocks_used", "omni_kv_blocks_total",
-                 "omni_prefix_cache_hit_tokens", "omni_time_to_first_token_seconds", "omni_inter_token_latency_seconds",
-                 "omni_e2e_request_latency_seconds", "omni_generated_tokens_total", "omni_video_jobs",
-                 "omni_denoise_step_seconds", "omni_stage_errors"):
+    for name in ("omni_prefix_cache_hit_tokens", "omni_time_to_first_token_seconds", "omni_inter_token_latency_seconds",
+                 "omni_video_jobs", "omni_denoise_step_seconds", "omni_stage_errors"):
         assert name in text, name
 
 

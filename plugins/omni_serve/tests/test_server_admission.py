@@ -6,9 +6,10 @@ from __future__ import annotations
 import httpx
 import openai
 from click.testing import CliRunner
-from serving import BackgroundChat, running
 
 from omni_kernel.cli import main
+
+from serving import BackgroundChat, running
 
 
 def test_a_request_over_the_limit_gets_429_and_the_next_one_after_is_served(tmp_path):
@@ -30,7 +31,8 @@ def test_a_request_over_the_limit_gets_429_and_the_next_one_after_is_served(tmp_
             assert chat.join() == words  # the one in flight went on
             served = http.post("/v1/chat/completions", json=body)
             assert served.status_code == 200 and served.json()["choices"][0]["message"]["content"] == "hello there"
-            assert 'omni_http_requests_total{route="/v1/chat/completions",status="429"} 1.0' in http.get("/metrics").text
+            refusals = 'omni_http_requests_total{route="/v1/chat/completions",status="429"} 1.0'
+            assert refusals in http.get("/metrics").text
 
 
 def test_a_bad_limit_is_one_line_and_exit_2():

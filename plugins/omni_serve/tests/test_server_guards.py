@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import httpx
 import pytest
+
+from omni_kernel.testing import wait_until
+
 from serving import ServerProcess, fuzz, running
 
 KEY = "sk-test-0123456789"
@@ -87,18 +89,20 @@ def test_zz_a_stage_fault_fails_in_flight_requests_and_health_says_503(server, h
 def test_sigterm_lets_a_streaming_request_finish_then_exits_0(omni_cache, tmp_path):
     proc = ServerProcess(["--pipeline", "echo", "--shutdown-timeout", "20"], tmp_path / "s.log").wait_ready()
     words = " ".join(f"w{i}" for i in range(30000))
-    got: dict = {}
+    chunks: list[str] = []
 
     def client():
         with httpx.stream("POST", proc.url + "/v1/completions", json={"model": "echo", "prompt": words, "stream": True},
                           timeout=60) as r:
-            got["raw"] = r.read().decode()
+            chunks.extend(r.iter_text())
 
     thread = threading.Thread(target=client)
     thread.start()
-    time.sleep(0.5)
+    wait_until(lambda: chunks, 30, "the stream's first chunk (the request admitted and streaming)")
+    assert thread.is_alive()  # SIGTERM with the stream still going
     assert proc.stop() == 0, proc.output()
     thread.join(30)
+    got = {"raw": "".join(chunks)}
     assert got["raw"].endswith("data: [DONE]\n\n")
     text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in got["raw"].split("\n\n")
                    if e.startswith("data: {"))

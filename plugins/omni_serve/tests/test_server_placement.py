@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from serving import ServerProcess
+
+from omni_kernel.testing import wait_until
+
+from serving import ServerProcess, video_done
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 SMALL = {"model": "qwen_to_wan_i2v", "size": "64x96", "num_frames": "9", "num_inference_steps": "2", "seed": "3"}
@@ -67,10 +69,7 @@ def test_chat_and_video_run_in_the_workers(server, client):
         r = http.post("/v1/videos", files={"input_reference": ("fox.png", ASSET.read_bytes(), "image/png")},
                       data={"prompt": "a fox", **SMALL})
         assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 120
-        while (job := http.get(f"/v1/videos/{r.json()['id']}").json())["status"] not in ("completed", "failed"):
-            assert time.monotonic() < deadline, job
-            time.sleep(0.05)
+        job = video_done(http, r.json()["id"])
         assert job["status"] == "completed", job
         assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
     assert "omni[video]: loading Wan2.2" in server.output()  # the worker's load line, prefixed with its stage
@@ -81,10 +80,8 @@ def test_workers_killed_while_idle_are_restarted_and_a_client_that_retries_on_50
     before = workers_of(server.proc.pid)
     for pid in before:
         os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while len(after := workers_of(server.proc.pid)) < 3 or set(after) & set(before):
-        assert time.monotonic() < deadline, f"the killed workers were not all replaced: {before} -> {after}"
-        time.sleep(0.1)
+    wait_until(lambda: len(after := workers_of(server.proc.pid)) >= 3 and not set(after) & set(before), 60,
+               f"the killed workers {sorted(before)} to be replaced", interval=0.1)
     # while the new workers load their models a request gets 503 with Retry-After, which the client honours
     assert _chat(client.with_options(max_retries=20)) == expected
     assert "worker process died (killed by SIGKILL)" in server.output()
@@ -97,10 +94,8 @@ def test_stopping_the_server_leaves_no_worker(omni_cache, tmp_path):
     workers = workers_of(proc.proc.pid)
     assert len(workers) == 1
     assert proc.stop() == 0, proc.output()
-    deadline = time.monotonic() + 30
-    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(Path(f"/proc/{pid}").exists() for pid in workers)
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 30,
+               f"the workers {sorted(workers)} to be gone", interval=0.1)
 
 
 def stage_metric(http, name: str, model: str, stage: str) -> float | None:

@@ -12,6 +12,9 @@ import time
 
 import httpx
 import openai
+
+from omni_kernel.testing import wait_until
+
 from serving import BackgroundChat, running
 
 
@@ -23,14 +26,12 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
         words = " ".join(f"w{i}" for i in range(150))  # 3 s at 20 ms a word
         chat = BackgroundChat(client, "steady", words)
         assert chat.started(), server.output()
-        deadline = time.monotonic() + 30
 
         (flaky,) = re.findall(r"omni\[flaky\]: loading flaky \(pid (\d+)\)", server.output())
         gate.touch()
         os.kill(int(flaky), signal.SIGKILL)
-        while "stage 'flaky': its worker process died" not in server.output():  # noticed by the idle watch
-            assert time.monotonic() < deadline, server.output()
-            time.sleep(0.02)
+        wait_until(lambda: "stage 'flaky': its worker process died" in server.output(), 30,
+                   "the idle watch to notice the killed worker")
 
         with httpx.Client(base_url=server.url, timeout=10) as http:
             body = {"model": "flaky", "messages": [{"role": "user", "content": "hello there"}]}
@@ -52,9 +53,12 @@ def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tm
             assert len(re.findall(r"omni\[flaky\]: loading", server.output())) == 1  # still loading
 
             gate.unlink()
-            while (r := http.post("/v1/chat/completions", json=body)).status_code == 503:
-                assert time.monotonic() < deadline + 30, r.text
-                time.sleep(0.05)
+
+            def served():
+                reply = http.post("/v1/chat/completions", json=body)
+                return reply if reply.status_code != 503 else None
+
+            r = wait_until(served, 60, "the restarted flaky worker to serve", interval=0.05)
             assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hello there", r.text
             assert http.get("/health").json()["restarting"] == []
             assert 'omni_stage_restarting{model="flaky",stage="flaky"} 0.0' in http.get("/metrics").text

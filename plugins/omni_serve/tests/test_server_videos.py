@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from PIL import Image
-from serving import running
+
+from omni_kernel.testing import wait_until
+
+from serving import running, video_done
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
 
@@ -37,21 +39,11 @@ def http(server):
         yield c
 
 
-def _wait(http, vid: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = http.get(f"/v1/videos/{vid}").json()
-        if job["status"] in ("completed", "failed"):
-            return job
-        time.sleep(0.05)
-    raise AssertionError(f"video {vid} did not finish within {timeout}s: {job}")
-
-
 def test_a_data_url_image_through_the_bridge_renders_and_expires_after_the_ttl(server, http, tmp_path):
     url = "data:image/png;base64," + base64.b64encode(ASSET.read_bytes()).decode()
     r = http.post("/v1/videos", data={"prompt": "a lighthouse at dusk", "input_reference": url, **SMALL})
     assert r.status_code == 200, r.text
-    job = _wait(http, r.json()["id"])
+    job = video_done(http, r.json()["id"])
     assert job["status"] == "completed" and job["size"] == "64x96" and job["progress"] == 100
     assert job["expires_at"] == job["completed_at"] + int(TTL_S)
     content = http.get(f"/v1/videos/{job['id']}/content")
@@ -60,10 +52,8 @@ def test_a_data_url_image_through_the_bridge_renders_and_expires_after_the_ttl(s
     assert files, "the video is kept until the TTL"
     assert not (server.videos / ".uploads").exists() or not list((server.videos / ".uploads").iterdir())
 
-    deadline = time.monotonic() + TTL_S + 5  # the janitor looks every TTL/4
-    while http.get(f"/v1/videos/{job['id']}").status_code != 404 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert http.get(f"/v1/videos/{job['id']}").status_code == 404
+    wait_until(lambda: http.get(f"/v1/videos/{job['id']}").status_code == 404, TTL_S + 5,  # the janitor: every TTL/4
+               "the janitor to expire the video", interval=0.1)
     assert http.get(f"/v1/videos/{job['id']}/content").status_code == 404
     assert not any(f.exists() for f in files)
 
@@ -77,11 +67,11 @@ def test_an_image_that_breaks_after_its_header_fails_the_accepted_job_alone(serv
     r = http.post("/v1/videos", files={"input_reference": ("cut.png", truncated, "image/png")},
                   data={"prompt": "a fox", **SMALL})
     assert good.status_code == r.status_code == 200, r.text  # the downstream node checks only the header at submit
-    failed = _wait(http, r.json()["id"])
+    failed = video_done(http, r.json()["id"])
     assert failed["status"] == "failed" and failed["error"]["code"] == "bad_input", failed
     assert "image" in failed["error"]["message"]
     assert http.get(f"/v1/videos/{failed['id']}/content").status_code == 404
-    assert _wait(http, good.json()["id"])["status"] == "completed"  # its neighbour is untouched
+    assert video_done(http, good.json()["id"])["status"] == "completed"  # its neighbour is untouched
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     assert client.videos.retrieve(failed["id"]).status == "failed"  # the official client reads it, no raise
     assert http.get("/health").status_code == 200

@@ -7,10 +7,11 @@ import logging
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from omni_kernel import InvalidParameter, Omni, RequestFailed, RequestFinished, StageProgress
 from omni_kernel.request import StageInput
 from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
-from PIL import Image
 
 SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 5}
 # different prompts, images, seeds and guidance scales (all with CFG: one batch key)

@@ -9,6 +9,7 @@ import threading
 from contextlib import contextmanager
 
 import pytest
+
 from omni_kernel import RequestFailed, RequestFinished, StageProgress
 
 from wan_mp4 import read_mp4

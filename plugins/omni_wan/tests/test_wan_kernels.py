@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from omni_wan.cpu_vae import speed_up_cpu_vae
 from omni_wan.crossattn import CrossKV, num_pad
 from omni_wan.model import Text

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from omni_kernel.cli import main
 from omni_kernel.errors import ModelError
 
@@ -139,12 +140,33 @@ def test_failed_trace_write_removes_the_video(tiny_model, image_path, tmp_path, 
     assert "removed" in result.stderr and list(tmp_path.iterdir()) == []
 
 
-def test_good_run_after_the_corpus(tiny_model, image_path, tmp_path):
-    """The same process, after every refusal above, still renders (nothing was left half-done)."""
-    result = wan(tiny_model, image_path, *SMOKE, "--prompt", "x", "--output", str(tmp_path / "v.mp4"),
-                 "--trace-json", str(tmp_path / "t.json"))
+def test_good_run_after_refusals_in_the_same_process(tiny_model, image_path, sandbox, tmp_path, monkeypatch):
+    """After refusals of each sort the corpus covers (a bad value, a bad output path, a refused trace path, a
+    trace write that failed after the render), the same process still renders: nothing was left half-done.
+    Self-contained: it makes its own refusals rather than counting on the tests above having run first."""
+    import omni_kernel.cli_run as cli_run
+
+    for case in ("guidance nan", "output a FIFO", "trace-json a directory"):
+        build, code, expected = CLI_CASES[case]
+        assert_one_line(wan(tiny_model, image_path, *SMOKE, *build(sandbox)), code, expected)
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    with monkeypatch.context() as patch:
+        patch.setattr(cli_run, "write_json", full)
+        result = wan(tiny_model, image_path, *SMOKE, "--prompt", "x", "--output", str(failed / "v.mp4"),
+                     "--trace-json", str(failed / "t.json"))
+    assert_one_line(result, 1, "cannot write the trace")
+    assert list(failed.iterdir()) == []
+
+    good = tmp_path / "good"
+    good.mkdir()
+    result = wan(tiny_model, image_path, *SMOKE, "--prompt", "x", "--output", str(good / "v.mp4"),
+                 "--trace-json", str(good / "t.json"))
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "v.mp4"]
+    assert sorted(p.name for p in good.iterdir()) == ["t.json", "v.mp4"]
 
 
 # Signals: a subprocess that sends itself the signal while the MP4's temporary file exists (inside export).
@@ -155,7 +177,7 @@ SIGNAL_SCRIPT = textwrap.dedent("""
     def sync_then_signal(path):
         real(path)
         os.kill(os.getpid(), signum)
-        time.sleep(5)
+        time.sleep(5)  # parked: the handler ends the process here; only a lost signal would get past it
     video.sync_file = sync_then_signal
     from omni_kernel.cli import main
     sys.argv = ["omni"] + sys.argv[2:]

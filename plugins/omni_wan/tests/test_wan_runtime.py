@@ -7,9 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+
 from omni_kernel import RequestFailed, RequestFinished, StageProgress
 from omni_wan.images import open_image
 from omni_wan.presets import DEFAULT_NEGATIVE_PROMPT
+
 from wan_mp4 import read_mp4
 
 SMALL = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 3, "seed": 11}
@@ -178,9 +180,10 @@ def test_an_output_that_names_a_directory_is_refused_at_submit(omni, image_path,
 
 
 def test_a_portrait_image_gets_a_portrait_video(omni, tmp_path):
+    from PIL import Image
+
     from omni_kernel import StageInput
     from omni_wan.params import WanParams
-    from PIL import Image
 
     Image.new("RGB", (90, 160), "teal").save(tmp_path / "tall.png")
     stage = omni.graph.stages["wan"]

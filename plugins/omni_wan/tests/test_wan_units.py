@@ -15,6 +15,7 @@ from omni_wan.params import VAE_DTYPES, WanConfig, WanParams
 from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
 from omni_wan.presets import PRESETS, resolve
 from omni_wan.video import write_mp4
+
 from wan_mp4 import read_mp4
 
 LAYOUT = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)

@@ -13,8 +13,10 @@ import pytest
 from omni_kernel import Omni
 from omni_kernel.errors import InvalidParameter, ModelError, RequestError, StageUnavailable
 from omni_kernel.events import RequestFailed, RequestFinished
+from omni_kernel.testing import drain
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_workers import retry, run_all, step_until_held, within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
 
@@ -30,14 +32,6 @@ def ray():
         pytest.skip(f"a local Ray could not start on this machine: {type(exc).__name__}: {exc}")
     yield ray
     ray.shutdown()
-
-
-def run_all(omni, prompts) -> dict:
-    ids = [omni.submit(omni.request(p)) for p in prompts]
-    done = {}
-    while omni.has_unfinished():
-        done.update({e.request_id: e for e in omni.step() if isinstance(e, (RequestFinished, RequestFailed))})
-    return {rid: done[rid] for rid in ids}
 
 
 def test_ray_stages(ray):
@@ -79,8 +73,6 @@ def test_ray_build_error_is_typed(ray):
 def test_a_restarting_actor_stalls_no_step_and_fails_calls_at_once_when_told(ray, tmp_path):
     """The front's step does not wait for a restarted actor's build (a model load: here until the gate opens);
     with `wait_for_restarts` off a submit needing it raises StageUnavailable at once; then it serves again."""
-    from test_workers import drain, retry, within
-
     gate = tmp_path / "gate"
     with Omni("fake_slow", host=make_host(), placement="ray", fake_build_gate=str(gate)) as o:
         o.graph.workers.wait_for_restarts = False
@@ -100,8 +92,6 @@ def test_what_cannot_cross_to_or_from_an_actor_fails_its_own_request(ray):
     that could not be pickled ended the actor's stream or call, which the front took for the actor's death (every
     request of the stage failed and it restarted, the old actor left running), and the others hung or raised out
     of the front's step."""
-    from test_workers import within
-
     cases = {"an unsendable_output please": "stage 'render': its output could not be sent to the front",
              "an unreadable_output please": "stage 'render': its output could not be read from its Ray actor",
              "an unsendable_handoff please": "stage 'render': its input could not be sent to its Ray actor",
@@ -127,23 +117,16 @@ def test_an_actor_answers_a_concurrent_process_while_its_step_runs(ray, tmp_path
     """As with a worker process: `process` of a stage that may process beside a step (`concurrent_process`, as
     Wan's) is answered on Ray's thread at once, not after the step running now."""
     import threading
-    import time
 
     gate = tmp_path / "gate"
     with Omni("fake_video", host=make_host(), placement="ray") as o:
         held = o.submit(o.request(f"hold={gate} one"))
-        deadline = time.monotonic() + 30
-        while not gate.with_suffix(".started").exists():
-            assert time.monotonic() < deadline
-            o.step()
-            time.sleep(0.01)
+        step_until_held(o, gate, timeout=30)
         got: list = []
         caller = threading.Thread(target=lambda: got.append(o.submit(o.request("two words"))), daemon=True)
         caller.start()
         caller.join(10)
         assert not caller.is_alive() and not gate.exists(), "the submit waited for the step"
         gate.touch()
-        done = {}
-        while o.has_unfinished():
-            done.update({e.request_id: e.result.text for e in o.step() if isinstance(e, RequestFinished)})
+        done = {e.request_id: e.result.text for e in drain(o) if isinstance(e, RequestFinished)}
         assert done == {held: "rendered 2 words", got[0]: "rendered 2 words"}

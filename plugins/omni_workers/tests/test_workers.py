@@ -21,6 +21,7 @@ from omni_kernel.cli import main
 from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.placement import RunSettings, parse_placement
+from omni_kernel.testing import drain, wait_until
 from omni_workers.cores import host_cores
 from omni_workers.process_stage import ProcessStage
 
@@ -31,13 +32,23 @@ HERE = Path(__file__).parent
 
 
 def run_all(omni, prompts, **params) -> dict:
+    """Submit every prompt and step until done: {request id: its RequestFinished or RequestFailed}, in order."""
     ids = [omni.submit(omni.request(p, **params)) for p in prompts]
-    done = {}
-    while omni.has_unfinished():
-        for event in omni.step():
-            if isinstance(event, (RequestFinished, RequestFailed)):
-                done[event.request_id] = event
+    done = {e.request_id: e for e in drain(omni) if isinstance(e, (RequestFinished, RequestFailed))}
     return {rid: done[rid] for rid in ids}
+
+
+def step_until_held(o, gate: Path, timeout: float = 60) -> list:
+    """Step until a "hold=GATE" request's render step has started (it then waits until `gate` exists); returns
+    the events of the steps taken meanwhile."""
+    events = []
+
+    def started() -> bool:
+        events.extend(o.step())
+        return gate.with_suffix(".started").exists()
+
+    wait_until(started, timeout, f"the held render step to start ({gate.with_suffix('.started')})")
+    return events
 
 
 def alive(pid: int) -> bool:
@@ -110,11 +121,7 @@ def test_check_is_answered_while_a_downstream_step_runs(tmp_path):
     gate = tmp_path / "gate"
     with Omni("fake_slow", host=make_host(), placement="process") as o:
         held = o.submit(o.request(f"hold={gate} a"))
-        deadline = time.monotonic() + 60
-        events = []
-        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
-            events += o.step()
-        assert gate.with_suffix(".started").exists(), "the render step never started"
+        events = step_until_held(o, gate)
         submitted = []
         thread = threading.Thread(target=lambda: submitted.append(o.submit(o.request("next one please"))))
         thread.start()
@@ -123,8 +130,7 @@ def test_check_is_answered_while_a_downstream_step_runs(tmp_path):
         gate.touch()
         thread.join()
         assert answered and still_held  # the submit came back while the render step was still held
-        while o.has_unfinished():
-            events += o.step()
+        events += drain(o)
         finished = {e.request_id for e in events if isinstance(e, RequestFinished)}
         assert finished == {held, submitted[0]}
 
@@ -249,6 +255,9 @@ ORPHAN_SCRIPT = textwrap.dedent("""
     mode = sys.argv[1]
     if mode == "exit":
         sys.exit(0)  # no close(): the atexit hook stops the workers
+    while not o.step():  # until the first event: the workers are serving the request
+        pass
+    print("serving", flush=True)
     while True:
         o.step()
 """)
@@ -265,13 +274,10 @@ def test_no_worker_outlives_the_front(tmp_path, how):
         assert len(pids) == 2, front.stderr.read()
         assert all(alive(p) for p in pids)
         if how != "exit":
-            time.sleep(0.3)
+            assert front.stdout.readline().strip() == "serving", front.stderr.read()
             front.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
         front.wait(20)
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in pids), f"orphan workers after {how}"
+        wait_until(lambda: not any(alive(p) for p in pids), 10, f"the workers to exit after the front's {how}")
     finally:
         if front.poll() is None:
             front.kill()
@@ -314,7 +320,9 @@ def test_workers_built_from_a_thread_outlive_that_thread():
     thread.join(60)
     (omni,) = built
     with omni:
-        time.sleep(0.3)  # PR_SET_PDEATHSIG would have fired when the thread ended
+        # A window for the bug this guards against: PR_SET_PDEATHSIG would have fired when the thread ended, and
+        # the kill takes a moment to land. Nothing to wait for when the workers (rightly) stay.
+        time.sleep(0.3)
         assert omni.generate("still here").text == "rendered 2 words"
 
 
@@ -328,17 +336,12 @@ def test_shared_cores_the_only_busy_worker_steps_with_every_core(tmp_path):
     free = len(board().free)
     with Omni("fake_slow", host=make_host(sleep_ms=5), placement="process", worker_threads="shared") as o:
         first = o.submit(o.request(f"hold={gate} a", fake_steps=2))  # words alone, then render alone (held)
-        events = []
-        deadline = time.monotonic() + 60
-        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
-            events += o.step()
+        events = step_until_held(o, gate)
         second = o.submit(o.request("w " * 9 + "w"))  # words, while render's held step runs
-        while (sum(isinstance(e, TokenDelta) and e.request_id == second for e in events) < 10
-               and time.monotonic() < deadline):
-            events += o.step()
+        drain(o, on_step=events.extend,
+              until=lambda: sum(isinstance(e, TokenDelta) and e.request_id == second for e in events) >= 10)
         gate.touch()  # words has finished: render is alone again
-        while o.has_unfinished():
-            events += o.step()
+        events += drain(o)
         assert len(board().free) == free - 2
     assert len(board().free) == free  # the slots come back at close
     done = {e.request_id: e.result.trace for e in events if isinstance(e, RequestFinished)}
@@ -454,14 +457,7 @@ def test_close_fails_the_requests_its_workers_held_and_a_later_submit_says_it_wa
     rid = o.submit(o.request("x " * 30))
     o.step()
     o.close()
-
-    def drain():
-        events = []
-        while o.has_unfinished():
-            events += o.step()
-        return events
-
-    events = within(drain)
+    events = within(lambda: drain(o))
     assert not isinstance(events, Exception), events
     (failed,) = [e for e in events if isinstance(e, (RequestFinished, RequestFailed))]
     assert isinstance(failed, RequestFailed) and failed.request_id == rid and failed.node_id == "words", failed
@@ -470,21 +466,27 @@ def test_close_fails_the_requests_its_workers_held_and_a_later_submit_says_it_wa
         o.submit(o.request("after close"))
 
 
-def test_close_while_a_process_call_waits_on_a_busy_worker_fails_that_call_as_stopped(tmp_path):
+def test_close_while_a_process_call_waits_on_a_busy_worker_fails_that_call_as_stopped(tmp_path, monkeypatch):
     from omni_kernel.request import StageInput
 
     gate = tmp_path / "gate"
     o = Omni("fake_slow", host=make_host(), placement="process")
     try:
         o.submit(o.request(f"hold={gate} a"))
-        deadline = time.monotonic() + 60
-        while not gate.with_suffix(".started").exists() and time.monotonic() < deadline:
-            o.step()
+        step_until_held(o, gate)
         render = o.graph.stages["render"]
+        sent, send = threading.Event(), render._send  # a close before the call is sent fails it without a wait
+
+        def spy(message):
+            send(message)
+            if message[0] == "process":
+                sent.set()
+
+        monkeypatch.setattr(render, "_send", spy)
         calls = []
         caller = threading.Thread(target=lambda: calls.append(within(lambda: render.process(StageInput("r2", "a b")))))
         caller.start()  # answered between two steps: it waits for the held one
-        time.sleep(0.3)
+        assert sent.wait(30), "the process call was never sent"
         o.close()
         caller.join(60)
         (got,) = calls
@@ -521,10 +523,9 @@ def test_a_worker_that_cannot_be_restarted_leaves_its_stage_dead_with_the_reason
 
         monkeypatch.setattr(spawn_module, "launch", no_fds)
         os.kill(words.proc.pid, signal.SIGKILL)
-        done = {}
-        deadline = time.monotonic() + 30
-        while o.has_unfinished() and time.monotonic() < deadline:
-            done.update({e.request_id: e for e in o.step() if isinstance(e, (RequestFinished, RequestFailed))})
+        events = within(lambda: drain(o))
+        assert not isinstance(events, Exception), events
+        done = {e.request_id: e for e in events if isinstance(e, (RequestFinished, RequestFailed))}
         assert isinstance(done[victim], RequestFailed) and "stage 'words'" in done[victim].error
         with pytest.raises(EngineDead, match="stage 'words'.*could not be restarted.*Too many open files"):
             o.submit(o.request("hello"))
@@ -537,10 +538,13 @@ def killed_while_gated(o, node_id: str, gate: Path) -> ProcessStage:
     dead = stage.proc.pid
     gate.touch()
     os.kill(dead, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while stage.proc.pid == dead and time.monotonic() < deadline:
+
+    def restarted() -> bool:
         o.step() if o.has_unfinished() else o.graph.watch(0.05)
-    assert stage.proc.pid != dead and not stage.ready
+        return stage.proc.pid != dead
+
+    wait_until(restarted, 30, f"the front to notice that {node_id}'s worker died and start another")
+    assert not stage.ready
     return stage
 
 
@@ -585,32 +589,24 @@ def test_a_script_waits_for_a_restarting_worker(tmp_path):
         outcome = []
         caller = threading.Thread(target=lambda: outcome.append(within(lambda: o.generate("waited for it").text)))
         caller.start()
-        time.sleep(0.5)
+        time.sleep(0.5)  # a window in which a submit that did not wait would have answered (or failed)
         assert caller.is_alive() and not outcome  # waiting for the build
         gate.unlink()
         caller.join(40)
         assert outcome == ["rendered 3 words"]
 
 
-def drain(o) -> list:
-    events = []
-    while o.has_unfinished():
-        events += o.step()
-    return events
-
-
 def retry(fn, timeout: float = 30.0):
     """fn() again while it raises StageUnavailable (a worker still restarting), as a client would."""
     from omni_kernel.errors import StageUnavailable
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def attempt() -> tuple | None:
         try:
-            return fn()
+            return (fn(),)
         except StageUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return None
+
+    return wait_until(attempt, timeout, "the restarting stage to serve again", interval=0.05)[0]
 
 
 def test_what_the_front_cannot_read_fails_its_own_request_and_the_stage_serves_on():
@@ -690,11 +686,7 @@ def test_a_stage_that_may_process_beside_a_step_answers_a_submit_while_its_step_
     gate = tmp_path / "gate"
     with Omni("fake_video", host=make_host(), placement="process") as o:
         held = o.submit(o.request(f"hold={gate} one"))
-        deadline = time.monotonic() + 30
-        while not gate.with_suffix(".started").exists():  # its step now waits for the gate
-            assert time.monotonic() < deadline
-            o.step()
-            time.sleep(0.01)
+        step_until_held(o, gate, timeout=30)  # its step now waits for the gate
         second = within(lambda: o.submit(o.request("two words")), timeout=10)
         assert isinstance(second, str) and not gate.exists(), second  # answered while the step still waits
         gate.touch()

@@ -39,6 +39,7 @@ from omni_kernel.registry import NodeType
 from omni_kernel.request import StageInput, StageOutput
 from omni_kernel.scheduler import StepScheduler
 from omni_kernel.stage import Outputs, Stage
+from omni_kernel.testing import wait_until
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads
 from omni_workers.transport import Spilled
@@ -80,9 +81,7 @@ class SleepyRunner:
                 if word.startswith("hold="):
                     gate = Path(word[5:])
                     gate.with_suffix(".started").touch()
-                    deadline = time.monotonic() + 120
-                    while not gate.exists() and time.monotonic() < deadline:
-                        time.sleep(0.01)
+                    wait_until(gate.exists, 120, f"the test to open the gate {gate}")
         out = {}
         for job, step in zip(batch.records, batch.steps):
             item = job.item
@@ -185,10 +184,10 @@ def _sleep(node: NodeSpec) -> float:
 
 
 def _load(config: FakeConfig) -> None:
-    """A model load as long as the test wants: while the gate file exists (at most 60 s)."""
-    deadline = time.monotonic() + 60
-    while config.fake_build_gate and os.path.exists(config.fake_build_gate) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    """A model load as long as the test wants: while the gate file exists (a failed build after 60 s)."""
+    if config.fake_build_gate:
+        wait_until(lambda: not os.path.exists(config.fake_build_gate), 60,
+                   f"the test to remove the build gate {config.fake_build_gate}", interval=0.02)
 
 
 def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
