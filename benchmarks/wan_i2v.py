@@ -44,6 +44,7 @@ def main() -> None:
     import numpy as np
     import torch
     from omni_hf import quiet_hf_load
+
     from omni_kernel import Omni
     from omni_wan.demo import build_tiny_checkpoint
     from omni_wan.images import open_image

@@ -14,7 +14,8 @@ from .stage import Stage
 
 __version__ = "0.1.0"
 
-__all__ = ["STOP_REASONS", "TRUNCATED_STOP_REASONS", "Stage", "StageStats", "StopReason", "ARParams", "EdgeSpec", "GraphError", "InputError", "InvalidParameter", "ModelError", "NodeSpec",
+__all__ = ["ARParams", "EdgeSpec", "GraphError", "InputError", "InvalidParameter", "ModelError", "NodeSpec",
            "NodeType", "Omni", "OmniError", "PipelinePlan", "Request", "RequestError", "RequestFailed",
-           "RequestFinished", "RequestOutput", "RequestResult", "StageFailed", "StageFinished", "StageGraph",
-           "StageInput", "StageOutput", "StageProgress", "TokenDelta", "UserError", "hookimpl", "option"]
+           "RequestFinished", "RequestOutput", "RequestResult", "STOP_REASONS", "Stage", "StageFailed",
+           "StageFinished", "StageGraph", "StageInput", "StageOutput", "StageProgress", "StageStats", "StopReason",
+           "TRUNCATED_STOP_REASONS", "TokenDelta", "UserError", "hookimpl", "option"]

@@ -1,9 +1,9 @@
 """Engine: a Scheduler plus a model runner. step() = schedule -> run -> update.
 
 The scheduler owns every request's progress and record and decides when it is finished; the model runner keeps
-its per-request state in the record's `state` slot and returns one result per request (a sampled token, denoised latents) or an exception for a request that failed alone. An
-exception from the runner fails that step's batch; one from the scheduler leaves it inconsistent, so the
-engine is marked dead and fails everything it holds.
+its per-request state in the record's `state` slot and returns one result per request (a sampled token, denoised
+latents) or an exception for a request that failed alone. An exception from the runner fails that step's batch;
+one from the scheduler leaves it inconsistent, so the engine is marked dead and fails everything it holds.
 """
 
 from __future__ import annotations

@@ -7,8 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_bridge import FALLBACK_REASONS, ARToDiffusionConnector, merge_prompt
-from omni_kernel import TRUNCATED_STOP_REASONS
-from omni_kernel import Request, StageOutput
+from omni_kernel import TRUNCATED_STOP_REASONS, Request, StageOutput
 
 CONNECTOR = ARToDiffusionConnector()
 

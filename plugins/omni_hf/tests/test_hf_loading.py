@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from omni_hf import DTYPE_NAMES, ModelPool, quiet_hf_load, resolve_device, torch_dtype
+
 from omni_kernel.errors import InvalidParameter, ModelError
 
 torch.set_num_threads(1)

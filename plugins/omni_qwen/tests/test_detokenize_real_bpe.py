@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omni_kernel.ar_scheduler import ARScheduler
+from omni_kernel.kv_blocks import BlockManager
 from omni_kernel.request import StageInput
 from omni_qwen.config import ARNodeSettings, QwenParams
 from omni_qwen.detokenize import REPLACEMENT, IncrementalDetokenizer
 from omni_qwen.inputs import ARInputProcessor
 from omni_qwen.model import CausalLM
-from omni_kernel.ar_scheduler import ARScheduler
-from omni_kernel.kv_blocks import BlockManager
 from omni_qwen.outputs import AROutputProcessor
 
 TEXTS = {

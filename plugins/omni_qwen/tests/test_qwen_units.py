@@ -102,6 +102,7 @@ def test_node_policy_is_checked():
 
 def test_config_reads_sizes_and_defaults():
     from omni_hf import torch_dtype
+
     from omni_qwen.config import DEFAULT_KV_TOKENS, DTYPE_NAMES, ARNodeSettings, parse_bytes
 
     assert DTYPE_NAMES and all(torch_dtype(name) in (None, torch.float32, torch.bfloat16, torch.float16)

@@ -120,15 +120,11 @@ def test_metrics_report_the_ar_workers_own_kv_blocks_and_requests(server, omni_c
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert any(next(lines).startswith("data: ") for _ in range(6))
-            deadline = time.monotonic() + 20
-            while not stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate"):
-                assert time.monotonic() < deadline, http.get("/metrics").text
-                time.sleep(0.05)
+            wait_until(lambda: stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate"), 20,
+                       "the worker's stats to show the streaming request's KV blocks", interval=0.05)
             assert stage_metric(http, "omni_requests_running", "ar_text", "generate") == 1
             assert stage_metric(http, "omni_requests_waiting", "ar_text", "generate") == 0
-        deadline = time.monotonic() + 20
-        while (stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate")
-               or stage_metric(http, "omni_requests_running", "ar_text", "generate")):
-            assert time.monotonic() < deadline, http.get("/metrics").text
-            time.sleep(0.05)
+        wait_until(lambda: not (stage_metric(http, "omni_kv_blocks_used", "ar_text", "generate")
+                                or stage_metric(http, "omni_requests_running", "ar_text", "generate")), 20,
+                   "the KV blocks and the request to be freed", interval=0.05)
         assert stage_metric(http, "omni_kv_blocks_total", "ar_text", "generate") == expected

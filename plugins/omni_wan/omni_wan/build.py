@@ -46,7 +46,8 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
         cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget,
         phase_order=("export", "decode", "prepare", "denoise"))
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
-    summary = f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise step ({why})"
+    summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
+               f"step ({why})")
     return Stage(node, "diffusion", WanInputProcessor(layout, default_preset), Engine(scheduler, runner),
                  WanOutputProcessor(node.id, model_trace), summary)
 

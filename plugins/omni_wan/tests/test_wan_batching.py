@@ -156,11 +156,11 @@ def test_batching_config_is_validated():
 
 
 def test_latent_tokens_and_the_cpu_default_budget():
+    from omni_wan.build import CPU_TOKEN_BUDGET, latent_tokens, token_budget
     from omni_wan.device import place
     from omni_wan.layout import ModelLayout
     from omni_wan.params import WanConfig
     from omni_wan.presets import Settings
-    from omni_wan.build import CPU_TOKEN_BUDGET, latent_tokens, token_budget
 
     layout = ModelLayout(path=None, spatial_multiple=32, temporal_factor=4)
     quality = Settings(preset="quality", height=704, width=1280, num_frames=121, steps=50, guidance_scale=5.0,

@@ -1,7 +1,7 @@
 """Export off the engine step (the default with a GPU, turned on here on the CPU): a finished video is encoded on
 the runner's export thread while the other requests denoise; the scheduler holds the request until its MP4 is
-written, the stage blocks in `wait` (not `step`) on it, fails a request whose export fails alone, and leaves no MP4 for a request aborted
-during its export. On a CPU the export runs in its step."""
+written, the stage blocks in `wait` (not `step`) on it, fails a request whose export fails alone, and leaves no
+MP4 for a request aborted during its export. On a CPU the export runs in its step."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from omni_hf import DTYPE_NAMES
+
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.params import ARParams, options_of
 from omni_wan.device import place

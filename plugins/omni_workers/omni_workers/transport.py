@@ -90,9 +90,10 @@ def _unspill(value):
 
 
 def pack(message, node_id: str):
-    """An `events` message is (events, the stage's StageStats or None when unchanged). Each event (with its request id) and a call's answer pickled on their own, so one that cannot be pickled
-    here (an output holding a lock) or unpickled in the front (a class only the worker has) fails its own request
-    or call, and the message around it always crosses."""
+    """An `events` message is (events, the stage's StageStats or None when unchanged). Each event (with its
+    request id) and a call's answer are pickled on their own, so one that cannot be pickled here (an output
+    holding a lock) or unpickled in the front (a class only the worker has) fails its own request or call, and
+    the message around it always crosses."""
     if message[0] == "reply":
         _, call_id, ok, value = message
         return ("reply", call_id, *pack_answer(ok, value, node_id))

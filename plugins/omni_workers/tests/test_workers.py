@@ -704,7 +704,8 @@ def test_the_proxies_keep_the_closed_stage_contract():
     from omni_workers.ray_stage import RayStage
 
     def params(function):
-        return [(p.name, p.kind, p.default is p.empty) for p in list(inspect.signature(function).parameters.values())[1:]]
+        parameters = list(inspect.signature(function).parameters.values())[1:]
+        return [(p.name, p.kind, p.default is p.empty) for p in parameters]
 
     for cls in (ProcessStage, RayStage):
         for name in (n for n, v in vars(protocols.Stage).items() if callable(v) and not n.startswith("_")):
