@@ -12,7 +12,7 @@ On the demo-size checkpoint built locally (random weights), one JSON line with:
   is 3 steps in, against each one's solo run, with offload off (`max_abs_diff` per request);
 - `t2v`, `mixed_batch`: text-to-video and a batch mixing it with image-to-video: "not built yet" (no wan_t2v).
 
-    HF_HUB_OFFLINE=1 python benchmarks/gpu_check.py [--device cpu]    # cpu: a dry run of the same code
+    HF_HUB_OFFLINE=1 python benchmarks/gpu_check.py [--device cpu]    # cpu: a dry run of the same code, 4 steps
 
 scripts/device_check.sh runs it on the device machine. The figures are reported, not judged: the thresholds of a
 GPU test come from them.
@@ -39,6 +39,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     args = parser.parse_args()
+    if args.device == "cpu":  # the dry run: the same requests with fewer steps (c still joins a batch mid-way)
+        REQUEST["num_inference_steps"] = 4
     import torch
     from omni_kernel import Omni
     from omni_wan.demo import build_tiny_checkpoint

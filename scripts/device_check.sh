@@ -47,10 +47,10 @@ start=$(date +%s)
     if [ $INSTALL = 1 ]; then
         $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl 2>&1 | tail -3
+        export PYTHONPATH=/tmp/site  # the carried setuptools builds this tree's distributions
         $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
             --target /tmp/site . plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve \
             plugins/omni_workers 2>&1 | tail -3
-        export PYTHONPATH=/tmp/site
     fi
     echo "install: $(($(date +%s) - start))s; device $DEVICE"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -74,14 +74,14 @@ part() {
     echo "$name: exit $rc after $(($(date +%s) - t0))s"
 }
 MODEL_ARG="" SERVE_S=115 AR_S=125
-[ "$DEVICE" = cpu ] && SERVE_S=130 AR_S=270
+[ "$DEVICE" = cpu ] && SERVE_S=160 AR_S=270
 [ -n "$AR_MODEL" ] && MODEL_ARG="--ar-model $AR_MODEL"
 part ar 140 300 benchmarks/gpu_ar_check.py --device "$DEVICE" --budget-s $AR_S $MODEL_ARG
-part serve 130 150 benchmarks/gpu_serve_check.py --device "$DEVICE" --budget-s $SERVE_S $MODEL_ARG
-part wan 100 150 benchmarks/gpu_check.py --device "$DEVICE"
+part serve 130 180 benchmarks/gpu_serve_check.py --device "$DEVICE" --budget-s $SERVE_S $MODEL_ARG
+part wan 100 240 benchmarks/gpu_check.py --device "$DEVICE"
 if [ "$DEVICE" = cpu ]; then
-    part wan_batching 70 120 benchmarks/wan_batching.py --device cpu --steps 6 --rounds 1 --large-rounds 0 \
-        --height 64 --width 64 --num-frames 9 --requests 4
+    part wan_batching 70 200 benchmarks/wan_batching.py --device cpu --steps 3 --rounds 1 --large-rounds 0 \
+        --height 32 --width 32 --num-frames 5 --requests 2
 else
     part wan_batching 70 120 benchmarks/wan_batching.py --device cuda --rounds 1 --large-rounds 1
 fi

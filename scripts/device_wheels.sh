@@ -8,7 +8,8 @@
 # - no diffusers, imageio-ffmpeg (0.6.0: its ffmpeg is half the size of 0.8's), ftfy (+ wcwidth);
 # - no fastapi, starlette, pydantic (+ core, annotated-types, typing-inspection), opentelemetry-api, uvicorn,
 #   python-multipart (omni_serve), nor openai (+ httpx2, httpcore2, truststore, jiter, sniffio): the serve check;
-# - typing-extensions, anyio, h11, idna and prometheus-client of unknown versions: the ones tested here travel.
+# - typing-extensions, anyio, h11, idna and prometheus-client of unknown versions: the ones tested here travel;
+# - setuptools of an unknown version builds this tree's distributions there: the one that builds them here travels.
 # The tree that travels is at most 64 MiB with carried paths: the total is printed and checked (56 MiB at most).
 set -eu
 cd "$(dirname "$0")/.."
@@ -21,7 +22,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
     typing-inspection==0.4.5 typing-extensions==4.16.0 opentelemetry-api==1.45.2 uvicorn==0.54.0 \
     python-multipart==0.0.34 prometheus-client==0.26.0 anyio==4.16.0 h11==0.16.0 idna==3.20 \
-    openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
+    openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1 \
+    setuptools==84.2.1
 ls -l .whl
 wheels=$(du -sk .whl | cut -f1)
 tree=$(git ls-files -z | xargs -0 du -ck | tail -1 | cut -f1)
