@@ -203,7 +203,7 @@ def throughput(path: Path, device: str, quick: bool, rounds: int, deadline: floa
                "hf_sequential": lambda: hf_sequential(model, reqs[:2 if quick else 4]),
                "hf_static": lambda: hf_static(model, reqs)}
     tok_s: dict[str, list] = {name: [] for name in systems}
-    details, done = {}, 0
+    details, done, last = {}, 0, 0.0
     for r in range(rounds):
         began = time.monotonic()
         if r and began + last > deadline:

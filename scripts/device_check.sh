@@ -18,7 +18,7 @@
 # The AR model is a random-weight checkpoint of SmolLM2-135M-Instruct's shape built there with a fixed seed
 # (Qwen2ForCausalLM, which the paged engine serves; gpu_ar_check.py --arch llama for LlamaForCausalLM). The real
 # SmolLM2 weights do not travel: the registry's GGUF is 98 MB and the bf16 safetensors 269 MB, and the tree that
-# travels is at most 64 MiB with the wheels (about 54). --ar-model DIR uses a real directory where one exists.
+# travels is at most 64 MiB with the wheels (55 with them). --ar-model DIR uses a real directory where one exists.
 #
 # Options: --device cuda|cpu (cpu: a dry run, smaller sizes and timeouts), --no-install (use the current Python
 # environment instead of installing .whl/ and this tree under /tmp/site; implied by --device cpu),
