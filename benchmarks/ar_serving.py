@@ -77,20 +77,22 @@ def ensure_checkpoint(layers: int) -> Path:
     return path
 
 
-def workload(n: int, prompt_range, output_range, seed: int = 0):
+def workload(n: int, prompt_range, output_range, seed: int = 0, vocab: int = 150000):
     rng = random.Random(seed)
-    return [([rng.randrange(1000, 150000) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
+    return [([rng.randrange(1000, vocab) for _ in range(rng.randint(*prompt_range))], rng.randint(*output_range))
             for _ in range(n)]
 
 
 def hf_generate(model, batch):
-    """Left-padded greedy generate over a batch of (prompt, max_tokens); returns the useful output tokens."""
+    """Left-padded greedy generate over a batch of (prompt, max_tokens) on the model's device; returns the useful
+    output tokens."""
     width = max(len(p) for p, _ in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for row, (prompt, _) in enumerate(batch):
         ids[row, width - len(prompt):] = torch.tensor(prompt)
         mask[row, width - len(prompt):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     with torch.inference_mode():
         model.generate(ids, attention_mask=mask, max_new_tokens=max(m for _, m in batch), min_new_tokens=1,
                        do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -138,11 +140,11 @@ def hf_continuous(model, reqs) -> float | None:
 class Runtime:
     """Omni("ar_text") instances over one plugin host, so the model loads once and each keeps its own pool."""
 
-    def __init__(self, path: Path):
-        self.host, self.path = load_host(), path
+    def __init__(self, path: Path, device: str = "cpu", dtype: str = "bf16"):
+        self.host, self.path, self.device, self.dtype = load_host(), path, device, dtype
 
     def omni(self, kv_memory: str = "1GiB", caching: bool = True, budget: int = 512, seqs: int = 64) -> Omni:
-        return Omni("ar_text", host=self.host, ar_model=str(self.path), ar_dtype="bf16", ar_device="cpu",
+        return Omni("ar_text", host=self.host, ar_model=str(self.path), ar_dtype=self.dtype, ar_device=self.device,
                     ar_kv_backend="paged", ar_kv_memory=kv_memory, ar_prefix_caching=caching,
                     ar_max_num_batched_tokens=budget, ar_max_num_seqs=seqs)
 

@@ -20,10 +20,12 @@ from omni_kernel.events import StageFailed, StageFinished
 
 @attrs.frozen
 class Spilled:
-    """An array of StageOutput.data written to a .npy file; `torch` says to hand it back as a torch tensor."""
+    """An array of StageOutput.data written to a .npy file; `torch` says to hand it back as a torch tensor, in
+    `torch_dtype` when numpy has no such dtype (bfloat16 crosses as float32, which holds it exactly)."""
 
     path: str
     torch: bool = False
+    torch_dtype: str | None = None
 
 
 def spill(events: list, spill_dir: str | None) -> list:
@@ -47,16 +49,19 @@ def _spill(value, spill_dir: str):
     if module == "numpy" and hasattr(value, "dtype") and hasattr(value, "shape"):
         return _save(value, spill_dir, False)
     if module.startswith("torch") and hasattr(value, "detach"):
-        return _save(value.detach().cpu().numpy(), spill_dir, True)
+        tensor = value.detach().cpu()
+        if str(tensor.dtype) == "torch.bfloat16":  # .numpy() refuses bfloat16 (a GPU stage's usual dtype)
+            return _save(tensor.float().numpy(), spill_dir, True, "bfloat16")
+        return _save(tensor.numpy(), spill_dir, True)
     return value
 
 
-def _save(array, spill_dir: str, torch: bool) -> Spilled:
+def _save(array, spill_dir: str, torch: bool, torch_dtype: str | None = None) -> Spilled:
     import numpy as np
 
     path = os.path.join(spill_dir, f"{uuid.uuid4().hex}.npy")
     np.save(path, array, allow_pickle=False)
-    return Spilled(path, torch)
+    return Spilled(path, torch, torch_dtype)
 
 
 def unspill(event):
@@ -84,7 +89,8 @@ def _unspill(value):
         if value.torch:
             import torch
 
-            return torch.from_numpy(array)
+            tensor = torch.from_numpy(array)
+            return tensor.to(getattr(torch, value.torch_dtype)) if value.torch_dtype else tensor
         return array
     return value
 

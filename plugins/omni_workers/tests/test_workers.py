@@ -195,6 +195,18 @@ def test_numpy_outputs_cross_through_a_file():
     assert not spill.exists()
 
 
+def test_torch_outputs_cross_in_their_dtype_bfloat16_included(tmp_path):
+    """numpy has no bfloat16 (a GPU stage's dtype): such a tensor crosses as float32 and comes back bfloat16."""
+    torch = pytest.importorskip("torch")
+    from omni_workers.transport import _spill, _unspill
+
+    data = {"latents": torch.randn(2, 3).to(torch.bfloat16), "ids": [torch.arange(4)]}
+    back = _unspill(_spill(data, str(tmp_path)))
+    assert back["latents"].dtype == torch.bfloat16 and torch.equal(back["latents"], data["latents"])
+    assert back["ids"][0].dtype == torch.int64 and torch.equal(back["ids"][0], data["ids"][0])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_placement_settings():
     assert parse_placement("process") == ("process", {})
     assert parse_placement("inproc,render=process") == ("inproc", {"render": "process"})
