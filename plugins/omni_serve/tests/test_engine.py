@@ -61,6 +61,8 @@ def test_user_error_raises_at_submit_and_nothing_stays_in_flight(engine):
 
 def test_idle_engine_blocks_instead_of_spinning(engine):
     asyncio.run(_run(engine, "echo", "one two"))
+    # the caller has its events before the engine thread publishes the snapshot of that last step
+    wait_until(lambda: engine.snapshot.in_flight == 0, 5, "the snapshot of the request's last step")
     before = engine.snapshot.steps
     time.sleep(0.3)  # the window in which a spinning loop would step: the subject of this test
     assert engine.snapshot.steps == before
