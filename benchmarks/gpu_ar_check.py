@@ -132,8 +132,8 @@ class PoolLine(logging.Handler):
 def greedy(path: Path, device: str, dtype: str, backend: str, max_tokens: int, pool: PoolLine) -> dict:
     """Four prompts served together through the runtime, each against HF generate alone, same model."""
     import torch
-
     from ar_serving import hf_model_of
+
     from omni_kernel import Omni, RequestFailed, RequestFinished
     from omni_kernel.plugins import load_host
 

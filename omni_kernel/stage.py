@@ -50,7 +50,7 @@ class Outputs:
 
 
 class Stage:
-    """`summary` (the stage's engine and limits in one line) is logged when its first request arrives."""
+    """`summary` (the stage's engine and limits in one line) is logged when it first steps."""
 
     def __init__(self, node: NodeSpec, kind: str, inputs: InputProcessor | None, engine: Engine,
                  outputs: OutputProcessor | None = None, summary: str = ""):
@@ -76,9 +76,6 @@ class Stage:
         return self.inputs.process(item)
 
     def add_request(self, item: StageInput) -> None:
-        if self.summary:
-            log.info("%s", self.summary)
-            self.summary = ""
         record = self.engine.add_request(item)
         if record is not None:
             self.outputs.add(record)
@@ -87,6 +84,9 @@ class Stage:
         self.add_request(self.process(item))
 
     def step(self) -> list:
+        if self.summary:
+            log.info("%s", self.summary)
+            self.summary = ""
         events, stops = self.outputs.process(self.engine.step())
         for request_id in stops:
             self.engine.abort(request_id)

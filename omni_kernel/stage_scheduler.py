@@ -32,17 +32,14 @@ class InFlight:
     start: float = attrs.Factory(time.perf_counter)
 
 
-def step_stage(stage) -> list:
-    """One step of a stage, isolated: a stage whose step raises fails (and drops) the requests it holds, not the
-    loop that steps it (the StageScheduler here, a stage worker's loop in omni_workers)."""
-    try:
-        return stage.step()
-    except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
-        log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
-        held = sorted(stage.request_ids())
-        for rid in held:
-            stage.abort(rid)
-        return [StageFailed.of(rid, stage.node_id, exc) for rid in held]
+def fail_stage(stage, exc: Exception) -> list:
+    """A stage whose step raised fails (and drops) the requests it holds, not the loop that steps it (the
+    StageScheduler here, a stage worker's loop in omni_workers): their StageFailed events."""
+    log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
+    held = sorted(stage.request_ids())
+    for rid in held:
+        stage.abort(rid)
+    return [StageFailed.of(rid, stage.node_id, exc) for rid in held]
 
 
 class StageScheduler:
@@ -107,7 +104,12 @@ class StageScheduler:
         # upstream events (its last text) reach the caller before the downstream stage's first work.
         busy = [node_id for node_id in self.graph.order if self.graph.stages[node_id].has_unfinished()]
         for node_id in busy:
-            for event in step_stage(self.graph.stages[node_id]):
+            stage = self.graph.stages[node_id]
+            try:
+                stage_events = stage.step()
+            except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
+                stage_events = fail_stage(stage, exc)
+            for event in stage_events:
                 events.extend(self._route(node_id, event))
         return events
 

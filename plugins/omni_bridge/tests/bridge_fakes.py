@@ -139,7 +139,8 @@ class FakeModels:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        types = [NodeType("ar.prompt_bridge", "ar", self._ar, config=FakeARConfig, params=ARParams),
+        types = [NodeType("ar.prompt_bridge", "ar", self._ar, config=FakeARConfig, params=ARParams,
+                          output_contract="supplemental_guidance"),
                  NodeType("diffusion.wan22_i2v", "diffusion", self._wan, config=FakeWanConfig, params=FakeWanParams,
                           inputs={"image"})]
         for node_type in types:

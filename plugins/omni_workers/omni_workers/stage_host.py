@@ -23,7 +23,7 @@ from omni_kernel.errors import PluginError
 from omni_kernel.events import StageFailed
 from omni_kernel.graph import NodeSpec
 from omni_kernel.request import StageInput, StageStats
-from omni_kernel.stage_scheduler import step_stage
+from omni_kernel.stage_scheduler import fail_stage
 
 from .cores import SHARED, set_threads
 
@@ -152,7 +152,10 @@ class StageHost:
         self.stage.abort(request_id)
 
     def step(self) -> list:
-        return step_stage(self.stage)
+        try:
+            return self.stage.step()
+        except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the worker
+            return fail_stage(self.stage, exc)
 
     def new_stats(self) -> StageStats | None:
         """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""
