@@ -65,7 +65,7 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
     try:
         for i, (prompt, extra) in enumerate(prompts):
             streams.append(await served.engine.open(name, prompt, request_id=rid if len(prompts) == 1 else
-                                                    f"{rid}-{i}", **params, **extra))
+                                                    f"{rid}-{i}", **{**params, **extra}))
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer; the prompts already in go away
         for stream in streams:
             await stream.aclose()

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import openai
-import pytest
-
 import openai_spec
+import pytest
 from openai_spec import validate
+
 from serving import ServerProcess, video_done
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
@@ -209,9 +209,14 @@ def test_videos_conform_multipart_and_json(http, client):
             "num_inference_steps": 2, "seed": 3, "input_reference": {"image_url": DATA_URL}}
     from_json = ok(http.post("/videos", json=body), "/videos")
     assert from_json["prompt"] == body["prompt"] and from_json["size"] == "64x96"
+    # openai 3.57 refuses a typed `input_reference={"image_url": ...}` itself, before sending (it takes only files
+    # there: "Expected entry at `input_reference` to be bytes ..."); through extra_body the same object goes out
+    # in its multipart form as `input_reference[image_url]`.
+    with pytest.raises(RuntimeError, match="input_reference"):
+        client.videos.create(model="wan_i2v", prompt="a", input_reference={"image_url": DATA_URL})
     sdk = client.videos.create(model="wan_i2v", prompt="a lighthouse, from the air", size="64x96",
-                               input_reference={"image_url": DATA_URL},
-                               extra_body={"num_frames": 5, "num_inference_steps": 2, "seed": 3})
+                               extra_body={"input_reference": {"image_url": DATA_URL}, "num_frames": 5,
+                                           "num_inference_steps": 2, "seed": 3})
     assert sdk.prompt == "a lighthouse, from the air"
     for job in (made, from_json, sdk.model_dump()):
         done = video_done(httpx.Client(base_url=str(http.base_url).removesuffix("/v1/")), job["id"])
@@ -260,14 +265,14 @@ def test_schemathesis_over_the_published_document(server):
 
         @seed(22)
         @given(case=operation.as_strategy())
-        @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+        @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck), database=None,
                   derandomize=False)
         def run(case):
             if isinstance(case.body, dict):
                 case.body.update(FORCED.get(case.path, {}))
             response = case.call(base_url=server.url + "/v1", headers={"Authorization": "Bearer unused"},
                                  timeout=60)
-            answered.setdefault(key, set()).add(response.status_code)
+            answered.setdefault((case.method.upper(), case.path), set()).add(response.status_code)
             case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
 
         run()
