@@ -230,7 +230,7 @@ def hf_cache_layout(tokenizer_dir: Path, home: Path, name: str) -> None:
     snapshot.mkdir(parents=True)
     for file in tokenizer_dir.iterdir():
         if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens"))
-                               or file.name in ("config.json", "chat_template.jinja")):
+                               or file.name == "chat_template.jinja"):  # no config.json: keep its own class
             shutil.copy(file, snapshot / file.name)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("local")
@@ -244,7 +244,8 @@ def server_generated_tokens(url: str, model: str) -> float:
     return 0.0
 
 
-def aiperf_run(exe: Path, url: str, model: str, tokenizer_dir: Path, n: int, isl: int, osl: int, logs: Path) -> dict:
+def aiperf_run(exe: Path, url: str, model: str, tokenizer_dir: Path, n: int, isl: int, osl: int, logs: Path,
+               server_counts: bool = True) -> dict:
     """aiperf (NVIDIA's load client, a third party) against omni serve's /v1/completions, streamed: n requests at
     concurrency n, prompts of `isl` tokens, `osl` new tokens each (EOS ignored). Its TTFT / ITL / latency
     percentiles and throughput, with its completion-token count beside the server's."""
@@ -258,6 +259,8 @@ def aiperf_run(exe: Path, url: str, model: str, tokenizer_dir: Path, n: int, isl
             "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
             "--extra-inputs", '{"ignore_eos": true, "temperature": 0}', "--random-seed", "0",
             "--artifact-dir", str(artifacts), "--ui-type", "none", "--no-server-metrics"]
+    if server_counts:  # its ITL and throughput from the tokens generated, not from re-tokenized text
+        argv.append("--use-server-token-count")
     env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     started = time.perf_counter()
     with open(logs / "aiperf.log", "wb") as log:
@@ -306,6 +309,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
     parser.add_argument("--aiperf", metavar="PATH", help="also run aiperf 0.13.0 (this `aiperf` command, or the venv "
                         "holding it) against omni serve and report its TTFT / ITL / throughput percentiles")
+    parser.add_argument("--aiperf-client-tokens", action="store_true", help="let aiperf count output tokens by "
+                        "re-tokenizing the text (its default) instead of reading the server's usage")
     parser.add_argument("--aiperf-requests", type=int, default=0, help="aiperf's request count (default: --quick's "
                         "or the full workload's)")
     args = parser.parse_args()
@@ -374,7 +379,8 @@ def main() -> None:
             isl = round(statistics.mean(len(ids) for _, ids, _ in reqs))
             osl = round(statistics.mean(m for _, _, m in reqs))
             say(f"aiperf: {count} requests of {isl} prompt tokens and {osl} new tokens")
-            result = aiperf_run(aiperf_command(args.aiperf), server.url, "ar_text", path, count, isl, osl, logs)
+            result = aiperf_run(aiperf_command(args.aiperf), server.url, "ar_text", path, count, isl, osl, logs,
+                                server_counts=not args.aiperf_client_tokens)
             figures.update(aiperf_figures(result, count, osl))
             say(f"aiperf: {result['s']:.0f}s, {figures['aiperf_completion_tokens']} completion tokens by its count, "
                 f"{figures['aiperf_server_completion_tokens']:.0f} by the server's")
