@@ -209,12 +209,110 @@ def inprocess_run(omni: Omni, reqs, tag: str) -> dict:
     return {"tok_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "tokens": tokens, "s": elapsed}
 
 
+AIPERF_TOKENIZER = "omni-bench/tokenizer"  # the name aiperf is given; its files sit in an HF-cache layout
+
+
+def aiperf_command(spec: str) -> Path:
+    """The `aiperf` command: PATH itself, or PATH/bin/aiperf when PATH is a virtual environment."""
+    path = Path(spec).expanduser()
+    exe = path / "bin" / "aiperf" if path.is_dir() else path
+    if not exe.is_file():
+        raise SystemExit(f"--aiperf {spec}: no aiperf command there (install aiperf==0.13.0 into a venv of its own: "
+                         "python3 -m venv .venv-aiperf && .venv-aiperf/bin/pip install aiperf==0.13.0)")
+    return exe
+
+
+def hf_cache_layout(tokenizer_dir: Path, home: Path, name: str) -> None:
+    """The tokenizer as the hub cache holds `name` (offline, aiperf takes only a repo id: FACTS.md)."""
+    repo = home / "hub" / ("models--" + name.replace("/", "--"))
+    shutil.rmtree(repo, ignore_errors=True)
+    snapshot = repo / "snapshots" / "local"
+    snapshot.mkdir(parents=True)
+    for file in tokenizer_dir.iterdir():
+        if file.is_file() and (file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens"))
+                               or file.name == "chat_template.jinja"):  # no config.json: keep its own class
+            shutil.copy(file, snapshot / file.name)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("local")
+
+
+def server_generated_tokens(url: str, model: str) -> float:
+    """omni serve's own count of generated tokens (/metrics), to check a client's count against."""
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("omni_generated_tokens_total{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def aiperf_run(exe: Path, url: str, model: str, tokenizer_dir: Path, n: int, isl: int, osl: int, logs: Path,
+               server_counts: bool = True) -> dict:
+    """aiperf (NVIDIA's load client, a third party) against omni serve's /v1/completions, streamed: n requests at
+    concurrency n, prompts of `isl` tokens, `osl` new tokens each (EOS ignored). Its TTFT / ITL / latency
+    percentiles and throughput, with its completion-token count beside the server's."""
+    home = logs / "aiperf-hf"
+    hf_cache_layout(tokenizer_dir, home, AIPERF_TOKENIZER)
+    artifacts = logs / "aiperf-artifacts"
+    shutil.rmtree(artifacts, ignore_errors=True)
+    before = server_generated_tokens(url, model)
+    argv = [str(exe), "profile", "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+            "--tokenizer", AIPERF_TOKENIZER, "--request-count", str(n), "--concurrency", str(n),
+            "--isl", str(isl), "--isl-stddev", "0", "--osl", str(osl), "--osl-stddev", "0",
+            "--extra-inputs", '{"ignore_eos": true, "temperature": 0}', "--random-seed", "0",
+            "--artifact-dir", str(artifacts), "--ui-type", "none", "--no-server-metrics"]
+    if server_counts:  # its ITL and throughput from the tokens generated, not from re-tokenized text
+        argv.append("--use-server-token-count")
+    env = {**os.environ, "HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    started = time.perf_counter()
+    with open(logs / "aiperf.log", "wb") as log:
+        code = subprocess.run(argv, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    if code != 0:
+        raise RuntimeError(f"aiperf exited with {code}: {(logs / 'aiperf.log').read_text(errors='replace')[-1500:]}")
+    served = server_generated_tokens(url, model) - before
+    summary = json.loads(next(artifacts.rglob("profile_export_aiperf.json")).read_text())
+    return {"argv": argv, "summary": summary, "server_tokens": served, "s": time.perf_counter() - started}
+
+
+def aiperf_figures(result: dict, n: int, osl: int) -> dict:
+    """The figures that matter from aiperf's summary (its own names), and the token-count agreement."""
+    summary = result["summary"]
+    metrics = summary.get("records", summary)
+
+    def metric(name: str) -> dict:
+        value = metrics.get(name)
+        if isinstance(value, list):  # some versions list the records
+            value = next((m for m in value if m.get("tag") == name), None)
+        return value or {}
+
+    out: dict = {}
+    for name, label in (("time_to_first_token", "ttft"), ("inter_token_latency", "itl"),
+                        ("request_latency", "latency")):
+        m = metric(name)
+        for q in ("p50", "p90", "p99"):
+            out[f"aiperf_{label}_{q}_ms"] = m.get(q)
+    out["aiperf_output_tok_s"] = metric("output_token_throughput").get("avg")
+    out["aiperf_request_count"] = metric("request_count").get("avg")
+    osl_metric = metric("output_sequence_length")
+    total = osl_metric.get("avg") * (out["aiperf_request_count"] or n) if osl_metric.get("avg") is not None else None
+    out["aiperf_completion_tokens"] = total
+    out["aiperf_server_completion_tokens"] = result["server_tokens"]
+    out["aiperf_expected_completion_tokens"] = n * osl
+    out["aiperf_tokens_agree"] = total is not None and round(total) == round(result["server_tokens"]) == n * osl
+    out["aiperf_command"] = " ".join(result["argv"][1:])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 requests, outputs of 16-64 tokens, 2 rounds")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=0, help="A B A B rounds (default 2 quick, 3 full)")
     parser.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
+    parser.add_argument("--aiperf", metavar="PATH", help="also run aiperf 0.13.0 (this `aiperf` command, or the venv "
+                        "holding it) against omni serve and report its TTFT / ITL / throughput percentiles")
+    parser.add_argument("--aiperf-client-tokens", action="store_true", help="let aiperf count output tokens by "
+                        "re-tokenizing the text (its default) instead of reading the server's usage")
+    parser.add_argument("--aiperf-requests", type=int, default=0, help="aiperf's request count (default: --quick's "
+                        "or the full workload's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="omni: %(message)s", stream=sys.stderr)
     import torch
@@ -276,6 +374,16 @@ def main() -> None:
                 runs[name].append(result)
                 say(f"round {r + 1} {name}: {result['tok_s']:.1f} tok/s ({result['tokens']} tokens, "
                     f"{result['s']:.1f}s)")
+        if args.aiperf:
+            count = args.aiperf_requests or n
+            isl = round(statistics.mean(len(ids) for _, ids, _ in reqs))
+            osl = round(statistics.mean(m for _, _, m in reqs))
+            say(f"aiperf: {count} requests of {isl} prompt tokens and {osl} new tokens")
+            result = aiperf_run(aiperf_command(args.aiperf), server.url, "ar_text", path, count, isl, osl, logs,
+                                server_counts=not args.aiperf_client_tokens)
+            figures.update(aiperf_figures(result, count, osl))
+            say(f"aiperf: {result['s']:.0f}s, {figures['aiperf_completion_tokens']} completion tokens by its count, "
+                f"{figures['aiperf_server_completion_tokens']:.0f} by the server's")
     finally:
         server.stop()
         if hf is not None:

@@ -146,13 +146,15 @@ def _content(index: int, content: Any) -> Any:
 @attrs.frozen
 class QwenParams(ARParams):
     """ARParams plus the prompt given as token ids (then the prompt text, chat template and instruction are
-    not used), or as chat messages rendered with the model's chat template."""
+    not used), or as chat messages rendered with the model's chat template, or read as raw text."""
 
     prompt_token_ids: tuple[int, ...] | None = option(None, help="the prompt as token ids (repeatable)",
                                                       type=int, multiple=True, converter=_token_ids)
     messages: tuple[tuple[str, str], ...] | None = option(
         None, help="chat messages, 'role: content' (system, user, assistant; repeatable), rendered with the "
                    "model's chat template instead of the prompt", multiple=True, converter=_messages)
+    raw_prompt: bool = option(False, help="the prompt is raw text to continue: no chat template around it "
+                                          "(OpenAI's /v1/completions)", type=bool, validator=boolean)
 
 
 @attrs.frozen

@@ -51,7 +51,8 @@ class ARInputProcessor:
         if messages is not None:
             ids, mode = self.encode_messages(item.prompt, messages, getattr(params, "prompt_token_ids", None))
         else:
-            ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None))
+            ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None),
+                                    getattr(params, "raw_prompt", False))
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
         check_fits(prompt, self.context_window, self.capacity_tokens)
@@ -59,8 +60,9 @@ class ARInputProcessor:
             params = attrs.evolve(params, seed=secrets.randbits(63))
         return attrs.evolve(item, params=params, processed=prompt)
 
-    def encode(self, prompt: str, given: tuple[int, ...] | None = None) -> tuple[list[int], str]:
-        """The prompt's token ids and how they were built (ar.prompt_mode)."""
+    def encode(self, prompt: str, given: tuple[int, ...] | None = None, raw: bool = False) -> tuple[list[int], str]:
+        """The prompt's token ids and how they were built (ar.prompt_mode); `raw`: the text as it is, without the
+        chat template."""
         if given is not None:
             ids, mode = list(given), "token_ids"
             if any(i < 0 or i >= self.vocab_size for i in ids):
@@ -69,7 +71,7 @@ class ARInputProcessor:
         else:
             if not prompt.strip():
                 raise InputError("the prompt is empty")
-            ids, mode = self.tokenize(self.settings.render(prompt) if self.settings.render else prompt)
+            ids, mode = self.tokenize(self.settings.render(prompt) if self.settings.render else prompt, raw)
             if not ids:
                 raise InputError("the prompt encodes to no tokens")
         if len(ids) >= self.context_window:
@@ -93,9 +95,9 @@ class ARInputProcessor:
                              f"{self.context_window} tokens (room is needed for at least one new token)")
         return ids, self.settings.prompt_label + "chat_messages"
 
-    def tokenize(self, text: str) -> tuple[list[int], str]:
-        """`text` as one user message through the chat template, or raw text when there is none."""
-        if self.settings.chat and getattr(self.tokenizer, "chat_template", None):
+    def tokenize(self, text: str, raw: bool = False) -> tuple[list[int], str]:
+        """`text` as one user message through the chat template, or raw text when there is none (or `raw`)."""
+        if not raw and self.settings.chat and getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)
             return list(ids), "chat_template"

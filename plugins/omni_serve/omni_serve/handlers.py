@@ -47,6 +47,9 @@ async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
 
 async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        return error_response(APIError(400, f"invalid request: the body is not valid JSON ({first.get('msg')})",
+                                       None, "invalid_json"))
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "form")]
     param = "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in loc).lstrip(".") or None
     message = f"invalid {param or 'request'}: {first.get('msg', 'bad value')}"

@@ -90,7 +90,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str
+    # OpenAI's four forms: a text, several texts, one prompt as token ids, several prompts as token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 class VideoJob(BaseModel):
@@ -99,8 +100,10 @@ class VideoJob(BaseModel):
     status: Literal["queued", "in_progress", "completed", "failed"]
     progress: int
     model: str
+    prompt: str | None = None
     size: str | None = None
-    seconds: str | None = None
+    seconds: str = ""
+    remixed_from_video_id: str | None = None
     created_at: int
     completed_at: int | None = None
     expires_at: int | None = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from .protocol import APIError
 from .state import State
 
 router = APIRouter()
@@ -13,10 +14,22 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(served: State):
-    data = [{"id": model, "object": "model", "created": served.created, "owned_by": "omni", "root": name,
-             "capabilities": ["chat.completions", "completions"] if served.kinds[name] == "text" else ["videos"]}
-            for model, name in served.names.items()]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [model_card(served, model) for model in served.names]}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, served: State):
+    """One served model (a pipeline or an alias), as in the list; 404 model_not_found otherwise."""
+    if model not in served.names:
+        raise APIError(404, f"the model {model!r} does not exist; served models: {', '.join(sorted(served.names))}",
+                       "model", "model_not_found")
+    return model_card(served, model)
+
+
+def model_card(served, model: str) -> dict:
+    name = served.names[model]
+    return {"id": model, "object": "model", "created": served.created, "owned_by": "omni", "root": name,
+            "capabilities": ["chat.completions", "completions"] if served.kinds[name] == "text" else ["videos"]}
 
 
 @router.get("/health")

@@ -28,7 +28,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest, served
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest, served: State):
-    return await answer(request, served, body, chat=False)
+    from .completions import complete
+
+    return await complete(request, served, body)
 
 
 def sampling(body: SamplingFields) -> dict[str, Any]:
@@ -36,6 +38,7 @@ def sampling(body: SamplingFields) -> dict[str, Any]:
     kernel to refuse (naming it) unless a node of the pipeline declares it."""
     if body.n is not None and body.n != 1:
         raise APIError(400, f"invalid n: {body.n} choices are not supported (only n=1)", "n")
+    openai_limits(body)
     if body.max_tokens is not None and body.max_completion_tokens is not None \
             and body.max_tokens != body.max_completion_tokens:
         raise APIError(400, "invalid max_tokens: max_tokens and max_completion_tokens disagree", "max_tokens")
@@ -53,6 +56,23 @@ def sampling(body: SamplingFields) -> dict[str, Any]:
             raise APIError(400, f"invalid {key}: set by the server, not by a request", key)
         params[key] = value
     return params
+
+
+MAX_TEMPERATURE = 2.0  # OpenAI's range is 0..2
+MAX_STOP = 4  # OpenAI takes up to 4 stop sequences
+
+
+def openai_limits(body: SamplingFields) -> None:
+    """What OpenAI refuses that omni's node types would take: 400 naming the field, as OpenAI answers."""
+    if body.temperature is not None and body.temperature > MAX_TEMPERATURE:
+        raise APIError(400, f"invalid temperature: {body.temperature:g} is greater than the maximum of 2",
+                       "temperature", "invalid_value")
+    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP:
+        raise APIError(400, f"invalid stop: {len(body.stop)} stop sequences, at most {MAX_STOP} are allowed",
+                       "stop", "invalid_value")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "invalid stream_options: only allowed when stream is true", "stream_options",
+                       "invalid_value")
 
 
 def chat_prompt(body: ChatCompletionRequest, served: Served, name: str) -> tuple[str, dict[str, Any]]:
@@ -100,7 +120,7 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
     choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop"),
                               "logprobs": None}
     if chat:
-        choice["message"] = {"role": "assistant", "content": out.text or ""}
+        choice["message"] = {"role": "assistant", "content": out.text or "", "refusal": None}
     else:
         choice["text"] = out.text or ""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

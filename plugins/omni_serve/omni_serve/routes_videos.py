@@ -7,6 +7,7 @@ its flags, converted by the option's type. A field no node declares is refused, 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from .state import Served, State
 
 router = APIRouter()
 OPENAI = ("prompt", "model", "input_reference", "size")
+REFERENCE_KEYS = ("input_reference[image_url]", "input_reference[file_id]")
 SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
 TEXT = {"type": "string"}
 FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
@@ -31,13 +33,84 @@ FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"s
                        "description": "an image file, or a data:image/...;base64 URL", "anyOf": [
                            {"type": "string", "format": "binary"}, TEXT]}},
     "additionalProperties": {"description": "a request option the model's node types declare "
-                                            "(e.g. omni run's flags), as text"}}}}}}
+                                            "(e.g. omni run's flags), as text"}}},
+    "application/json": {"schema": {
+        "type": "object", "required": ["prompt"],
+        "properties": {"prompt": TEXT, "model": TEXT, "size": TEXT, "seconds": TEXT, "input_reference": {
+            "type": "object", "properties": {"image_url": {"type": "string", "description": "a data:image URL"}}}},
+        "additionalProperties": {"description": "a request option the model's node types declare"}}}}}}
 
 
 @router.post("/v1/videos", response_model=VideoJob, openapi_extra=FORM)
 async def create_video(request: Request, served: State):
+    if is_json(request):  # OpenAI's other body: the same fields, input_reference as {"image_url": ...}
+        return await create(json_form(await json_body(request)), served)
     async with request.form() as form:
         return await create(form, served)
+
+
+def is_json(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind == "application/json" or kind.endswith("+json")
+
+
+async def json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body() or b"null")
+    except ValueError as exc:
+        raise APIError(400, f"invalid request: the body is not valid JSON ({exc})", None, "invalid_json") from None
+
+
+def json_form(body: Any) -> FormData:
+    """A JSON body as the form it stands for: each value as its text (a list as repeated fields), and
+    input_reference {"image_url": ...} as the `input_reference[image_url]` field the official client sends
+    in a multipart form."""
+    if not isinstance(body, dict):
+        raise APIError(400, "invalid request: the body must be a JSON object", None, "invalid_value")
+    items: list[tuple[str, str]] = []
+    for key, value in body.items():
+        if value is None:
+            continue
+        if key == "input_reference" and isinstance(value, dict):
+            items += [(f"input_reference[{k}]", _json_text(f"input_reference.{k}", v)) for k, v in value.items()
+                      if v is not None]
+        elif isinstance(value, list):
+            items += [(key, _json_text(key, v)) for v in value]
+        else:
+            items.append((key, _json_text(key, value)))
+    return FormData(items)
+
+
+def _json_text(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    raise APIError(400, f"invalid {key}: {type(value).__name__} where a text or a number belongs", key, "invalid_value")
+
+
+def reference_of(form: FormData) -> str | UploadFile | None:
+    """input_reference: a file, a data URL, or (OpenAI's object form) `input_reference[image_url]`."""
+    for key in form.keys():
+        if key.startswith("input_reference[") and key not in REFERENCE_KEYS:
+            raise APIError(400, f"invalid {key}: input_reference takes image_url (or file_id)", "input_reference")
+    if form.get("input_reference[file_id]"):
+        raise APIError(400, "invalid input_reference: this server has no Files API; send the image itself, as a "
+                            "file or as image_url (a data:image/...;base64 URL)", "input_reference")
+    reference = form.get("input_reference")
+    return form.get("input_reference[image_url]") if reference is None or reference == "" else reference
+
+
+def image_error(answer: APIError, sent: bool) -> APIError:
+    """A failure about the image, in the HTTP API's words: its field is `input_reference`; a missing image is
+    asked for by that name (the node's own message names the CLI's --image)."""
+    if answer.param == "image":
+        answer.param = "input_reference"
+    if not sent and answer.status == 400 and "needs an input image" in answer.message:
+        answer.message = ("invalid input_reference: this model needs an input image: send input_reference (an image "
+                          "file, or a data:image/...;base64 URL; in a JSON body {\"image_url\": ...})")
+        answer.param = "input_reference"
+    return answer
 
 
 async def create(form: FormData, served: Served) -> dict[str, Any]:
@@ -58,7 +131,7 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     jobs = served.jobs
     job_id = jobs.new_id()
     image = None
-    reference = form.get("input_reference")
+    reference = reference_of(form)
     if isinstance(reference, str) and reference:
         image = jobs.save_upload(job_id, jobs.decode_data_url(reference), None)
     elif isinstance(reference, UploadFile):
@@ -68,7 +141,7 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         if image is not None:
             image.unlink(missing_ok=True)
-        raise api_error(exc) from None
+        raise image_error(api_error(exc), image is not None) from None
     job.model = model if model in served.names else name
     return job.to_json(served.settings.video_ttl)
 
@@ -77,7 +150,7 @@ def declared_fields(form: FormData, options: dict[str, OptionInfo], model: str) 
     """Every field but OpenAI's as a request parameter, checked against the declared options by name."""
     params: dict[str, Any] = {}
     for key in dict.fromkeys(form.keys()):
-        if key in OPENAI:
+        if key in OPENAI or key in REFERENCE_KEYS:
             continue
         name = key.removesuffix("[]")  # the openai client sends a list as `key[]`
         if name in SERVER_OWNED:
@@ -116,7 +189,7 @@ def _value(key: str, value: str | UploadFile) -> str:
 
 
 @router.get("/v1/videos")
-async def list_videos(served: State, after: str | None = None, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+async def list_videos(served: State, after: str | None = None, limit: Annotated[int, Query(ge=0, le=100)] = 20,
                       order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc"):
     page, more = served.jobs.list(after, limit, order)
     data = [j.to_json(served.settings.video_ttl) for j in page]

@@ -14,6 +14,25 @@ from .protocol import APIError
 FINISH = {reason: "length" if reason in TRUNCATED_STOP_REASONS else "stop" for reason in STOP_REASONS}
 
 
+def usage_of(trace) -> dict:
+    """OpenAI's `usage` of one finished request; `cached_tokens`: its prompt tokens the prefix cache served."""
+    prompt = int(trace.get("ar.input_tokens", 0) or 0)
+    completion = int(trace.get("ar.output_tokens", 0) or 0)
+    cached = int(trace.get("ar.prefix_cache_hit_tokens", 0) or 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def add_usage(total: dict | None, usage: dict) -> dict:
+    """Two usages summed (several prompts of one completions request)."""
+    if total is None:
+        return usage
+    out = {k: total[k] + usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    out["prompt_tokens_details"] = {"cached_tokens": total["prompt_tokens_details"]["cached_tokens"]
+                                    + usage["prompt_tokens_details"]["cached_tokens"]}
+    return out
+
+
 class Watch:
     """Latency and token figures of one text request, into the metrics."""
 
@@ -29,11 +48,8 @@ class Watch:
             self.metrics.itl.labels(self.model).observe(now - self.last)
         self.last = now
 
-    def usage(self, result) -> dict[str, int]:
-        trace = result.trace
-        prompt = int(trace.get("ar.input_tokens", 0) or 0)
-        completion = int(trace.get("ar.output_tokens", 0) or 0)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def usage(self, result) -> dict:
+        return usage_of(result.trace)
 
     def done(self, result, route: str) -> None:
         usage = self.usage(result)

@@ -32,6 +32,7 @@ class Job:
     created_at: int
     size: str | None
     seconds: str | None
+    prompt: str | None = None
     status: str = "queued"
     progress: int = 0
     completed_at: int | None = None
@@ -43,9 +44,12 @@ class Job:
 
     def to_json(self, ttl: float | None) -> dict[str, Any]:
         expires = None if self.completed_at is None or not ttl else int(self.completed_at + ttl)
+        # `seconds` is a string in OpenAI's job object: what the request asked for, else (until the video is
+        # rendered and its length known) "".
         return {"id": self.id, "object": "video", "status": self.status, "progress": self.progress,
-                "model": self.model, "size": self.size, "seconds": self.seconds, "created_at": self.created_at,
-                "completed_at": self.completed_at, "expires_at": expires, "error": self.error}
+                "model": self.model, "prompt": self.prompt, "size": self.size, "seconds": self.seconds or "",
+                "remixed_from_video_id": None, "created_at": self.created_at, "completed_at": self.completed_at,
+                "expires_at": expires, "error": self.error}
 
 
 class VideoJobs:
@@ -91,7 +95,7 @@ class VideoJobs:
         """Submit the job's request; a UserError raises here (answered 400), nothing is left behind."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / f"{job_id}.mp4"
-        job = Job(job_id, model, int(time.time()), size, seconds, path=path, upload=image)
+        job = Job(job_id, model, int(time.time()), size, seconds, prompt or None, path=path, upload=image)
         try:
             stream = await self.engine.open(model, prompt, image=None if image is None else str(image),
                                             request_id=job_id, output=str(path), **params)
@@ -126,7 +130,8 @@ class VideoJobs:
                         self._end(job, "completed")
                         job.progress = 100
                     elif isinstance(event, RequestFailed):
-                        job.error = {"code": event.kind, "message": event.error, "param": event.field}
+                        param = "input_reference" if event.field == "image" else event.field  # the API's name
+                        job.error = {"code": event.kind, "message": event.error, "param": param}
                         self._end(job, "failed")
                     elif job.status == "queued":
                         job.status = "in_progress"

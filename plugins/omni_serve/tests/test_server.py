@@ -135,7 +135,8 @@ def test_sse_framing(http):
     assert all(e.startswith("data: ") for e in events[:-1])
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(p["choices"][0]["delta"].get("content", "") for p in payloads if p["choices"]) == "one two"
-    assert payloads[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert payloads[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                                     "prompt_tokens_details": {"cached_tokens": 0}}
     assert len({p["id"] for p in payloads}) == 1
 
 

@@ -1,0 +1,160 @@
+"""POST /v1/completions: OpenAI's four prompt forms (a text, several texts, one prompt as token ids, several
+prompts as token ids), one engine request per prompt and one choice per prompt (`index` = its position).
+
+A completion continues the RAW text: where the pipeline declares `raw_prompt` (omni_qwen's `ar.text_generation`)
+the text is tokenized as it is, with no chat template around it; a token-id prompt goes in as
+`prompt_token_ids`. Several prompts stream interleaved, each chunk naming its choice's `index`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+
+from .guards import until_disconnect
+from .handlers import api_error
+from .protocol import APIError, CompletionRequest
+from .state import Served
+from .text import FINISH, Watch, add_usage, collect
+
+MAX_PROMPTS = 128  # prompts in one request (OpenAI's `n` limit; each is a request in flight)
+
+
+def prompts_of(body: CompletionRequest, served: Served, name: str) -> list[tuple[str, dict[str, Any]]]:
+    """(prompt text, extra request parameters) of each prompt the request holds."""
+    prompt, options = body.prompt, served.options(name)
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise APIError(400, "invalid prompt: an empty list", "prompt", "invalid_value")
+    if len(prompt) > MAX_PROMPTS:
+        raise APIError(400, f"invalid prompt: {len(prompt)} prompts, at most {MAX_PROMPTS}", "prompt", "invalid_value")
+    if all(isinstance(p, int) for p in prompt):
+        prompt = [prompt]  # one prompt as token ids
+    out = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            out.append((item, {"raw_prompt": True} if "raw_prompt" in options else {}))
+            continue
+        if "prompt_token_ids" not in options:
+            raise APIError(400, f"invalid prompt: model {body.model!r} takes text prompts, not token ids", "prompt",
+                           "invalid_value")
+        if not item:
+            raise APIError(400, f"invalid prompt[{i}]: an empty list of token ids", "prompt", "invalid_value")
+        out.append(("", {"prompt_token_ids": tuple(item)}))
+    return out
+
+
+async def complete(request: Request, served: Served, body: CompletionRequest):
+    from .routes_text import sampling  # routes_text imports this module lazily, too
+
+    arrival = time.perf_counter()
+    name = served.resolve(body.model, "text")
+    params = sampling(body)
+    prompts = prompts_of(body, served, name)
+    rid = "cmpl-" + uuid.uuid4().hex[:24]
+    streams = []
+    try:
+        for i, (prompt, extra) in enumerate(prompts):
+            streams.append(await served.engine.open(name, prompt, request_id=rid if len(prompts) == 1 else
+                                                    f"{rid}-{i}", **{**params, **extra}))
+    except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer; the prompts already in go away
+        for stream in streams:
+            await stream.aclose()
+        raise api_error(exc) from None
+    final = served.final(name)
+    watches = [Watch(served.metrics, body.model, arrival) for _ in streams]
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(sse_many(streams, final, watches, rid, body.model, usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    result = await until_disconnect(request, collect_all(streams, final, watches))
+    if result is None:
+        return Response(status_code=499)
+    choices, usage = [], None
+    for i, (_, finished) in enumerate(result):
+        if isinstance(finished, RequestFailed):
+            raise APIError.of_failure(finished.kind, finished.error, finished.field)
+        out = finished.result
+        watches[i].done(out, "completions")
+        choices.append({"index": i, "text": out.text or "", "logprobs": None,
+                        "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop")})
+        usage = add_usage(usage, watches[i].usage(out))
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
+            "choices": choices, "usage": usage}
+
+
+async def collect_all(streams, final: str, watches: list[Watch]):
+    """Every prompt's (text, last event); one that fails ends the others (they are aborted)."""
+    tasks = [asyncio.ensure_future(collect(s, final, w)) for s, w in zip(streams, watches)]
+    try:
+        results = []
+        for task in tasks:
+            text, event = await task
+            if isinstance(event, RequestFailed):
+                return [(text, event)]
+            results.append((text, event))
+        return results
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: str, include_usage: bool
+                   ) -> AsyncIterator[str]:
+    """The prompts' deltas as `text_completion` chunks as they come, each with its prompt's `index`; the
+    usage chunk (summed) after the last prompt finished."""
+    created = int(time.time())
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with stream:
+                async for event in stream:
+                    await queue.put((i, event))
+        finally:
+            await queue.put((i, None))
+
+    def chunk(choices: list, usage: dict | None = None) -> str:
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    usage, open_ = None, len(streams)
+    try:
+        while open_:
+            i, event = await queue.get()
+            if event is None:
+                open_ -= 1
+            elif isinstance(event, TokenDelta) and event.node_id == final:
+                watches[i].delta()
+                yield chunk([{"index": i, "text": event.text, "finish_reason": None, "logprobs": None}])
+            elif isinstance(event, RequestFinished):
+                out = event.result
+                watches[i].done(out, "completions")
+                usage = add_usage(usage, watches[i].usage(out))
+                yield chunk([{"index": i, "text": "", "logprobs": None,
+                              "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop")}])
+            elif isinstance(event, RequestFailed):
+                yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
+                break
+        else:
+            if include_usage and usage is not None:
+                yield chunk([], usage)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    yield "data: [DONE]\n\n"
