@@ -101,7 +101,8 @@ def ensure_checkpoint(arch: str = "qwen2", layers: int = 30, seed: int = 0) -> P
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     shape = {**SMOLLM2_SHAPE, "num_hidden_layers": layers, "bos_token_id": None, "eos_token_id": eos,
-             "pad_token_id": pad, "initializer_range": INIT_RANGE, "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA}}
+             "pad_token_id": pad, "initializer_range": INIT_RANGE,
+             "rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA}}
     config, cls = (Qwen2Config(**shape), Qwen2ForCausalLM) if arch == "qwen2" else \
         (LlamaConfig(**shape, head_dim=64, attention_bias=False, mlp_bias=False), LlamaForCausalLM)
     with torch.random.fork_rng():
