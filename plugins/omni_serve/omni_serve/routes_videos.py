@@ -68,9 +68,18 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         if image is not None:
             image.unlink(missing_ok=True)
-        raise api_error(exc) from None
+        raise _form_field(api_error(exc)) from None
     job.model = model if model in served.names else name
     return job.to_json(served.settings.video_ttl)
+
+
+def _form_field(answer: APIError) -> APIError:
+    """The request's `image` is this form's `input_reference` (and the CLI's --image): name the form's field."""
+    if answer.param == "image":
+        answer.param = "input_reference"
+        answer.message = (answer.message.replace("invalid image:", "invalid input_reference:", 1)
+                          .replace("--image PATH", "input_reference").replace("--image", "input_reference"))
+    return answer
 
 
 def declared_fields(form: FormData, options: dict[str, OptionInfo], model: str) -> dict[str, Any]:
