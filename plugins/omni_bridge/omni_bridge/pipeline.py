@@ -1,4 +1,5 @@
-"""The qwen_to_wan_i2v and qwen_to_wan_t2v pipelines. It names the other plugins' node types by string: omni_bridge imports neither."""
+"""The qwen_to_wan_i2v and qwen_to_wan_t2v pipelines. They name the other plugins' node types by string: omni_bridge
+imports neither."""
 
 from omni_kernel import EdgeSpec, NodeSpec, PipelinePlan
 

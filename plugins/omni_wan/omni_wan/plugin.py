@@ -22,8 +22,9 @@ WAN_T2V_PIPELINE = PipelinePlan("wan_t2v", [NodeSpec("wan", NODE_TYPE, final=Tru
 
 
 class WanStages:
-    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models and the prepare cache, so every graph a plugin
-    host builds shares them: a model loads once per process and host, and stays loaded."""
+    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models
+    and the prepare cache, so every graph a plugin host builds shares them: a model loads once per process and host,
+    and stays loaded."""
 
     def __init__(self):
         from .loader import ModelPool

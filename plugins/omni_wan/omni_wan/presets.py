@@ -74,7 +74,8 @@ def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] 
     if preset is None:
         raise InvalidParameter("preset", f"{name!r} is not a preset; choose one of {', '.join(PRESETS)}")
     height, width = preset.height, preset.width
-    if image_size is not None and image_size[1] > image_size[0]:  # (width, height): a portrait image gets a portrait video
+    # (width, height): a portrait image gets a portrait video; no image, the preset's landscape size
+    if image_size is not None and image_size[1] > image_size[0]:
         height, width = width, height
     settings = Settings(
         preset=name,
