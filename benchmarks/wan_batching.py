@@ -18,6 +18,9 @@ before every run so all sides do the same work. `cfg_batch_speedup` is one reque
 rows in two forwards over one forward. `max_abs_diff` is the largest difference between a request's frames
 in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
 With `--steps-spread N` each request's steps are drawn from steps +- N (fixed seed) instead of all equal.
+With `--workload mixed` every other request is text-to-video (no image: wan_t2v's path) and the rest image-to-video,
+all served by one stage whose node takes both (image policy `optional`), so text and image rows share forwards;
+`max_abs_diff` then covers both kinds.
 
 `busy_s` is the time each run spent inside the engine's steps (the rest it waited for arrivals).
 `ratio_vs_static_ceiling` is static's makespan over its busy time: what continuous batching would reach doing
@@ -27,7 +30,7 @@ of those arrival factors (mean gap between arrivals over one request's solo time
 `--arrival-factor`, 0.25): slower arrivals make static wait longer for its 4th request but let sequential keep up.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/wan_batching.py [--threads N] [--steps-spread N] [--sweep F,..]
-        [--device cuda] [--quick]
+        [--workload image|mixed] [--device cuda] [--quick]
 
 The last line printed is one JSON object.
 """
@@ -80,6 +83,8 @@ def main() -> None:
                         help="cuda: the whole model on the GPU (offload off, so the text key/value cache is used)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, every core)")
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
+    parser.add_argument("--workload", default="image", choices=("image", "mixed"),
+                        help="mixed: every other request is text-to-video, served beside the image ones")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds, args.large_rounds = 6, 1, 1
@@ -96,10 +101,13 @@ def main() -> None:
         work = Path(tmp)
         model = build_tiny_checkpoint(work / "model", dims=BENCH_DIMS)
         images = _images(work, args.requests)
+        if args.workload == "mixed":  # odd requests text-to-video (request 0, the solo one, has an image)
+            images = [image if i % 2 == 0 else None for i, image in enumerate(images)]
         host = load_host()
         where = {"device": args.device} | ({"disable_cpu_offload": True} if args.device == "cuda" else {})
-        engines = {"continuous": Omni("wan_i2v", host=host, model=str(model), **where),
-                   "sequential": Omni("wan_i2v", host=host, model=str(model), **where, wan_max_batch=1)}
+        pipeline = "wan_i2v" if args.workload == "image" else _mixed_plan()
+        engines = {"continuous": Omni(pipeline, host=host, model=str(model), **where),
+                   "sequential": Omni(pipeline, host=host, model=str(model), **where, wan_max_batch=1)}
         cache = host.pm.get_plugin("omni_wan").stages.cache
         sizes = {"base": (args.height, args.width),
                  "large": (args.height * args.large_scale, args.width * args.large_scale)}
@@ -108,6 +116,8 @@ def main() -> None:
                                "requests": args.requests, "rounds": args.rounds, "large_rounds": args.large_rounds,
                                "arrival_factor": args.arrival_factor, "arrival_seed": args.seed,
                                "steps_spread": args.steps_spread, "sweep": args.sweep, "device": args.device,
+                               "workload": args.workload,
+                               "text_to_video_requests": sum(image is None for image in images),
                                "threads": torch.get_num_threads(),
                                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}}
         for label, rounds in (("base", args.rounds), ("large", args.large_rounds)):
@@ -126,6 +136,14 @@ def main() -> None:
                 report["large"] = result
             print(f"{label}: {json.dumps(result)}", flush=True)
     print(json.dumps(report))
+
+
+def _mixed_plan():
+    """One Wan node that takes requests with and without an image (what wan_i2v and wan_t2v share)."""
+    from omni_kernel import NodeSpec, PipelinePlan
+    from omni_wan.plugin import NODE_TYPE
+
+    return PipelinePlan("wan_mixed", [NodeSpec("wan", NODE_TYPE, final=True, policy={"image": "optional"})])
 
 
 def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:

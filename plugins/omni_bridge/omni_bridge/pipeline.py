@@ -1,4 +1,5 @@
-"""The qwen_to_wan_i2v pipeline. It names the other plugins' node types by string: omni_bridge imports neither."""
+"""The qwen_to_wan_i2v and qwen_to_wan_t2v pipelines. They name the other plugins' node types by string: omni_bridge
+imports neither."""
 
 from omni_kernel import EdgeSpec, NodeSpec, PipelinePlan
 
@@ -12,4 +13,13 @@ QWEN_TO_WAN_I2V = PipelinePlan(
            NodeSpec("video", "diffusion.wan22_i2v", final=True, plugin_hint="omni-wan")],
     edges=[EdgeSpec("bridge", "video", AR_TO_DIFFUSION.name)],
     description="Qwen writes supplemental guidance for the prompt; Wan2.2 renders the image into a video",
+)
+
+# The same graph with Wan's text-to-video half: the Wan node's policy refuses an image (omni_wan's inputs.py).
+QWEN_TO_WAN_T2V = PipelinePlan(
+    "qwen_to_wan_t2v",
+    nodes=[NodeSpec("bridge", "ar.prompt_bridge", plugin_hint="omni-qwen"),
+           NodeSpec("video", "diffusion.wan22_i2v", final=True, plugin_hint="omni-wan", policy={"image": "none"})],
+    edges=[EdgeSpec("bridge", "video", AR_TO_DIFFUSION.name)],
+    description="Qwen writes supplemental guidance for the prompt; Wan2.2 renders a video from the merged prompt",
 )

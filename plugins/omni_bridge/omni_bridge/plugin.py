@@ -2,7 +2,7 @@
 
 from omni_kernel import hookimpl
 
-from .pipeline import AR_TO_DIFFUSION, QWEN_TO_WAN_I2V
+from .pipeline import AR_TO_DIFFUSION, QWEN_TO_WAN_I2V, QWEN_TO_WAN_T2V
 
 
 class BridgePlugin:
@@ -13,3 +13,4 @@ class BridgePlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(QWEN_TO_WAN_I2V)
+        register(QWEN_TO_WAN_T2V)

@@ -211,6 +211,25 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     assert result.output.data["frames"].shape == (9, 128, 128, 3)
 
 
+# ---- qwen_to_wan_t2v: the same graph, Wan's text-to-video half -------------------------------------------------
+
+def test_qwen_to_wan_t2v_renders_from_the_merged_prompt_and_refuses_an_image(omni, tmp_path):
+    """On the same plugin host as the i2v fixture (both models already loaded). An image is refused by the Wan
+    node's check at submit, before the AR stage runs."""
+    from omni_kernel import InvalidParameter, Omni
+
+    t2v = Omni("qwen_to_wan_t2v", host=omni.host, device="cpu")
+    with pytest.raises(InvalidParameter, match="takes no image") as info:
+        t2v.submit(t2v.request(PROMPT, image=str(IMAGE), max_tokens=4, output=str(tmp_path / "no.mp4")))
+    assert info.value.field == "image" and not t2v.has_unfinished()
+    result = t2v.generate(PROMPT, max_tokens=4, num_inference_steps=2, output=str(tmp_path / "t2v.mp4"),
+                          return_frames=True)
+    assert_bridge_trace(result.trace, PROMPT)
+    assert result.trace["diffusion.task"] == "text_to_video" and result.trace["diffusion.image_cache"] == "none"
+    assert result.output.data["frames"].shape == (9, 128, 128, 3) and (tmp_path / "t2v.mp4").is_file()
+    assert not (tmp_path / "no.mp4").exists()
+
+
 # ---- examples/ -------------------------------------------------------------------------------------------------
 
 EXAMPLES = ["ar_text_stream", "wan_i2v", "qwen_to_wan_i2v"]

@@ -13,10 +13,14 @@ def test_bridge_registers_the_connector_and_the_pipeline_only():
     host = PluginHost()
     host.register(BridgePlugin(), "omni_bridge")
     assert host.registry.by_plugin("omni_bridge") == {
-        "node types": [], "connectors": ["ar_to_diffusion"], "pipelines": ["qwen_to_wan_i2v"], "commands": []}
-    plan = host.registry.pipelines["qwen_to_wan_i2v"].item
-    assert [(n.id, n.type, n.final, n.plugin_hint) for n in plan.nodes] == [
-        ("bridge", "ar.prompt_bridge", False, "omni-qwen"), ("video", "diffusion.wan22_i2v", True, "omni-wan")]
+        "node types": [], "connectors": ["ar_to_diffusion"], "pipelines": ["qwen_to_wan_i2v", "qwen_to_wan_t2v"],
+        "commands": []}
+    for name, image in (("qwen_to_wan_i2v", None), ("qwen_to_wan_t2v", "none")):
+        plan = host.registry.pipelines[name].item
+        assert [(n.id, n.type, n.final, n.plugin_hint) for n in plan.nodes] == [
+            ("bridge", "ar.prompt_bridge", False, "omni-qwen"), ("video", "diffusion.wan22_i2v", True, "omni-wan")]
+        assert plan.nodes[1].policy.get("image") == image  # the Wan node's image policy (omni_wan's inputs.py)
+        assert [(e.source, e.target, e.connector) for e in plan.edges] == [("bridge", "video", "ar_to_diffusion")]
 
 
 def test_guidance_is_routed_into_the_diffusion_stage_and_the_trace():

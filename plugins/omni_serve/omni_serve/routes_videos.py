@@ -106,6 +106,8 @@ def image_error(answer: APIError, sent: bool) -> APIError:
     asked for by that name (the node's own message names the CLI's --image)."""
     if answer.param == "image":
         answer.param = "input_reference"
+        answer.message = (answer.message.replace("invalid image:", "invalid input_reference:", 1)
+                          .replace("--image PATH", "input_reference").replace("--image", "input_reference"))
     if not sent and answer.status == 400 and "needs an input image" in answer.message:
         answer.message = ("invalid input_reference: this model needs an input image: send input_reference (an image "
                           "file, or a data:image/...;base64 URL; in a JSON body {\"image_url\": ...})")

@@ -4,7 +4,11 @@ WanOutputProcessor), with its model loaded (once per process and plugin host: th
 One engine step is one phase (prepare, one denoise step, decode, export). Finishing and newly arrived requests go
 first (export, decode, prepare), then every denoising request of one batch key (size, frames, CFG on/off, dtype)
 shares one denoise forward, each at its own step, up to `wan_max_batch` requests and `wan_max_batch_tokens`
-latent tokens.
+latent tokens. Text-to-video and image-to-video requests share a key: a text row is all noise under a mask of ones,
+the same shapes as an image row (whose mask is 0 on the first latent frame).
+
+The node policy `image` (required, none, optional; inputs.py) is checked when a request is processed; a policy
+other than `required` on a checkpoint without a text-to-video path is refused here, before the model loads.
 """
 
 from __future__ import annotations
@@ -12,13 +16,14 @@ from __future__ import annotations
 import json
 
 from omni_kernel.engine import Engine
+from omni_kernel.errors import GraphError, ModelError
 from omni_kernel.graph import NodeSpec
 from omni_kernel.scheduler import DiffusionScheduler
 from omni_kernel.stage import Stage
 
 from .demo import ensure_demo_model
 from .device import Placement, place
-from .inputs import WanInputProcessor
+from .inputs import IMAGE_POLICIES, WanInputProcessor
 from .layout import ModelLayout, read_layout
 from .loader import ModelPool
 from .outputs import WanOutputProcessor
@@ -36,6 +41,13 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     else:
         layout, label, default_preset = read_layout(ensure_demo_model()), "demo (random weights)", "smoke"
     default_preset = node.policy.get("preset", default_preset)
+    image = node.policy.get("image", "required")
+    if image not in IMAGE_POLICIES:
+        raise GraphError("node policy", [node.id], f"node {node.id!r}: image policy {image!r} is not one of "
+                                                   f"{', '.join(IMAGE_POLICIES)}")
+    if image != "required" and not layout.text_to_video:
+        raise ModelError(f"{layout.path} has no text-to-video path: its transformer takes {layout.in_channels} input "
+                         f"channels, the VAE's latents {layout.z_dim} (an image-to-video model); use wan_i2v")
     placement = place(config)
     budget, why = token_budget(config, placement, layout)
     loaded = pool.acquire(layout.path, placement)
@@ -48,7 +60,7 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
     summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
                f"step ({why})")
-    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset), Engine(scheduler, runner),
+    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), Engine(scheduler, runner),
                  WanOutputProcessor(node.id, model_trace), summary)
 
 

@@ -3,6 +3,11 @@
 The prompt must say something, the MP4 (and with `profile` its Chrome trace) must be creatable, the image is
 decoded (EXIF orientation applied) and the preset and overrides are resolved against the model's layout; an
 unseeded request gets its seed here. `check` (a downstream node, at submit) reads only the image header.
+
+Whether a request must bring an image is the node's policy `image` (IMAGE_POLICIES): `required` (wan_i2v, the
+default), `none` (wan_t2v: the prompt alone; TI2V's text-to-video path) or `optional` (either, per request). A
+request against it fails here, at submit, naming the field `image` (the CLI's --image, the Videos API's
+input_reference).
 """
 
 from __future__ import annotations
@@ -29,8 +34,8 @@ class WanInput:
     """A processed request: everything the runner needs, computed once."""
 
     settings: Settings  # seed filled in
-    image: Any = attrs.field(repr=False)  # RGB PIL image, EXIF orientation applied
-    digest: str
+    image: Any = attrs.field(repr=False)  # RGB PIL image, EXIF orientation applied; None: text-to-video
+    digest: str | None
     output: Path
 
 
@@ -50,28 +55,48 @@ def check_request(prompt: str, output: str | None, request_id: str, profile: boo
     return target
 
 
+IMAGE_POLICIES = ("required", "none", "optional")
+
+
+def check_image_policy(policy: str, image: str | None) -> bool:
+    """Whether the request brings an image, or InvalidParameter("image") when the node's policy refuses that."""
+    given = image is not None and str(image) != ""
+    if given and policy == "none":
+        raise InvalidParameter("image", "this pipeline renders video from the prompt alone and takes no image: "
+                                        "drop --image, or use an image-to-video pipeline (wan_i2v, qwen_to_wan_i2v)")
+    if not given and policy == "required":
+        raise InvalidParameter("image", "this pipeline needs an input image: pass --image PATH (PNG, JPEG, WebP, "
+                                        "...), or use a text-to-video pipeline (wan_t2v, qwen_to_wan_t2v)")
+    return given
+
+
 class WanInputProcessor:
     concurrent = True  # processing reads the image and the layout only: never a step's state
 
-    def __init__(self, layout: ModelLayout, default_preset: str):
+    def __init__(self, layout: ModelLayout, default_preset: str, image: str = "required"):
+        if image not in IMAGE_POLICIES:
+            raise ValueError(f"image policy {image!r} is not one of {', '.join(IMAGE_POLICIES)}")
         self.layout = layout
         self.default_preset = default_preset
+        self.image_policy = image
 
     def check(self, item: StageInput) -> None:
         # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
         # when the connector's input is processed.
         params = _params(item)
         check_request(item.prompt, params.output, item.request_id, params.profile)
-        resolve(params, self.layout, image_size(item.image), self.default_preset)
+        given = check_image_policy(self.image_policy, item.image)
+        resolve(params, self.layout, image_size(item.image) if given else None, self.default_preset)
 
     def process(self, item: StageInput) -> StageInput:
         params = _params(item)
         output = check_request(item.prompt, params.output, item.request_id, params.profile)
-        image = open_image(item.image)
-        settings = resolve(params, self.layout, image.size, self.default_preset)
+        image = open_image(item.image) if check_image_policy(self.image_policy, item.image) else None
+        settings = resolve(params, self.layout, None if image is None else image.size, self.default_preset)
         if settings.seed is None:
             settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
-        return attrs.evolve(item, processed=WanInput(settings, image, image_digest(image), output.absolute()))
+        digest = None if image is None else image_digest(image)
+        return attrs.evolve(item, processed=WanInput(settings, image, digest, output.absolute()))
 
 
 def _params(item: StageInput) -> WanParams:

@@ -26,6 +26,11 @@ class ModelLayout:
     spatial_multiple: int  # VAE spatial factor x transformer patch size: 16 x 2 = 32 for TI2V-5B
     temporal_factor: int  # frames must be temporal_factor * k + 1
     fps: int = FPS
+    # TI2V: the transformer reads the noise latents alone (in_channels == the VAE's z_dim), so it renders from a
+    # prompt alone too (diffusers' WanPipeline); an image-only model takes the image's channels beside them.
+    text_to_video: bool = True
+    in_channels: int | None = None
+    z_dim: int | None = None
 
 
 def read_layout(path: str | Path) -> ModelLayout:
@@ -54,7 +59,9 @@ def read_layout(path: str | Path) -> ModelLayout:
                          "between 1 and 64")
     check_vae_config(vae, root / "vae" / "config.json")
     spatial = vae.get("scale_factor_spatial", 8) * patch[1]
-    return ModelLayout(root.resolve(), spatial, vae.get("scale_factor_temporal", 4))
+    in_channels, z_dim = transformer.get("in_channels", 16), vae.get("z_dim", 16)
+    return ModelLayout(root.resolve(), spatial, vae.get("scale_factor_temporal", 4),
+                       text_to_video=in_channels == z_dim, in_channels=in_channels, z_dim=z_dim)
 
 
 WEIGHTS = ("transformer", "vae", "text_encoder")

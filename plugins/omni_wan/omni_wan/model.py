@@ -3,7 +3,9 @@
 prepare (text encode, image conditioning, latents, timesteps) -> one denoise step per call -> VAE decode ->
 postprocess. Each piece does exactly what `WanImageToVideoPipeline.__call__` (diffusers 0.42) does for a
 Wan2.2 TI2V checkpoint (expand_timesteps, no transformer_2, no image encoder), so the output equals a direct
-call with the same seed and settings.
+call with the same seed and settings. Without an image (text-to-video) it is `WanPipeline.__call__` on the same
+checkpoint: all-noise latents and a mask of ones (no first-frame condition), so every token's timestep is t and
+`(1 - mask) * condition + mask * latents` is the latents themselves; one such row and image rows share a forward.
 """
 
 from __future__ import annotations
@@ -127,8 +129,10 @@ class Wan22I2VPipeline:
         mean, inv_std = self._latent_stats(device, torch.float32)
         return [((row - mean) * inv_std).clone() for row in latents.split(1)]
 
-    def prepare(self, text: TextEmbeds, condition: torch.Tensor, height: int, width: int, num_frames: int,
+    def prepare(self, text: TextEmbeds, condition: torch.Tensor | None, height: int, width: int, num_frames: int,
                 steps: int, guidance_scale: float, generator: torch.Generator) -> DenoiseState:
+        """One request's noise, timesteps and condition; `condition` None is text-to-video (WanPipeline): a zero
+        condition under a mask of ones, so the latents go to the transformer and the VAE unchanged."""
         from diffusers.utils.torch_utils import randn_tensor
 
         pipe, device = self.pipe, self.device
@@ -139,7 +143,10 @@ class Wan22I2VPipeline:
                  width // pipe.vae_scale_factor_spatial)
         latents = randn_tensor(shape, generator=generator, device=device, dtype=torch.float32)
         mask = torch.ones(1, 1, *shape[2:], dtype=torch.float32, device=device)
-        mask[:, :, 0] = 0
+        if condition is None:
+            condition = torch.zeros(1, shape[1], 1, *shape[3:], dtype=torch.float32, device=device)
+        else:
+            mask[:, :, 0] = 0  # the first latent frame is the image's: timestep 0 on its tokens
         return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
 
     @torch.no_grad()

@@ -11,13 +11,20 @@ from omni_kernel.stage import Stage
 from .params import WanConfig, WanParams
 
 NODE_TYPE = "diffusion.wan22_i2v"
-WAN_PIPELINE = PipelinePlan("wan_i2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan")],
+# The node policy `image` says whether a request brings an image (inputs.IMAGE_POLICIES): the same node type, model
+# and stage factory render image-to-video and text-to-video, so the two halves of TI2V-5B batch alike.
+WAN_PIPELINE = PipelinePlan("wan_i2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan",
+                                                 policy={"image": "required"})],
                             description="image + prompt -> MP4 with Wan2.2 TI2V-5B")
+WAN_T2V_PIPELINE = PipelinePlan("wan_t2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan",
+                                                     policy={"image": "none"})],
+                                description="prompt -> MP4 with Wan2.2 TI2V-5B (text-to-video)")
 
 
 class WanStages:
-    """Builds `diffusion.wan22_i2v` stages. Owns the loaded models and the prepare cache, so every graph a plugin
-    host builds shares them: a model loads once per process and host, and stays loaded."""
+    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models
+    and the prepare cache, so every graph a plugin host builds shares them: a model loads once per process and host,
+    and stays loaded."""
 
     def __init__(self):
         from .loader import ModelPool
@@ -39,8 +46,10 @@ class WanPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
         register(NodeType(NODE_TYPE, "diffusion", self.stages.build, config=WanConfig, params=WanParams,
-                          inputs={"image"}, description="Wan2.2 TI2V-5B image-to-video over diffusers, written to MP4"))
+                          inputs={"image"}, description="Wan2.2 TI2V-5B image- or text-to-video over diffusers, "
+                                                         "written to MP4"))
 
     @hookimpl
     def omni_register_pipelines(self, register):
         register(WAN_PIPELINE)
+        register(WAN_T2V_PIPELINE)

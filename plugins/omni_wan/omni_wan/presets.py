@@ -65,14 +65,17 @@ class Settings:
                 "diffusion.guidance": self.guidance_scale}
 
 
-def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int], default_preset: str) -> Settings:
-    """Fill what the request left open from its preset, orient the preset to the image, and validate."""
+def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] | None,
+            default_preset: str) -> Settings:
+    """Fill what the request left open from its preset, orient the preset to the image (none: landscape), and
+    validate."""
     name = params.preset or default_preset
     preset = PRESETS.get(name)
     if preset is None:
         raise InvalidParameter("preset", f"{name!r} is not a preset; choose one of {', '.join(PRESETS)}")
     height, width = preset.height, preset.width
-    if image_size[1] > image_size[0]:  # (width, height): a portrait image gets a portrait video
+    # (width, height): a portrait image gets a portrait video; no image, the preset's landscape size
+    if image_size is not None and image_size[1] > image_size[0]:
         height, width = width, height
     settings = Settings(
         preset=name,

@@ -3,7 +3,8 @@
 The DiffusionScheduler owns each request's record, phase and step index: prepare -> denoise (one step per engine
 step) -> decode -> export. The runner only runs what it is given; a request can be aborted between any two
 steps (the engine calls `free`), and nothing is written before export, which writes the MP4 atomically.
-A denoise batch (requests of one shape, each at its own step) is one transformer forward: `denoise`; requests
+A denoise batch (requests of one shape, each at its own step, text-to-video and image-to-video rows alike) is one
+transformer forward: `denoise`; requests
 that reach decode at the same step share one VAE decode; prepare runs batched too. With the model on a GPU,
 export (ffmpeg) runs on the runner's export thread and its step's result is the Future of it, which the scheduler
 holds the request on until it is done, so the GPU denoises on while a finished video is encoded; on a CPU it runs
@@ -113,7 +114,8 @@ class WanRunner:
             if loaded.cold:
                 job.profiler.add("load", loaded.load_ms / 1000)
             job.profiler.record("text_encode", start, texts_done, batch_size=len(jobs))
-            job.profiler.record("image_prepare", texts_done, images_done, batch_size=len(jobs))
+            if job.input.image is not None:  # text-to-video has no image phase
+                job.profiler.record("image_prepare", texts_done, images_done, batch_size=len(jobs))
             try:
                 results[job.item.request_id] = self._prepare_one(job, loaded, fresh)
             except Exception as exc:  # noqa: BLE001 - this request fails, its neighbours go on
@@ -130,7 +132,7 @@ class WanRunner:
             for text in (job.item.prompt, s.negative_prompt) if s.guidance_scale > 1 else (job.item.prompt,):
                 texts.setdefault(prepare_cache.text_key(loaded.key, text), text)
         images = {prepare_cache.image_key(loaded.key, j.input.digest, j.input.settings.height,
-                                          j.input.settings.width): j for j in jobs}
+                                          j.input.settings.width): j for j in jobs if j.input.image is not None}
         fresh |= self._fill(texts, lambda missing: model.encode_texts([texts[k] for k in missing]))
         texts_done = self._synced()
         fresh |= self._fill(images, lambda missing: self._encode_images(model, [images[k] for k in missing]))
@@ -169,9 +171,13 @@ class WanRunner:
             negative, negative_hit = (self._text(loaded.key, model, s.negative_prompt, cached)
                                       if s.guidance_scale > 1 else (None, True))
             text, text_hit = TextEmbeds(text, negative), text_hit and negative_hit
-        with job.profiler.span("image_prepare"):
-            condition, image_hit = cached(prepare_cache.image_key(loaded.key, job.input.digest, s.height, s.width),
-                                          lambda: model.encode_image(image, s.height, s.width))
+        if image is None:  # text-to-video: no condition (the model's all-noise latents, a mask of ones)
+            condition, image_hit = None, True
+        else:
+            with job.profiler.span("image_prepare"):
+                condition, image_hit = cached(prepare_cache.image_key(loaded.key, job.input.digest, s.height,
+                                                                      s.width),
+                                              lambda: model.encode_image(image, s.height, s.width))
         with job.profiler.span("latents"):
             import torch
 
@@ -182,7 +188,8 @@ class WanRunner:
             raise RuntimeError(f"the noise scheduler made {job.denoise.total} timesteps for {s.steps} steps")
         job.trace.update({"diffusion.load_was_cold": loaded.cold, "diffusion.load_ms": round(loaded.load_ms, 3),
                           "diffusion.text_cache": "hit" if text_hit else "miss",
-                          "diffusion.image_cache": "hit" if image_hit else "miss",
+                          "diffusion.task": "image_to_video" if image is not None else "text_to_video",
+                          "diffusion.image_cache": ("hit" if image_hit else "miss") if image is not None else "none",
                           "diffusion.prepare_cache_hit": text_hit and image_hit,
                           "diffusion.cfg_batched": self.cfg_batched and s.guidance_scale > 1})
         return Progress(0, job.denoise.total)

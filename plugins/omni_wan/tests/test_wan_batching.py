@@ -265,3 +265,112 @@ def test_a_request_whose_prepare_fails_fails_alone(omni, images, tmp_path):
     assert list(failed) == ["b"] and "VAE encode failed" in failed["b"]
     assert sorted(e.request_id for e in events if isinstance(e, RequestFinished)) == ["a", "c"]
     assert (tmp_path / "a.mp4").is_file() and not (tmp_path / "b.mp4").exists()
+
+
+# ---- text-to-video and image-to-video rows in one forward ----------------------------------------------------
+
+# (prompt, image or None: text-to-video, seed, guidance): different prompts, seeds and guidance scales, all with CFG
+MIXED = {"i1": ("a red fox in the snow", "red", 1, 5.0), "t1": ("a paper boat on a rainy street", None, 2, 3.0),
+         "i2": ("a city street at night", "noise", 3, 7.5), "t2": ("a hot air balloon over hills", None, 4, 4.0),
+         "t3": ("a lighthouse in a storm", None, 5, 6.0)}
+
+
+@pytest.fixture(scope="module")
+def mixed(omni, tiny_model):
+    """A Wan node whose image policy is `optional`: one stage takes text-to-video and image-to-video requests (as
+    wan_t2v and wan_i2v do when they share a stage); on the session's host, so the model is the same one."""
+    from omni_kernel import NodeSpec, PipelinePlan
+    from omni_wan.plugin import NODE_TYPE
+
+    plan = PipelinePlan("wan_mixed", [NodeSpec("wan", NODE_TYPE, final=True, policy={"image": "optional"})])
+    return Omni(plan, host=omni.host, model=str(tiny_model), device="cpu")
+
+
+def _mixed_request(omni, rid, images, tmp_path):
+    prompt, image, seed, guidance = MIXED[rid]
+    return omni.request(prompt, image=images[image] if image else None, request_id=rid, **SIZE, seed=seed,
+                        guidance_scale=guidance, output=str(tmp_path / f"{rid}.mp4"), return_frames=True)
+
+
+def test_text_and_image_requests_share_forwards_and_match_their_solo_runs(mixed, images, tmp_path):
+    runner = mixed.graph.stages["wan"].engine.runner
+    calls, real = [], runner.run
+
+    def spy(batch):
+        if batch.phase == "denoise":
+            calls.append({r.request_id: step - 1 for r, step in zip(batch.records, batch.steps)})
+        return real(batch)
+
+    runner.run = spy
+    events = []
+
+    def progressed(rid, step):
+        return any(isinstance(e, StageProgress) and e.request_id == rid and e.step >= step for e in events)
+
+    try:
+        for rid in ("i1", "t1", "t3"):
+            mixed.submit(_mixed_request(mixed, rid, images, tmp_path))
+        while not progressed("i1", 1):
+            events += mixed.step()
+        mixed.submit(_mixed_request(mixed, "i2", images, tmp_path))  # an image request joins text ones mid-way
+        while not progressed("i1", 2):
+            events += mixed.step()
+        mixed.submit(_mixed_request(mixed, "t2", images, tmp_path))  # and a text request joins later still
+        while not progressed("t3", 3):
+            events += mixed.step()
+        mixed.abort("t3")  # a text request aborted mid-way: its neighbours go on
+        while mixed.has_unfinished():
+            events += mixed.step()
+    finally:
+        del runner.run
+
+    assert {"i1": 1, "t1": 1, "t3": 1, "i2": 0} in calls and {"i1": 2, "t1": 2, "t3": 2, "i2": 1, "t2": 0} in calls
+    assert [e.error for e in events if isinstance(e, RequestFailed)] == ["aborted"]
+    assert not (tmp_path / "t3.mp4").exists()
+    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    assert sorted(finished) == ["i1", "i2", "t1", "t2"]
+    for rid, result in finished.items():
+        assert result.trace["diffusion.task"] == ("text_to_video" if rid[0] == "t" else "image_to_video")
+        assert result.trace["diffusion.batch_size_max"] >= 4
+
+    for rid in sorted(finished):
+        solo = mixed.scheduler.generate(_mixed_request(mixed, rid, images, tmp_path / "solo"))
+        assert solo.trace["diffusion.batch_size_max"] == 1
+        ours, alone = finished[rid].output.data["frames"], solo.output.data["frames"]
+        assert ours.shape == alone.shape == (9, 64, 96, 3)
+        diff = float(np.abs(ours - alone).max())
+        print(f"{rid}: max abs diff vs solo {diff:.2e}")
+        assert diff <= 1e-4, (rid, diff)
+
+
+def test_per_token_timesteps_are_per_row(mixed, images, tmp_path):
+    """In one forward, an image row's first-frame tokens get timestep 0 and a text row's every token gets t."""
+    import torch
+
+    model = mixed.graph.stages["wan"].engine.runner.model
+    seen = []
+    real = model.pipe.transformer.forward
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["timestep"].clone())
+        return real(*args, **kwargs)
+
+    for rid in ("i1", "t1"):
+        mixed.submit(_mixed_request(mixed, rid, images, tmp_path))
+    model.pipe.transformer.forward = spy
+    try:
+        while not seen:
+            mixed.step()
+    finally:
+        del model.pipe.transformer.forward
+    for rid in ("i1", "t1"):
+        mixed.abort(rid)
+    while mixed.has_unfinished():
+        mixed.step()
+    [stamps] = seen  # cond and uncond rows of both requests in one forward: [4, seq]
+    tokens_per_frame = (64 // 32) * (96 // 32)
+    image_row, text_row = stamps[0], stamps[1]
+    assert stamps.shape == (4, 3 * tokens_per_frame)
+    assert (image_row[:tokens_per_frame] == 0).all() and (image_row[tokens_per_frame:] > 0).all()
+    assert (text_row == text_row[0]).all() and text_row[0] == image_row[-1] > 0  # both at their first step
+    assert torch.equal(stamps[2], image_row) and torch.equal(stamps[3], text_row)  # the uncond rows
