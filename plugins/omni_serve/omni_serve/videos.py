@@ -158,7 +158,9 @@ class VideoJobs:
         return job
 
     def list(self, after: str | None, limit: int, order: str) -> tuple[list[Job], bool]:
-        jobs = sorted(self.jobs.values(), key=lambda j: (j.created_at, j.id), reverse=order == "desc")
+        jobs = list(self.jobs.values())  # in creation order: created_at has whole seconds, ids are random
+        if order == "desc":
+            jobs.reverse()
         if after is not None:
             ids = [j.id for j in jobs]
             if after not in ids:
