@@ -68,7 +68,7 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         if image is not None:
             image.unlink(missing_ok=True)
-        raise api_error(exc) from None
+        raise jobs.about_upload(api_error(exc), image) from None
     job.model = model if model in served.names else name
     return job.to_json(served.settings.video_ttl)
 
