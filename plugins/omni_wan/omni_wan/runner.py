@@ -224,7 +224,14 @@ class WanRunner:
         job.profiler.record("export", start, time.perf_counter(), frames=len(job.frames))
         if job.item.params.profile:
             log.info("profile of request %s (%s):\n%s", job.item.request_id, self.node_id, job.profiler.table())
-            chrome = job.profiler.write_chrome_trace(profile_path(output), job.item.request_id)
+            try:
+                chrome = job.profiler.write_chrome_trace(profile_path(output), job.item.request_id)
+            except BaseException as exc:  # the request fails: it keeps no output, the MP4 neither
+                Path(output).unlink(missing_ok=True)
+                if isinstance(exc, OSError):
+                    raise RequestError(f"cannot write the profile trace {profile_path(output)}: "
+                                       f"{exc.strerror or exc}; the video was not kept") from None
+                raise
             job.trace["diffusion.profile_trace"] = str(chrome)
         return str(output)
 
