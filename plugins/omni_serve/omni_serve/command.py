@@ -128,11 +128,11 @@ class Timeouts:
 def timeout_options() -> list[click.Option]:
     seconds = click.FloatRange(min=0)
     return [
-        click.Option(["--header-timeout"], type=seconds, default=getattr(Timeouts(), 'header'), show_default=True,
+        click.Option(["--header-timeout"], type=seconds, default=Timeouts().header, show_default=True,
                      help="Seconds a request's headers may take to arrive; a slower connection is closed (0: none)."),
-        click.Option(["--body-timeout"], type=seconds, default=getattr(Timeouts(), 'body'), show_default=True,
+        click.Option(["--body-timeout"], type=seconds, default=Timeouts().body, show_default=True,
                      help="Seconds a request's body may take to arrive after its headers; slower is 408 (0: none)."),
-        click.Option(["--keep-alive-timeout"], type=seconds, default=getattr(Timeouts(), 'keep_alive'), show_default=True,
+        click.Option(["--keep-alive-timeout"], type=seconds, default=Timeouts().keep_alive, show_default=True,
                      help="Seconds an idle kept-alive connection stays open."),
     ]
 

@@ -57,7 +57,7 @@ class TimedH11Protocol(H11Protocol):
     def _too_slow(self) -> None:
         self.header_timer = None
         if not self.transport.is_closing():
-            client = "%s:%d" % self.client if self.client else "a client"
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
             log.info("closed the connection of %s: its request headers took more than %gs (--header-timeout)",
                      client, self.header_timeout)
             self.transport.close()
