@@ -113,11 +113,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+CHILDREN: list[Process] = []  # every server this run started: stopped however the run ends
+
+
+def stop_children() -> None:
+    for child in reversed(CHILDREN):
+        child.stop(timeout=10)
+
+
+def on_sigterm(signum, frame) -> None:
+    """SIGTERM (a time limit) or SIGHUP ends the run like Ctrl-C: the servers it started are stopped, not left
+    holding their models' memory."""
+    raise SystemExit(128 + signum)
+
+
+def handle_signals() -> None:
+    for name in ("SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), on_sigterm)
+
+
 class Process:
     def __init__(self, name: str, argv: list[str], port: int, log: Path):
         self.name, self.url, self.log = name, f"http://127.0.0.1:{port}", log
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(argv, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+        CHILDREN.append(self)
 
     def wait(self, timeout: float = 600) -> Process:
         deadline = time.monotonic() + timeout
@@ -133,13 +153,14 @@ class Process:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} did not start within {timeout}s")
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 60) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(60)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(10)
 
 
 async def http_run(url: str, model: str, reqs, token_ids: bool) -> dict:
@@ -411,4 +432,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    handle_signals()
+    try:
+        main()
+    finally:
+        stop_children()

@@ -160,7 +160,15 @@ def _signals_interrupt():
 
 def _drive(omni: Omni, request, stream: bool):
     """Run the request; return its result and whether the final node's text was streamed to stdout."""
-    progress = sys.stderr.isatty()
+    progress = _Progress() if sys.stderr.isatty() else None
+    try:
+        return _events(omni, request, stream, progress)
+    finally:
+        if progress is not None:
+            progress.end()  # a bar cut short by a failure or Ctrl-C: the error goes on a line of its own
+
+
+def _events(omni: Omni, request, stream: bool, progress):
     final = omni.graph.final
     streamed: set[str] = set()
     for event in omni.scheduler.generate_stream(request):
@@ -172,8 +180,8 @@ def _drive(omni: Omni, request, stream: bool):
             streamed.add(event.node_id)
         elif isinstance(event, StageFinished) and event.node_id in streamed and event.node_id != final:
             click.echo(err=True)
-        elif isinstance(event, StageProgress) and progress:
-            _progress(event)
+        elif isinstance(event, StageProgress) and progress is not None:
+            progress.show(event)
         elif isinstance(event, RequestFinished):
             if final in streamed:
                 click.echo()
@@ -185,13 +193,25 @@ def _drive(omni: Omni, request, stream: bool):
     raise OmniError("the request ended without a result")
 
 
-def _progress(event: StageProgress) -> None:
-    width = 30
-    filled = width * event.step // max(event.total, 1)
-    end = "\n" if event.step >= event.total else ""
-    sys.stderr.write(f"\r{event.node_id} {event.phase} [{'#' * filled}{'.' * (width - filled)}] "
-                     f"{event.step}/{event.total}{end}")
-    sys.stderr.flush()
+class _Progress:
+    """The progress bar on stderr; `open` while its line has not been ended."""
+
+    def __init__(self):
+        self.open = False
+
+    def show(self, event: StageProgress) -> None:
+        width = 30
+        filled = width * event.step // max(event.total, 1)
+        self.open = event.step < event.total
+        sys.stderr.write(f"\r{event.node_id} {event.phase} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{event.step}/{event.total}{'' if self.open else chr(10)}")
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.open:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.open = False
 
 
 def _one_line(exc: Exception) -> str:

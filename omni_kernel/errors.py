@@ -89,8 +89,19 @@ def classify(exc: BaseException) -> tuple[ErrorKind, str, str | None]:
     """(kind, one-line message, field) of an exception, for a StageFailed / RequestFailed event."""
     kind: ErrorKind = next((k for k, cls in KINDS.items() if isinstance(exc, cls)), "runtime")
     text = " ".join(str(exc).split())
-    message = text if kind != "runtime" else f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    message = text if kind != "runtime" else _plain(exc, text)
     return kind, message, getattr(exc, "field", None)
+
+
+def _plain(exc: BaseException, text: str) -> str:
+    """A runtime failure in words: omni's own errors and the system's (a read-only disk) say what happened; only
+    an unexpected exception keeps its type name, which is what tells its reader where it came from."""
+    if isinstance(exc, OmniError) and text:
+        return text
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f": {exc.filename}" if exc.filename else ""
+        return f"{exc.strerror[:1].lower()}{exc.strerror[1:]}{where}"
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def rebuild(kind: str, message: str, field: str | None = None) -> OmniError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -108,6 +109,33 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# What atomic_path names its temporary file: "." + the output's name + "." + mkstemp's 8 characters + the suffix.
+_ATOMIC_TMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp(\.[A-Za-z0-9]{1,8})?$")
+
+
+def atomic_leftovers(folder: str | Path, name: str | re.Pattern | None = None) -> list[Path]:
+    """The temporary files of atomic writes into `folder` (of outputs named `name`, or whose name matches the
+    pattern, or any) that were never renamed: what a process killed while it wrote an output leaves behind."""
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        match = _ATOMIC_TMP.match(entry.name)
+        if match is None or not entry.is_file():
+            continue
+        target = match.group("name")
+        if name is None or (target == name if isinstance(name, str) else name.fullmatch(target)):
+            found.append(entry)
+    return sorted(found)
+
+
+def remove_atomic_leftovers(folder: str | Path, name: str | re.Pattern | None = None) -> list[str]:
+    """Remove what `atomic_leftovers` finds; returns the paths removed."""
+    return remove_outputs(atomic_leftovers(folder, name))
 
 
 def sync_file(path: str | Path) -> None:

@@ -124,10 +124,20 @@ def _messages(value: Any) -> tuple[tuple[str, str], ...] | None:
             raise InvalidParameter(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
         if not isinstance(content, str):
             raise InvalidParameter(f"messages[{i}].content", "must be text")
+        if not _utf8(content):  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
+            raise InvalidParameter(f"messages[{i}].content", "is not valid UTF-8 text (it holds a lone surrogate)")
         out.append((role, content))
     if not out:
         raise InvalidParameter("messages", "is empty")
     return tuple(out)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _content(index: int, content: Any) -> Any:

@@ -27,6 +27,17 @@ def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | Non
                          "max_tokens")
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry, added and special
+    tokens included; a byte-level entry's length is its byte count, at least its character count): a prompt of
+    more than `context_window * longest_token` characters cannot fit, whatever its text."""
+    try:
+        vocab = tokenizer.get_vocab()
+        return max(1, max(map(len, vocab), default=1))
+    except Exception:  # noqa: BLE001 - a tokenizer without a readable vocabulary: a generous bound
+        return 256
+
+
 class ARInputProcessor:
     """`concurrent`: whether `process` may run beside a step (build.py sets it when the tokenizer is the stage's own
     copy, not the one the output side decodes with)."""
@@ -40,6 +51,22 @@ class ARInputProcessor:
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
+        self._longest: int | None = None
+
+    @property
+    def max_chars(self) -> int:
+        """The most characters a prompt (or the chat messages together) can have and still fit the context window;
+        longer text is refused before the tokenizer sees any of it (tokenizing megabytes holds the stage, and the
+        memory, for seconds)."""
+        if self._longest is None:
+            self._longest = longest_token(self.tokenizer)
+        return self.context_window * self._longest
+
+    def check_length(self, field: str, chars: int) -> None:
+        if chars > self.max_chars:
+            raise InvalidParameter(field, f"is {chars} characters, more than any prompt that fits the model's "
+                                          f"context window of {self.context_window} tokens can have "
+                                          f"({self.max_chars} characters at most)")
 
     def check(self, item: StageInput) -> None:
         pass  # an AR node is an entry node: its input is processed at submit
@@ -69,6 +96,7 @@ class ARInputProcessor:
                 raise InvalidParameter("prompt_token_ids",
                                        f"holds ids outside the vocabulary (0..{self.vocab_size - 1})")
         else:
+            self.check_length("prompt", len(prompt))
             if not prompt.strip():
                 raise InputError("the prompt is empty")
             ids, mode = self.tokenize(self.settings.render(prompt) if self.settings.render else prompt, raw)
@@ -87,6 +115,7 @@ class ARInputProcessor:
             raise InvalidParameter("messages", "this node writes its own prompt and takes no chat messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError("the model has no chat template, so it cannot take chat messages; send a prompt")
+        self.check_length("messages", sum(len(c) for _, c in messages))
         ids = self.tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages],
                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
         ids = list(ids)

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import click
 
 from omni_kernel.cli_options import placement_options
@@ -74,6 +75,7 @@ def serve_command() -> click.Command:
                                              "more gets 429 with Retry-After (0: no limit)."),
         click.Option(["--shutdown-timeout"], type=float, default=30.0, show_default=True,
                      help="Seconds in-flight requests may finish after SIGTERM/Ctrl-C before they are aborted."),
+        *timeout_options(),
         click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
                      help="A model-level setting of the pipelines' nodes (repeatable), e.g. -c ar_dtype=bf16."),
         *placement_options(),
@@ -83,8 +85,8 @@ def serve_command() -> click.Command:
 
     @click.pass_context
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, allowed_origins,
-              max_in_flight, shutdown_timeout, config_pairs, placement, ray_address, worker_threads, max_restarts, log_level,
-              **given):
+              max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout, config_pairs, placement,
+              ray_address, worker_threads, max_restarts, log_level, **given):
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
         try:
@@ -92,6 +94,7 @@ def serve_command() -> click.Command:
                        aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
                        max_in_flight=max_in_flight or None,
+                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout),
                        run_settings={"placement": placement, "ray_address": ray_address,
                                      "worker_threads": worker_threads, "max_restarts": max_restarts})
         except UserError as exc:
@@ -107,6 +110,31 @@ def serve_command() -> click.Command:
 
 class _UsageError(click.ClickException):
     exit_code = 2
+
+
+SHUTDOWN_GRACE_S = 3.0  # after --shutdown-timeout, what is left is failed; its error events get this long to go out
+
+
+@attrs.frozen
+class Timeouts:
+    """Slow clients' bounds (seconds; 0: none): a request's headers (from its first byte), its body (from its
+    headers), an idle kept-alive connection."""
+
+    header: float = 10.0
+    body: float = 60.0
+    keep_alive: float = 5.0
+
+
+def timeout_options() -> list[click.Option]:
+    seconds = click.FloatRange(min=0)
+    return [
+        click.Option(["--header-timeout"], type=seconds, default=Timeouts().header, show_default=True,
+                     help="Seconds a request's headers may take to arrive; a slower connection is closed (0: none)."),
+        click.Option(["--body-timeout"], type=seconds, default=Timeouts().body, show_default=True,
+                     help="Seconds a request's body may take to arrive after its headers; slower is 408 (0: none)."),
+        click.Option(["--keep-alive-timeout"], type=seconds, default=Timeouts().keep_alive, show_default=True,
+                     help="Seconds an idle kept-alive connection stays open."),
+    ]
 
 
 def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dict[str, tuple[str, dict]]:
@@ -151,8 +179,11 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
 
 def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
-               log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None) -> None:
+               log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None,
+               timeouts: Timeouts | None = None) -> None:
     import uvicorn
+
+    from .timeouts import TimedH11Protocol
 
     from .engine import AsyncOmni
     from .guards import ServeSettings
@@ -162,6 +193,8 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")
     if shutdown_timeout < 0:
         raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
+    timeouts = timeouts or Timeouts()
+    _return_large_blocks()
     plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs)
     run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
     plan = {name: (pipeline, {**config, **run_settings}) for name, (pipeline, config) in plan.items()}
@@ -184,10 +217,15 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         temp_dir = tempfile.mkdtemp(prefix="omni-serve-")
         output_dir = temp_dir
     settings = ServeSettings(Path(output_dir).expanduser().absolute(), api_key or None, video_ttl or None,
-                             max_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map)
+                             max_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map,
+                             timeouts.body or None)
     app = create_app(engine, settings)
+    # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):
+    # the app fails what is left at --shutdown-timeout itself (server.py), so uvicorn waits a little longer.
     config = uvicorn.Config(app.state.asgi, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout or None, lifespan="on")
+                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on",
+                            http=TimedH11Protocol, timeout_keep_alive=timeouts.keep_alive)
+    config.omni_header_timeout = timeouts.header  # read by TimedH11Protocol
     server = _Server(config, app, engine)
     try:
         server.run()
@@ -198,6 +236,23 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
     log.info("stopped")
+
+
+MMAP_THRESHOLD = 1 << 20
+
+
+def _return_large_blocks() -> None:
+    """Have glibc serve every allocation of 1 MiB or more with its own mapping, returned to the system when freed.
+    Its default threshold grows to the largest block freed so far, after which a refused 18 MB request body (and
+    its parsed copies) stays in the heap: RSS grew by ~50 MB a request. Elsewhere than glibc: nothing to do."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD; setting it also stops its dynamic growth
+    except (OSError, AttributeError):
+        log.debug("cannot set the malloc mmap threshold here", exc_info=True)
 
 
 class _Server:
@@ -226,8 +281,11 @@ class _Server:
                 if getattr(app.state, "exit_at", None) is None:
                     app.state.exit_at = time.monotonic()
                     engine._admitting = False  # a plain assignment: safe in a signal handler
+                    exiting = getattr(app.state, "exiting", None)  # the lifespan's drain (server.py) waits on it
+                    if exiting is not None:
+                        exiting()
                     log.info("shutting down (signal %s): no new requests; in-flight ones get up to %gs",
-                             sig, config.timeout_graceful_shutdown or 0)
+                             sig, app.state.served.settings.shutdown_timeout)
                 return super().handle_exit(sig, frame)
 
         return Server(config)

@@ -72,6 +72,7 @@ class AsyncOmni:
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
         self._flights: dict[str, _Flight] = {}  # engine thread only
+        self._submitting = 0  # admitted submits whose request is not in _flights yet (with the condition held)
         self._stop = False
         self._admitting = True
         self._thread: threading.Thread | None = None
@@ -122,13 +123,33 @@ class AsyncOmni:
             self._thread.join(timeout=30)
         return left_over
 
+    def drain(self, timeout: float, reason: str) -> int:
+        """Stop admitting, let requests in flight finish for up to `timeout` seconds, then fail the rest with
+        `reason` (each caller gets a RequestFailed of kind "aborted" saying it, so a stream ends with an error
+        event instead of being cut); the thread goes on. Returns how many requests were failed."""
+        with self._cond:
+            self._admitting = False
+            deadline = time.monotonic() + max(timeout, 0.0)
+            while self._busy() and self.alive and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if not self.alive or not self._busy():
+                return 0
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.append(("abort_all", reason, future))
+            self._cond.notify_all()
+        try:
+            return len(future.result(timeout=30))
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            return 0
+
     def _busy(self) -> bool:
-        """Requests in flight or queued (call with the condition held)."""
-        return bool(self._flights) or any(kind == "submit" for kind, _, _ in self._commands)
+        """Requests in flight or admitted (call with the condition held)."""
+        return self._in_flight() > 0
 
     def _in_flight(self) -> int:
-        """Requests admitted and not finished, queued submits included (call with the condition held)."""
-        return len(self._flights) + sum(kind == "submit" for kind, _, _ in self._commands)
+        """Requests admitted and not finished: from the moment a submit is admitted (queued, or being processed
+        on the engine thread) to its last event (call with the condition held)."""
+        return len(self._flights) + self._submitting
 
     # Thread-safe entry points.
 
@@ -144,6 +165,7 @@ class AsyncOmni:
                 future.set_exception(Overloaded(f"the server has {self.max_in_flight} requests in flight, as many as "
                                                 "it admits (--max-concurrent-requests); retry later"))
                 return future
+            self._submitting += 1  # counted from here: queued and being processed alike
             self._commands.append(("submit", (pipeline, request, on_event), future))
             self._cond.notify_all()
         return future
@@ -219,11 +241,15 @@ class AsyncOmni:
     def _run_command(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
         try:
             if kind == "submit":
-                result = self._submit(*payload)
+                try:
+                    result = self._submit(*payload)
+                finally:
+                    with self._cond:  # in _flights now (or refused): counted there from here
+                        self._submitting -= 1
             elif kind == "abort":
                 result = self._abort(payload)
             elif kind == "abort_all":
-                result = [self._abort(rid) for rid in list(self._flights)]
+                result = [self._abort(rid, payload) for rid in list(self._flights)]
             else:
                 result = payload()
         except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
@@ -250,13 +276,16 @@ class AsyncOmni:
         self._flights[rid] = _Flight(pipeline, on_event)
         return rid
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str | None = None) -> None:
         flight = self._flights.get(request_id)
         if flight is None:
             return
         self.omnis[flight.pipeline].abort(request_id)
         self._aborted += 1
-        # the abort's RequestFailed event comes out of the next step of that pipeline
+        if reason is not None:  # its caller learns why now; the scheduler's own event finds no flight
+            del self._flights[request_id]
+            self._deliver(flight, RequestFailed(request_id, None, reason, "aborted"))
+        # else the abort's RequestFailed event comes out of the next step of that pipeline
 
     def _step(self, name: str, omni: Omni) -> None:
         try:

@@ -31,6 +31,7 @@ class ServeSettings:
     allowed_origins: tuple[str, ...] = ()
     shutdown_timeout: float = 30.0
     aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
+    body_timeout: float | None = 60.0  # seconds a request's whole body may take to arrive (None: no limit)
 
 
 class OmniASGI:
@@ -96,10 +97,18 @@ class OmniASGI:
                         code="body_too_large")
 
     async def _buffer(self, scope, receive):
-        """Read the whole body (up to the limit) and replay it; then hand disconnects through."""
+        """Read the whole body (up to the limit, within the body timeout) and replay it; then hand disconnects
+        through."""
         chunks, size = [], 0
+        timeout = self.settings.body_timeout
+        deadline = None if not timeout else time.monotonic() + timeout
         while True:
-            message = await receive()
+            try:
+                message = await (receive() if deadline is None
+                                 else asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0)))
+            except asyncio.TimeoutError:
+                return receive, APIError(408, f"the request body did not arrive within {timeout:g}s "
+                                              "(--body-timeout)", code="request_timeout")
             if message["type"] == "http.disconnect":
                 return receive, APIError(400, "client disconnected")
             chunks.append(message.get("body", b""))
@@ -126,6 +135,8 @@ class OmniASGI:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if error.status == 401:
             headers.append((b"www-authenticate", b"Bearer"))
+        if error.status in (408, 413):  # the rest of the body is not read: the connection cannot be reused
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
@@ -151,3 +162,4 @@ async def until_disconnect(request: Request, coro):
             await task
         return None
     return task.result()
+

@@ -143,7 +143,7 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         if image is not None:
             image.unlink(missing_ok=True)
-        raise image_error(api_error(exc), image is not None) from None
+        raise image_error(served.jobs.about_upload(api_error(exc), image), image is not None) from None
     job.model = model if model in served.names else name
     return job.to_json(served.settings.video_ttl)
 

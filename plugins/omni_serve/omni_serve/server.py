@@ -46,17 +46,37 @@ async def lifespan(app: FastAPI):
     served: Served = app.state.served
     engine, settings = served.engine, served.settings
     engine.start()
+    served.jobs.sweep()  # what a server or worker killed mid-write left in --output-dir
     janitor = asyncio.create_task(_expire(served.jobs, settings.video_ttl))
+    exiting = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    app.state.exiting = lambda: loop.call_soon_threadsafe(exiting.set)  # the exit signal's handler calls it
+    drainer = asyncio.create_task(_drain_on_exit(app, exiting))
     try:
         yield
     finally:
         janitor.cancel()
+        drainer.cancel()
         exit_at = getattr(app.state, "exit_at", None)  # set by the command when the exit signal came
         left = settings.shutdown_timeout - (time.monotonic() - exit_at if exit_at else 0)
         aborted = await asyncio.to_thread(engine.shutdown, max(left, 0.0))
         await served.jobs.close()
         if aborted:
             log.info("shutdown: aborted %d request(s) still in flight after %gs", aborted, settings.shutdown_timeout)
+
+
+async def _drain_on_exit(app: FastAPI, exiting: asyncio.Event) -> None:
+    """Once the exit signal came: requests still in flight at --shutdown-timeout fail with an error saying so,
+    so each stream ends with an error event and [DONE] (before uvicorn cancels what is left, a little later)."""
+    await exiting.wait()
+    served: Served = app.state.served
+    timeout = served.settings.shutdown_timeout
+    left = timeout - (time.monotonic() - getattr(app.state, "exit_at", time.monotonic()))
+    failed = await asyncio.to_thread(served.engine.drain, max(left, 0.0),
+                                     f"the server shut down before this request finished (--shutdown-timeout "
+                                     f"{timeout:g}s)")
+    if failed:
+        log.info("shutdown: failed %d request(s) still in flight after %gs", failed, timeout)
 
 
 async def _expire(jobs: VideoJobs, ttl: float | None) -> None:

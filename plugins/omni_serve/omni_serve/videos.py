@@ -17,12 +17,23 @@ from typing import Any
 import attrs
 
 from omni_kernel.events import RequestFailed, RequestFinished, StageProgress
+from omni_kernel.files import remove_atomic_leftovers
 
 from .engine import AsyncOmni
 from .protocol import APIError
 
 log = logging.getLogger("omni")
 DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(.*)$", re.S)
+JOB_FILE = re.compile(r"video_[0-9a-f]{32}\..+")  # a job's MP4 (video_<id>.mp4) and what is named after it
+
+
+def scrub(message: str, upload: Path) -> str:
+    """`message` with the server's path of an uploaded image replaced by the field it came in."""
+    path = str(upload)
+    for shown, said in ((f"image {path!r}", "the input_reference image"), (repr(path), "input_reference"),
+                        (path, "input_reference")):
+        message = message.replace(shown, said)
+    return message
 
 
 @attrs.define
@@ -87,6 +98,14 @@ class VideoJobs:
             raise APIError(400, "invalid input_reference: the data URL is not valid base64", "input_reference") from None
 
     @staticmethod
+    def about_upload(error: APIError, upload: Path | None) -> APIError:
+        """An error about the uploaded image as the client knows it: `input_reference`, never the server's path."""
+        if upload is not None and str(upload) in error.message:
+            error.message, error.param = scrub(error.message, upload), "input_reference"
+            error.args = (error.message,)
+        return error
+
+    @staticmethod
     def new_id() -> str:
         return f"video_{uuid.uuid4().hex}"
 
@@ -130,8 +149,11 @@ class VideoJobs:
                         self._end(job, "completed")
                         job.progress = 100
                     elif isinstance(event, RequestFailed):
-                        param = "input_reference" if event.field == "image" else event.field  # the API's name
-                        job.error = {"code": event.kind, "message": event.error, "param": param}
+                        self._remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
+                        error = self.about_upload(APIError.of_failure(event.kind, event.error, event.field),
+                                                  job.upload)
+                        param = "input_reference" if error.param == "image" else error.param  # the API's name
+                        job.error = {"code": event.kind, "message": error.message, "param": param}
                         self._end(job, "failed")
                     elif job.status == "queued":
                         job.status = "in_progress"
@@ -186,6 +208,16 @@ class VideoJobs:
         for path in (job.path, job.upload):
             if path is not None:
                 path.unlink(missing_ok=True)
+        if job.path is not None:  # a stage worker killed while it wrote the MP4 leaves its temporary file
+            remove_atomic_leftovers(job.path.parent, re.compile(re.escape(job.path.stem) + r"\..+"))
+
+    def sweep(self) -> list[str]:
+        """Remove the temporary files of video writes that never finished (a worker killed mid-export, a server
+        killed before): at start and at shutdown. Only the server's own job files (video_<id>...) are touched."""
+        removed = remove_atomic_leftovers(self.output_dir, JOB_FILE)
+        if removed:
+            log.info("removed %d unfinished video file(s) from %s", len(removed), self.output_dir)
+        return removed
 
     def expire(self) -> int:
         if not self.ttl:
@@ -211,3 +243,4 @@ class VideoJobs:
             for leftover in self.uploads.iterdir():
                 leftover.unlink(missing_ok=True)
             self.uploads.rmdir()
+        self.sweep()

@@ -44,6 +44,9 @@ def check_request(prompt: str, output: str | None, request_id: str, profile: boo
     cannot be written (see omni_kernel.files.check_output_path)."""
     if not prompt.strip():
         raise InputError("the prompt is empty")
+    if output is not None and not output.strip():
+        raise InvalidParameter("output", "is empty; name a file such as out.mp4, or leave it out for "
+                                         f"omni_{request_id}.mp4")
     path = Path(output or f"omni_{request_id}.mp4").expanduser()
     if path.suffix.lower() != ".mp4":
         raise InvalidParameter("output", f"{str(path)!r} must end in .mp4 (the stage writes H.264 MP4)")

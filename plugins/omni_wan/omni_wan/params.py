@@ -12,7 +12,7 @@ import attrs
 from omni_kernel.errors import InvalidParameter
 from omni_kernel.params import MAX_SEED, boolean, integer, number, option, text
 
-from .presets import PRESETS
+from .presets import MAX_GUIDANCE, PRESETS
 
 VAE_DTYPES = ("fp32", "bf16", "fp16")
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
@@ -65,7 +65,8 @@ class WanParams:
     num_inference_steps: int | None = option(None, help="denoise steps (overrides the preset)", type=int,
                                              flag="--steps", validator=integer(1))
     guidance_scale: float | None = option(None, help="classifier-free guidance scale (overrides the preset)",
-                                          type=float, flag="--guidance-scale", validator=number(minimum=0))
+                                          type=float, flag="--guidance-scale",
+                                          validator=number(minimum=0, maximum=MAX_GUIDANCE))
     # The AR params declare the same field and flag: one --seed reaches both stages of qwen_to_wan_i2v.
     seed: int | None = option(None, help="random seed for sampling and noise", type=int, flag="--seed",
                               validator=integer(0, MAX_SEED))

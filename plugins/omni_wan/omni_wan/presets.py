@@ -23,6 +23,9 @@ DEFAULT_NEGATIVE_PROMPT = (
 MAX_SIDE = 4096
 MAX_FRAMES = 1025
 MAX_STEPS = 1000
+# Classifier-free guidance past this gives no usable video (Wan2.2 uses 5; diffusers' pipelines stay under 20),
+# and at 1e30 the prediction overflows: every latent becomes NaN and the "video" is noise.
+MAX_GUIDANCE = 100.0
 SAFE_STEPS = 100  # below this no scheduler config is read (every Wan2.2 scheduler gives distinct timesteps)
 
 
@@ -108,6 +111,9 @@ def validate(settings: Settings, layout: ModelLayout) -> None:
     if (frames - 1) % t or not 1 <= frames <= MAX_FRAMES:
         raise InvalidParameter("num_frames", f"{frames} must be {t}k+1 (1, {t + 1}, {2 * t + 1}, ...) and at most "
                                              f"{MAX_FRAMES}; nearest valid: {_nearest(frames, t, 1, 1, MAX_FRAMES)}")
+    if not 0 <= settings.guidance_scale <= MAX_GUIDANCE:
+        raise InvalidParameter("guidance_scale", f"{settings.guidance_scale:g} is outside 0..{MAX_GUIDANCE:g} (Wan2.2 "
+                                                 "uses 5; above 1 turns classifier-free guidance on)")
     if settings.steps > MAX_STEPS:
         raise InvalidParameter("num_inference_steps", f"{settings.steps} is over the limit of {MAX_STEPS}")
     if settings.steps > SAFE_STEPS and layout.path is not None and settings.steps > (limit := max_steps(layout.path)):

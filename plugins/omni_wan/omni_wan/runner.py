@@ -22,6 +22,7 @@ from typing import Any
 import attrs
 from omni_hf import Loaded
 
+from omni_kernel.errors import RequestError
 from omni_kernel.request import StageInput
 from omni_kernel.scheduler import DiffusionSchedulerOutput, StepJob
 
@@ -88,7 +89,8 @@ class WanRunner:
             job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
             job.batch_sizes.append(len(jobs))
             job.trace["diffusion.cfg_batched"] = self.cfg_batched and job.input.settings.guidance_scale > 1
-        return {j.item.request_id: Progress(step + 1, j.denoise.total) for j, step in zip(jobs, steps)}
+        return {j.item.request_id: _finite(j, step) or Progress(step + 1, j.denoise.total)
+                for j, step in zip(jobs, steps)}
 
     def free(self, record: StepJob) -> None:
         job = record.state
@@ -229,7 +231,14 @@ class WanRunner:
         job.profiler.record("export", start, time.perf_counter(), frames=len(job.frames))
         if job.item.params.profile:
             log.info("profile of request %s (%s):\n%s", job.item.request_id, self.node_id, job.profiler.table())
-            chrome = job.profiler.write_chrome_trace(profile_path(output), job.item.request_id)
+            try:
+                chrome = job.profiler.write_chrome_trace(profile_path(output), job.item.request_id)
+            except BaseException as exc:  # the request fails: it keeps no output, the MP4 neither
+                Path(output).unlink(missing_ok=True)
+                if isinstance(exc, OSError):
+                    raise RequestError(f"cannot write the profile trace {profile_path(output)}: "
+                                       f"{exc.strerror or exc}; the video was not kept") from None
+                raise
             job.trace["diffusion.profile_trace"] = str(chrome)
         return str(output)
 
@@ -246,6 +255,19 @@ class WanRunner:
         import torch
 
         return torch.cuda.synchronize
+
+
+def _finite(job: WanJob, step: int) -> RequestError | None:
+    """None while the job's latents are finite; else the error that fails this request alone (its batch goes on):
+    a NaN or an infinity never goes away, and the video would be noise."""
+    import torch
+
+    if bool(torch.isfinite(job.denoise.latents).all()):
+        return None
+    s = job.input.settings
+    return RequestError(f"the video's latents stopped being finite at denoise step {step + 1} of {job.denoise.total} "
+                        f"(guidance_scale {s.guidance_scale:g}, {s.steps} steps): lower guidance_scale or try "
+                        "another seed")
 
 
 def _remove_output(future: Future) -> None:
