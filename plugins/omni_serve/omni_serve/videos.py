@@ -37,7 +37,9 @@ def scrub(message: str, upload: Path) -> str:
 
 
 @attrs.define
-class Job:
+class VideoJobRecord:
+    """One video job as the server keeps it (protocol.VideoJob is its answer's shape)."""
+
     id: str
     model: str
     created_at: int
@@ -70,7 +72,7 @@ class VideoJobs:
         self.uploads = output_dir / ".uploads"
         self.ttl = ttl
         self.metrics = metrics
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, VideoJobRecord] = {}
 
     def counts(self) -> dict[str, int]:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
@@ -110,11 +112,11 @@ class VideoJobs:
         return f"video_{uuid.uuid4().hex}"
 
     async def create(self, job_id: str, model: str, prompt: str, image: Path | None, params: dict[str, Any],
-                     size: str | None, seconds: str | None) -> Job:
+                     size: str | None, seconds: str | None) -> VideoJobRecord:
         """Submit the job's request; a UserError raises here (answered 400), nothing is left behind."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / f"{job_id}.mp4"
-        job = Job(job_id, model, int(time.time()), size, seconds, prompt or None, path=path, upload=image)
+        job = VideoJobRecord(job_id, model, int(time.time()), size, seconds, prompt or None, path=path, upload=image)
         try:
             stream = await self.engine.open(model, prompt, image=None if image is None else str(image),
                                             request_id=job_id, output=str(path), **params)
@@ -125,7 +127,7 @@ class VideoJobs:
         job.task = asyncio.create_task(self._follow(job, stream), name=f"omni-{job_id}")
         return job
 
-    async def _follow(self, job: Job, stream) -> None:
+    async def _follow(self, job: VideoJobRecord, stream) -> None:
         last = time.perf_counter()
         final = self.engine.omnis[job.model].graph.final
         try:
@@ -168,18 +170,18 @@ class VideoJobs:
                 job.upload.unlink(missing_ok=True)
                 job.upload = None
 
-    def _end(self, job: Job, status: str) -> None:
+    def _end(self, job: VideoJobRecord, status: str) -> None:
         job.status = status
         job.completed_at = int(time.time())
         job.finished = time.monotonic()
 
-    def get(self, job_id: str) -> Job:
+    def get(self, job_id: str) -> VideoJobRecord:
         job = self.jobs.get(job_id)
         if job is None:
             raise APIError(404, f"no video {job_id!r} (never created, deleted, or expired)", "video_id", "not_found")
         return job
 
-    def list(self, after: str | None, limit: int, order: str) -> tuple[list[Job], bool]:
+    def list(self, after: str | None, limit: int, order: str) -> tuple[list[VideoJobRecord], bool]:
         jobs = list(self.jobs.values())  # in creation order: created_at has whole seconds, ids are random
         if order == "desc":
             jobs.reverse()
@@ -204,7 +206,7 @@ class VideoJobs:
         # A step that was writing the file when the abort arrived finishes first: remove it again after that.
         self.engine.call(lambda: self._remove_files(job))
 
-    def _remove_files(self, job: Job) -> None:
+    def _remove_files(self, job: VideoJobRecord) -> None:
         for path in (job.path, job.upload):
             if path is not None:
                 path.unlink(missing_ok=True)

@@ -22,7 +22,7 @@ from omni_kernel.scheduler import DiffusionScheduler
 from omni_kernel.stage import Stage
 
 from .demo import ensure_demo_model
-from .device import Placement, place
+from .device import WanDevice, place
 from .inputs import IMAGE_POLICIES, WanInputProcessor
 from .layout import ModelLayout, read_layout
 from .loader import ModelPool
@@ -76,7 +76,7 @@ def latent_tokens(s: Settings, layout: ModelLayout) -> int:
     return tokens * (2 if s.guidance_scale > 1 else 1)
 
 
-def token_budget(config: WanConfig, placement: Placement, layout: ModelLayout) -> tuple[int, str]:
+def token_budget(config: WanConfig, placement: WanDevice, layout: ModelLayout) -> tuple[int, str]:
     """`wan_max_batch_tokens`, or a default: on a GPU, half its memory beyond 24 GiB (the weights, the VAE
     decode) at a rough 4 bytes x (ffn_dim + 8 x hidden) of activations per token (bf16, with headroom)."""
     if config.wan_max_batch_tokens is not None:

@@ -22,7 +22,10 @@ _BIG_GPU_BYTES = 40 * 2**30
 
 
 @attrs.frozen
-class Placement:
+class WanDevice:
+    """Where and how a Wan model runs: its device, dtypes and offload (the kernel's placement is another thing:
+    which process a stage runs in)."""
+
     device: Device
     dtype: str  # transformer and text encoder
     vae_dtype: str
@@ -38,7 +41,7 @@ class Placement:
                 "diffusion.vae_dtype_reason": self.vae_dtype_reason, "diffusion.offload": self.offload}
 
 
-def place(config: WanConfig) -> Placement:
+def place(config: WanConfig) -> WanDevice:
     """CPU offload is on by default with a GPU (a 5B transformer plus a umt5-xxl encoder fill 24 GB cards);
     `disable_cpu_offload` keeps everything on the GPU. On the CPU offload does not apply."""
     import torch
@@ -46,9 +49,9 @@ def place(config: WanConfig) -> Placement:
     if resolve_device(config.device) == "cuda":
         memory = torch.cuda.get_device_properties(0).total_memory
         vae_dtype, why = resolve_vae_dtype(config.vae_dtype, "cuda", memory)
-        return Placement("cuda", "bf16", vae_dtype, why, "off" if config.disable_cpu_offload else "model_cpu_offload")
+        return WanDevice("cuda", "bf16", vae_dtype, why, "off" if config.disable_cpu_offload else "model_cpu_offload")
     vae_dtype, why = resolve_vae_dtype(config.vae_dtype, "cpu")
-    return Placement("cpu", "fp32", vae_dtype, why, "not applicable (CPU)")
+    return WanDevice("cpu", "fp32", vae_dtype, why, "not applicable (CPU)")
 
 
 def resolve_vae_dtype(requested: str | None, device: Device, gpu_memory_bytes: int = 0) -> tuple[str, str]:

@@ -10,7 +10,7 @@ import omni_hf
 from omni_kernel.errors import ModelError
 from omni_kernel.files import safetensors_shapes
 
-from .device import Placement
+from .device import WanDevice
 from .layout import WEIGHTS
 
 log = logging.getLogger("omni")
@@ -22,14 +22,14 @@ class ModelPool:
     def __init__(self):
         self.models = omni_hf.ModelPool(lambda key: _load(Path(key[0]), key[1]))
 
-    def acquire(self, path: Path, placement: Placement) -> omni_hf.Loaded:
+    def acquire(self, path: Path, placement: WanDevice) -> omni_hf.Loaded:
         return self.models.acquire((str(path), placement))  # the key names the model in prepare-cache keys too
 
     def clear(self) -> None:
         self.models.clear()
 
 
-def _load(path: Path, placement: Placement):
+def _load(path: Path, placement: WanDevice):
     from .model import Wan22I2VPipeline
 
     log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)", path, placement.device, placement.vae_dtype,

@@ -22,7 +22,7 @@ from omni_hf import torch_dtype
 
 from .cpu_vae import speed_up_cpu_vae
 from .crossattn import CrossKV, TextKV
-from .device import Placement
+from .device import WanDevice
 
 log = logging.getLogger("omni")
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline
@@ -65,14 +65,14 @@ class DenoiseState:
 
 
 class Wan22I2VPipeline:
-    def __init__(self, pipe, placement: Placement):
+    def __init__(self, pipe, placement: WanDevice):
         self.pipe = pipe
         self.placement = placement
         # Offloaded, the transformer's weights reach the GPU only inside a forward: project the text there.
         self.cross_kv = None if placement.offloaded else CrossKV(pipe.transformer)
 
     @classmethod
-    def load(cls, path: str | Path, placement: Placement) -> Wan22I2VPipeline:
+    def load(cls, path: str | Path, placement: WanDevice) -> Wan22I2VPipeline:
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
         dtype = torch_dtype(placement.dtype)

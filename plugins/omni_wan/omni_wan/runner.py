@@ -27,7 +27,7 @@ from omni_kernel.request import StageInput
 from omni_kernel.scheduler import DiffusionSchedulerOutput, StepJob
 
 from . import prepare_cache
-from .device import Placement
+from .device import WanDevice
 from .inputs import WanInput
 from .layout import ModelLayout
 from .model import TextEmbeds
@@ -57,7 +57,7 @@ class WanJob:
 
 
 class WanRunner:
-    def __init__(self, node_id: str, layout: ModelLayout, placement: Placement, loaded: Loaded,
+    def __init__(self, node_id: str, layout: ModelLayout, placement: WanDevice, loaded: Loaded,
                  cache: prepare_cache.PrepareCache, video_preset: str = "veryfast"):
         self.node_id = node_id
         self.layout = layout
