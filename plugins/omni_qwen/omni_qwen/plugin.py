@@ -27,3 +27,9 @@ class QwenPlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(AR_TEXT)
+
+    @hookimpl
+    def omni_register_commands(self, register):
+        from .commands import models_command
+
+        register(models_command)

@@ -101,10 +101,9 @@ class QwenStages:
 
         path = config.ar_model
         if path is None:
-            from .demo import ensure_demo_checkpoint
+            from .default_model import default_ar_model
 
-            path = ensure_demo_checkpoint()
-            log.info("using a random-weight demo model at %s; pass --ar-model DIR for real weights", path)
+            path = default_ar_model()
         return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device),
                 config.ar_trust_remote_code)
 
