@@ -117,9 +117,9 @@ class QwenStages:
         return self.models[key]
 
     def paged_model(self, key: tuple):
-        """The PagedQwen2 over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
+        """The PagedDecoder over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
         if key not in self.paged_models:
-            from .paged.qwen2 import PagedQwen2
+            from .paged.decoder import PagedDecoder
 
-            self.paged_models[key] = PagedQwen2(self.model(key).model)
+            self.paged_models[key] = PagedDecoder(self.model(key).model)
         return self.paged_models[key]
