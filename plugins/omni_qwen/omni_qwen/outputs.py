@@ -42,7 +42,12 @@ class AROutputProcessor:
         self.requests: dict[str, RequestText] = {}
 
     def add(self, item: StageInput) -> None:
-        self.requests[item.request_id] = RequestText(item, IncrementalDetokenizer(self.decode), time.perf_counter())
+        """A new request; its text starts with the node's answer prefix (written for the model, streamed first)
+        unless its prompt came as token ids."""
+        prompt = item.processed
+        prefix = "" if prompt is not None and prompt.mode.endswith("token_ids") else self.settings.answer_prefix
+        self.requests[item.request_id] = RequestText(item, IncrementalDetokenizer(self.decode), time.perf_counter(),
+                                                     text=prefix)
 
     def drop(self, request_id: str) -> None:
         self.requests.pop(request_id, None)

@@ -14,7 +14,7 @@ from omni_kernel.request import StageInput
 from omni_kernel.scheduler import RequestOutput
 from omni_kernel.stage import Stage
 
-from .bridge_prompt import CONTRACT, bridge_prompt
+from .bridge_prompt import ANSWER_PREFIX, CONTRACT, bridge_messages, bridge_prompt
 from .config import PROMPT_BRIDGE_POLICY, TEXT_GENERATION_POLICY, ARNodeSettings, QwenConfig, node_policy
 from .inputs import ARInputProcessor
 from .outputs import AROutputProcessor
@@ -86,7 +86,8 @@ class QwenStages:
 
     def prompt_bridge(self, node: NodeSpec, config: QwenConfig | None) -> ARStage:
         policy = node_policy(node, PROMPT_BRIDGE_POLICY)
-        settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, max_tokens=policy["max_tokens"],
+        settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, messages=bridge_messages,
+                                  answer_prefix=ANSWER_PREFIX, max_tokens=policy["max_tokens"],
                                   max_num_seqs=policy["max_num_seqs"], contract=CONTRACT, prompt_label="bridge_")
         return self._build(node, config or QwenConfig(), settings)
 
