@@ -50,8 +50,9 @@ def _path(instance, attribute, value) -> None:
 class QwenConfig:
     """Model-level settings of the AR stages of one run (docs/qwen.md, "Serving engine")."""
 
-    ar_model: str | os.PathLike | None = option(None, help="Local causal-LM directory (default: a tiny demo model)",
-                                  flag="--ar-model", validator=_path)
+    ar_model: str | os.PathLike | None = option(
+        None, help="Local causal-LM directory (default: SmolLM2-135M-Instruct from `omni models fetch`, else a tiny "
+                   "demo model)", flag="--ar-model", validator=_path)
     ar_dtype: str | None = option(None, help="weights dtype (default: the checkpoint's)", choices=DTYPE_NAMES)
     ar_device: str | None = option(None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)",
                                    validator=text)
