@@ -11,8 +11,8 @@ runtime's whole decode-only step (StageScheduler down to the model) at batch 32 
 contiguous cache, and one request alone. Prompts are token ids (request parameter prompt_token_ids); EOS is
 ignored everywhere (request parameter ignore_eos). The last line printed is one JSON object.
 
-`--workload real` measures real trained weights instead: SmolLM2-135M-Instruct (bf16, from omni's cache; `omni
-models fetch`) on real chat prompts whose lengths EOS decides (greedy, capped at --max-tokens): omni against HF
+`--workload real` measures real trained weights instead: SmolLM2-135M-Instruct (from omni's cache; `omni
+models fetch`; fp32 unless --dtype bf16) on real chat prompts whose lengths EOS decides (greedy, capped at --max-tokens): omni against HF
 `generate` one request at a time, static left-padded batches of 32 and transformers' continuous batching,
 in alternating rounds (A B C D, D C B A, ...), medians of the per-round ratios. Tokens are counted up to and
 without the EOS in every system.
@@ -273,6 +273,7 @@ def single_request(runtime: Runtime, model, prompt_len: int, out_len: int):
     return tok_s, hf_tok_s, text.getvalue()
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 TOPICS = ("volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "black holes", "honeybees", "the internet",
           "climate change", "chess", "the human heart", "rainforests", "electric cars", "the moon landing", "coffee",
           "earthquakes", "ancient Egypt")
@@ -334,8 +335,8 @@ def hf_eos_continuous(model, prompts, max_tokens: int, eos: int) -> float | None
         return None
 
 
-def omni_eos_rate(host, path, prompts, max_tokens: int) -> tuple[float, dict]:
-    omni = Omni("ar_text", host=host, ar_model=str(path), ar_dtype="bf16", ar_device="cpu", ar_kv_backend="paged",
+def omni_eos_rate(host, path, prompts, max_tokens: int, dtype: str) -> tuple[float, dict]:
+    omni = Omni("ar_text", host=host, ar_model=str(path), ar_dtype=dtype, ar_device="cpu", ar_kv_backend="paged",
                 ar_kv_memory="512MiB", ar_max_num_batched_tokens=512, ar_max_num_seqs=64)
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -363,11 +364,12 @@ def real_workload(args) -> None:
     max_tokens = args.max_tokens or (128 if args.quick else 256)
     prompts = real_prompts(tokenizer, n)
     host = load_host()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    dtype = args.dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
     sequential = prompts[:3 if args.quick else 6]
-    omni_eos_rate(host, path, prompts[:2], 4)  # warm: loads the stage's model once for the host
+    omni_eos_rate(host, path, prompts[:2], 4, dtype)  # warm: loads the stage's model once for the host
     hf_eos_generate(model, prompts[:2], 4, eos)
-    systems = {"runtime": lambda: omni_eos_rate(host, path, prompts, max_tokens),
+    systems = {"runtime": lambda: omni_eos_rate(host, path, prompts, max_tokens, dtype),
                "hf_sequential": lambda: hf_eos_rate(model, sequential, max_tokens, eos, batch=1),
                "hf_static": lambda: hf_eos_rate(model, prompts, max_tokens, eos, batch=32),
                "hf_cb": lambda: hf_eos_continuous(model, prompts, max_tokens, eos)}
@@ -381,7 +383,7 @@ def real_workload(args) -> None:
                 out, shape = out
             tok_s[name].append(out)
             say(f"round {r + 1} {name}: {out} tok/s ({time.perf_counter() - stage:.0f}s)")
-    figures: dict = {"workload": "real", "model": str(path), "quick": args.quick, "requests": n,
+    figures: dict = {"workload": "real", "model": str(path), "dtype": dtype, "quick": args.quick, "requests": n,
                      "max_tokens": max_tokens, "sequential_requests": len(sequential),
                      "threads": torch.get_num_threads(), "rounds": args.rounds, **shape}
     figures.update({f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items() if None not in v})
@@ -398,6 +400,9 @@ def main() -> None:
     parser.add_argument("--workload", choices=("random", "real"), default="random",
                         help="random: the Qwen2.5-0.5B-shaped random model, token-id prompts, EOS ignored; real: "
                              "SmolLM2 weights, chat prompts, EOS-driven lengths")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                        help="real workload: weights dtype for every system (fp32: on these CPUs a bf16 matmul "
+                             "at batch 32 took 4x the fp32 time)")
     parser.add_argument("--max-tokens", type=int, default=0, help="real workload: cap per request (0: 128 with "
                                                                   "--quick, else 256)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
