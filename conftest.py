@@ -12,7 +12,12 @@ pytest_plugins = ["omni_kernel.testing"]
 
 @pytest.fixture(scope="session", autouse=True)
 def _omni_cache(omni_cache):
-    return omni_cache
+    """Plus OMNI_AR_DEFAULT=tiny: a run without ar_model uses the tiny random-weight model, fast and always
+    there; tests of the real default model (SmolLM2, omni_qwen/default_model.py) pass it explicitly."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("OMNI_AR_DEFAULT", "tiny")
+    yield omni_cache
+    patch.undo()
 
 
 @pytest.fixture(autouse=True)

@@ -11,12 +11,20 @@ runtime's whole decode-only step (StageScheduler down to the model) at batch 32 
 contiguous cache, and one request alone. Prompts are token ids (request parameter prompt_token_ids); EOS is
 ignored everywhere (request parameter ignore_eos). The last line printed is one JSON object.
 
+`--workload real` measures real trained weights instead: SmolLM2-135M-Instruct (from omni's cache; `omni
+models fetch`; fp32 unless --dtype bf16) on real chat prompts whose lengths EOS decides (greedy, capped at
+--max-tokens): omni against HF `generate` one request at a time, static left-padded batches of 32 and
+transformers' continuous batching, in alternating rounds (A B C D, D C B A, ...), medians of the per-round
+ratios. Tokens are counted up to and without the EOS in every system.
+
     .venv/bin/python benchmarks/ar_serving.py --quick
+    .venv/bin/python benchmarks/ar_serving.py --workload real --quick
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import json
@@ -271,8 +279,138 @@ def single_request(runtime: Runtime, model, prompt_len: int, out_len: int):
     return tok_s, hf_tok_s, text.getvalue()
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+TOPICS = ("volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "black holes", "honeybees", "the internet",
+          "climate change", "chess", "the human heart", "rainforests", "electric cars", "the moon landing", "coffee",
+          "earthquakes", "ancient Egypt")
+TASKS = ("Write a short paragraph about {}.", "Explain {} to a ten-year-old.", "Give three facts about {}.",
+         "What is the most surprising thing about {}?")
+
+
+def real_prompts(tokenizer, n: int) -> list[list[int]]:
+    texts = [task.format(topic) for task in TASKS for topic in TOPICS][:n]
+    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                          tokenize=True, return_dict=False) for t in texts]
+
+
+def useful(tokens: list[int], eos: int) -> int:
+    """Tokens generated before the first EOS (what every system is credited with)."""
+    return tokens.index(eos) if eos in tokens else len(tokens)
+
+
+def hf_eos_generate(model, prompts, max_tokens: int, eos: int) -> int:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt)
+        mask[row, width - len(prompt):] = 1
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                             pad_token_id=eos)
+    return sum(useful(row, eos) for row in out[:, width:].tolist())
+
+
+def hf_eos_rate(model, prompts, max_tokens: int, eos: int, batch: int) -> float:
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(prompts), batch):
+        tokens += hf_eos_generate(model, prompts[i:i + batch], max_tokens, eos)
+    return tokens / (time.perf_counter() - start)
+
+
+def hf_eos_continuous(model, prompts, max_tokens: int, eos: int) -> float | None:
+    try:
+        config = GenerationConfig(eos_token_id=eos, pad_token_id=eos, do_sample=False, max_new_tokens=max_tokens)
+        with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+            start = time.perf_counter()
+            ids = [manager.add_request(p, request_id=f"cb{i}", max_new_tokens=max_tokens)
+                   for i, p in enumerate(prompts)]
+            tokens, finished = 0, set()
+            while len(finished) < len(ids):
+                result = manager.get_result(timeout=600)
+                if result is None:
+                    raise RuntimeError("transformers continuous batching stalled")
+                if result.is_finished() and result.request_id not in finished:
+                    finished.add(result.request_id)
+                    tokens += useful(list(result.generated_tokens), eos)
+            elapsed = time.perf_counter() - start
+        model.set_attn_implementation("sdpa")
+        return tokens / elapsed
+    except Exception as exc:  # noqa: BLE001 - the baseline is optional: report it missing, keep the run
+        say(f"hf continuous batching failed: {type(exc).__name__}: {exc}")
+        return None
+
+
+def omni_eos_rate(host, path, prompts, max_tokens: int, dtype: str) -> tuple[float, dict]:
+    omni = Omni("ar_text", host=host, ar_model=str(path), ar_dtype=dtype, ar_device="cpu", ar_kv_backend="paged",
+                ar_kv_memory="512MiB", ar_max_num_batched_tokens=512, ar_max_num_seqs=64)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        omni.submit(omni.request("", request_id=f"e{i}", prompt_token_ids=prompt, max_tokens=max_tokens))
+    traces = drain(omni)
+    elapsed = time.perf_counter() - start
+    stops = collections.Counter(t["ar.stop_reason"] for t in traces)
+    lengths = [t["ar.output_tokens"] for t in traces]
+    return sum(lengths) / elapsed, {"stop_reasons": dict(stops), "median_output_tokens": statistics.median(lengths)}
+
+
+def real_workload(args) -> None:
+    """The --workload real run (module docstring)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from omni_qwen.registry_model import FETCH_COMMAND, cached
+
+    path = cached()
+    if path is None:
+        raise SystemExit(f"SmolLM2-135M-Instruct is not in omni's cache: `{FETCH_COMMAND}` fetches it")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    eos = tokenizer.eos_token_id
+    n = 32 if args.quick else 64
+    max_tokens = args.max_tokens or (128 if args.quick else 256)
+    prompts = real_prompts(tokenizer, n)
+    host = load_host()
+    dtype = args.dtype
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
+    sequential = prompts[:3 if args.quick else 6]
+    omni_eos_rate(host, path, prompts[:2], 4, dtype)  # warm: loads the stage's model once for the host
+    hf_eos_generate(model, prompts[:2], 4, eos)
+    systems = {"runtime": lambda: omni_eos_rate(host, path, prompts, max_tokens, dtype),
+               "hf_sequential": lambda: hf_eos_rate(model, sequential, max_tokens, eos, batch=1),
+               "hf_static": lambda: hf_eos_rate(model, prompts, max_tokens, eos, batch=32),
+               "hf_cb": lambda: hf_eos_continuous(model, prompts, max_tokens, eos)}
+    tok_s: dict[str, list] = {name: [] for name in systems}
+    shape = {}
+    for r in range(args.rounds):
+        for name in (list(systems) if r % 2 == 0 else list(reversed(systems))):
+            stage = time.perf_counter()
+            out = systems[name]()
+            if name == "runtime":
+                out, shape = out
+            tok_s[name].append(out)
+            say(f"round {r + 1} {name}: {out} tok/s ({time.perf_counter() - stage:.0f}s)")
+    figures: dict = {"workload": "real", "model": str(path), "dtype": dtype, "quick": args.quick, "requests": n,
+                     "max_tokens": max_tokens, "sequential_requests": len(sequential),
+                     "threads": torch.get_num_threads(), "rounds": args.rounds, **shape}
+    figures.update({f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items() if None not in v})
+    for name, key in (("hf_sequential", "ratio_vs_sequential"), ("hf_static", "ratio_vs_static"),
+                      ("hf_cb", "ratio_vs_hf_cb")):
+        pairs = [a / b for a, b in zip(tok_s["runtime"], tok_s[name]) if b]
+        figures[key] = statistics.median(pairs) if pairs else None
+    figures["total_s"] = time.perf_counter() - t0
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", choices=("random", "real"), default="random",
+                        help="random: the Qwen2.5-0.5B-shaped random model, token-id prompts, EOS ignored; real: "
+                             "SmolLM2 weights, chat prompts, EOS-driven lengths")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                        help="real workload: weights dtype for every system (fp32: on these CPUs a bf16 matmul "
+                             "at batch 32 took 4x the fp32 time)")
+    parser.add_argument("--max-tokens", type=int, default=0, help="real workload: cap per request (0: 128 with "
+                                                                  "--quick, else 256)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
@@ -281,6 +419,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="omni: %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.workload == "real":
+        return real_workload(args)
     quick = args.quick
     n = 16 if quick else 64
     reqs = workload(n, (32, 256), (32, 256) if not quick else (16, 64))

@@ -1,11 +1,12 @@
 """Run `qwen_to_wan_i2v`: Qwen writes supplemental guidance for the prompt (streamed here as it is written),
 the bridge merges it into the Wan prompt, and Wan2.2 renders the image into a video.
 
-    python examples/qwen_to_wan_i2v.py                                  # both tiny demo models
+    python examples/qwen_to_wan_i2v.py                                  # SmolLM2 + the tiny demo Wan
     python examples/qwen_to_wan_i2v.py --ar-model ./models/Qwen2.5-0.5B-Instruct \
         --model ./models/Wan2.2-TI2V-5B-Diffusers --image photo.jpg --preset fast
 
-The demo Qwen writes noise, so the bridge falls back to the user's prompt (the trace says why).
+With SmolLM2 the guidance usually parses and is merged into the Wan prompt; the tiny demo Qwen (when SmolLM2
+is not fetched) writes noise, so the bridge falls back to the user's prompt. The trace says which.
 """
 
 import argparse
@@ -21,7 +22,8 @@ IMAGE = Path(__file__).resolve().parent / "assets" / "image.png"
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Qwen-guided image-to-video.")
-    parser.add_argument("--ar-model", help="a local Qwen2.5 directory (default: the tiny demo model)")
+    parser.add_argument("--ar-model", help="a local causal-LM directory (default: SmolLM2-135M-Instruct, else the "
+                                           "tiny demo model)")
     parser.add_argument("--model", help="a local Wan2.2-TI2V-5B-Diffusers directory (default: the tiny demo model)")
     parser.add_argument("--image", default=str(IMAGE))
     parser.add_argument("--prompt", default="A lighthouse on a rocky coast at dusk, waves rolling in")

@@ -167,23 +167,26 @@ def test_the_image_is_decoded_once_with_the_wan_node_downstream(omni, tmp_path, 
     assert [e.request_id for e in finished] == [rid] and decodes == [str(IMAGE)]
 
 
-GOOD_REPLY = ('Sure! ```json\n{"guidance": "slow dolly-in,\\n soft lumière at dawn", "negative_prompt": "blur"}\n```')
+GOOD_REPLY = '{"guidance": "slow dolly-in,\\n soft lumière at dawn", "negative_prompt": "blur"}'
 
 
 def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, monkeypatch):
     """The demo Qwen writes noise, so its reply is forced: `Sampler.sample` is replaced to return, one per
-    step, the demo tokenizer's ids of GOOD_REPLY and then <|im_end|>. Everything else is real: the Qwen2 model
+    step, the demo tokenizer's ids of GOOD_REPLY after the answer prefix the node wrote for the model
+    (`{"guidance": "`), then <|im_end|>. Everything else is real: the Qwen2 model
     still runs prefill and every decode step, the executor detokenizes, streams and stops on EOS, the connector
     parses and merges, and the Wan2.2 stage encodes the merged prompt and writes the MP4."""
     from transformers import AutoTokenizer
 
     from omni_kernel import RequestFinished, TokenDelta
     from omni_qwen import sampling
+    from omni_qwen.bridge_prompt import ANSWER_PREFIX
     from omni_qwen.demo import demo_dir
 
     tokenizer = AutoTokenizer.from_pretrained(demo_dir())
-    script = tokenizer.encode(GOOD_REPLY) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    assert tokenizer.decode(script[:-1], clean_up_tokenization_spaces=False) == GOOD_REPLY
+    continuation = GOOD_REPLY.removeprefix(ANSWER_PREFIX)
+    script = tokenizer.encode(continuation) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    assert tokenizer.decode(script[:-1], clean_up_tokenization_spaces=False) == continuation
 
     tokens = iter(script)
 

@@ -1,7 +1,7 @@
 """The two KV backends behind ARModelRunner. Both consume the ARScheduler's chunks (prefill chunks and decodes
 of many requests) and return the logits of the chunks that sample; the runner never sees which one runs.
 
-- PagedBackend: the runtime owns K/V in a preallocated KVPool of blocks; ONE PagedQwen2 forward per engine
+- PagedBackend: the runtime owns K/V in a preallocated KVPool of blocks; ONE PagedDecoder forward per engine
   step covers every scheduled chunk. The scheduler's BlockManager is the pool's real allocator.
 - DynamicCacheBackend: one transformers DynamicCache per request and one model call per chunk (any causal
   LM). The BlockManager is then pure bookkeeping that keeps the caches within the same memory budget.
@@ -18,7 +18,7 @@ from omni_kernel.ar_scheduler import ARSchedulerOutput
 
 from .paged.batch import build_step
 from .paged.pool import KVPool
-from .paged.qwen2 import PagedQwen2
+from .paged.decoder import PagedDecoder
 
 
 class ARBackend(Protocol):
@@ -69,7 +69,7 @@ class PagedBackend:
     kv_trace = {"kv_cache": True, "kv_cache_type": "PagedKVPool", "kv_cache_backend": "paged",
                 "kv_cache_source": "runtime", "runtime_kv_manager": True}
 
-    def __init__(self, model: PagedQwen2, pool: KVPool):
+    def __init__(self, model: PagedDecoder, pool: KVPool):
         self.model = model
         self.pool = pool
 

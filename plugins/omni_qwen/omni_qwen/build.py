@@ -26,14 +26,14 @@ from .inputs import ARInputProcessor
 from .model import CausalLM
 from .outputs import AROutputProcessor
 from .paged.pool import KVPool
-from .paged.qwen2 import PagedQwen2
+from .paged.decoder import PagedDecoder
 from .runner import ARModelRunner
 
 log = logging.getLogger("omni")
 
 
 def choose_backend(config: QwenConfig, model) -> str:
-    reason = PagedQwen2.supports(model.config)
+    reason = PagedDecoder.supports(model.config)
     if config.ar_kv_backend == "paged" and reason:
         raise ModelError(f"ar_kv_backend='paged' cannot serve this model: {reason}; "
                          "use ar_kv_backend='dynamic_cache'")
@@ -52,8 +52,8 @@ def kv_bytes_per_token(config, element_size: int) -> int:
 
 
 def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig,
-                paged_model: Callable[[], PagedQwen2]) -> Stage:
-    """`paged_model()` gives the (shared) PagedQwen2 over `lm`'s weights, built on first use."""
+                paged_model: Callable[[], PagedDecoder]) -> Stage:
+    """`paged_model()` gives the (shared) PagedDecoder over `lm`'s weights, built on first use."""
     model, context_window = lm.model, lm.context_window
     backend_name = choose_backend(config, model)
     per_token = kv_bytes_per_token(model.config, torch.empty((), dtype=model.dtype).element_size())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numbers
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -50,8 +50,9 @@ def _path(instance, attribute, value) -> None:
 class QwenConfig:
     """Model-level settings of the AR stages of one run (docs/qwen.md, "Serving engine")."""
 
-    ar_model: str | os.PathLike | None = option(None, help="Local causal-LM directory (default: a tiny demo model)",
-                                  flag="--ar-model", validator=_path)
+    ar_model: str | os.PathLike | None = option(
+        None, help="Local causal-LM directory (default: SmolLM2-135M-Instruct from `omni models fetch`, else a tiny "
+                   "demo model)", flag="--ar-model", validator=_path)
     ar_dtype: str | None = option(None, help="weights dtype (default: the checkpoint's)", choices=DTYPE_NAMES)
     ar_device: str | None = option(None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)",
                                    validator=text)
@@ -173,6 +174,10 @@ class ARNodeSettings:
 
     chat: bool = True  # the prompt goes in as one user message through the chat template
     render: Callable[[str], str] | None = None  # the text the model reads for a user's prompt (None: unchanged)
+    # The chat the model reads for a user's prompt where it has a chat template (None: render's text as one
+    # user message), and the start of its answer, written for it (the output text begins with it).
+    messages: Callable[[str], Sequence[tuple[str, str]]] | None = None
+    answer_prefix: str = ""
     max_tokens: int | None = None  # the node's token budget; None: EOS or the context window
     max_num_seqs: int | None = None  # None: the run's ar_max_num_seqs, else DEFAULT_MAX_NUM_SEQS
     contract: str | None = None

@@ -16,7 +16,7 @@ from pathlib import Path
 from omni_kernel.errors import ModelError
 from omni_kernel.files import cache_dir
 
-from .bridge_prompt import BRIDGE_INSTRUCTION
+from .bridge_prompt import bridge_prompt
 
 log = logging.getLogger("omni")
 
@@ -51,7 +51,7 @@ CORPUS = (
     "Café, naïve, façade, résumé, über, Straße, español, niño, Ångström, ça va ?",
     "def generate(prompt):\n    return model(prompt)\n\nfor i in range(10):\n    print(i)\n",
     "你好，世界！Hello, world! こんにちは。안녕하세요。Привет, мир!",
-) + (BRIDGE_INSTRUCTION,)
+) + (bridge_prompt(""),)  # the bridge's instruction and worked examples, so they encode compactly
 
 
 def demo_dir() -> Path:

@@ -99,7 +99,7 @@ class ARInputProcessor:
             self.check_length("prompt", len(prompt))
             if not prompt.strip():
                 raise InputError("the prompt is empty")
-            ids, mode = self.tokenize(self.settings.render(prompt) if self.settings.render else prompt, raw)
+            ids, mode = self.tokenize(prompt, raw)
             if not ids:
                 raise InputError("the prompt encodes to no tokens")
         if len(ids) >= self.context_window:
@@ -124,10 +124,21 @@ class ARInputProcessor:
                              f"{self.context_window} tokens (room is needed for at least one new token)")
         return ids, self.settings.prompt_label + "chat_messages"
 
-    def tokenize(self, text: str, raw: bool = False) -> tuple[list[int], str]:
-        """`text` as one user message through the chat template, or raw text when there is none (or `raw`)."""
-        if not raw and self.settings.chat and getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=True, return_dict=False)
-            return list(ids), "chat_template"
-        return list(self.tokenizer.encode(text)), "raw"
+    def tokenize(self, prompt: str, raw: bool = False) -> tuple[list[int], str]:
+        """The user's prompt as the node renders it: through the chat template (one user message, or the node's
+        own chat) or as raw text when there is none (or `raw`: a completion continues the text as it is); then
+        the node's answer prefix, if any."""
+        settings, tokenizer = self.settings, self.tokenizer
+        if raw:
+            return list(tokenizer.encode(prompt)), "raw"
+        text = settings.render(prompt) if settings.render else prompt
+        if settings.chat and getattr(tokenizer, "chat_template", None):
+            turns = settings.messages(prompt) if settings.messages else [("user", text)]
+            messages = [{"role": role, "content": content} for role, content in turns]
+            if not settings.answer_prefix:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False)
+                return list(ids), "chat_template"
+            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return list(tokenizer.encode(rendered + settings.answer_prefix, add_special_tokens=False)), "chat_template"
+        return list(tokenizer.encode(text + settings.answer_prefix)), "raw"

@@ -42,7 +42,11 @@ class AROutputProcessor:
         self.model_trace = dict(model_trace)  # ar.* fields of the model and KV backend, without the prefix
 
     def add(self, seq: ARSequence) -> None:
-        seq.output = RequestText(IncrementalDetokenizer(self.decode), time.perf_counter())
+        """A new request; its text starts with the node's answer prefix (written for the model, streamed first)
+        unless its prompt came as token ids."""
+        prompt = seq.item.processed
+        prefix = "" if prompt is not None and prompt.mode.endswith("token_ids") else self.settings.answer_prefix
+        seq.output = RequestText(IncrementalDetokenizer(self.decode), time.perf_counter(), text=prefix)
 
     def process(self, outputs: list[RequestOutput]) -> tuple[list, list[str]]:
         """Token deltas and StageFinished/StageFailed events; the ids of requests stopped on a stop string."""

@@ -9,7 +9,7 @@ from pathlib import Path
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.stage import Stage
 
-from .bridge_prompt import CONTRACT, bridge_prompt
+from .bridge_prompt import ANSWER_PREFIX, CONTRACT, bridge_messages, bridge_prompt
 from .config import PROMPT_BRIDGE_POLICY, TEXT_GENERATION_POLICY, ARNodeSettings, QwenConfig, QwenParams, node_policy
 
 log = logging.getLogger("omni")
@@ -38,7 +38,8 @@ class QwenStages:
 
     def prompt_bridge(self, node: NodeSpec, config: QwenConfig | None) -> Stage:
         policy = node_policy(node, PROMPT_BRIDGE_POLICY)
-        settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, max_tokens=policy["max_tokens"],
+        settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, messages=bridge_messages,
+                                  answer_prefix=ANSWER_PREFIX, max_tokens=policy["max_tokens"],
                                   max_num_seqs=policy["max_num_seqs"], contract=CONTRACT, prompt_label="bridge_")
         return self._build(node, config or QwenConfig(), settings)
 
@@ -53,10 +54,9 @@ class QwenStages:
 
         path = config.ar_model
         if path is None:
-            from .demo import ensure_demo_checkpoint
+            from .default_model import default_ar_model
 
-            path = ensure_demo_checkpoint()
-            log.info("using a random-weight demo model at %s; pass --ar-model DIR for real weights", path)
+            path = default_ar_model()
         return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device),
                 config.ar_trust_remote_code)
 
@@ -65,7 +65,7 @@ class QwenStages:
         return self.models.acquire(key).model
 
     def paged_model(self, key: tuple):
-        """The PagedQwen2 over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
+        """The PagedDecoder over a loaded model, built once (it merges the model's q/k/v and gate/up weights)."""
         return self.paged_models.acquire(key).model
 
 
@@ -77,9 +77,9 @@ def _load_causal_lm(key: tuple):
 
 
 def _paged(lm):
-    from .paged.qwen2 import PagedQwen2
+    from .paged.decoder import PagedDecoder
 
-    return PagedQwen2(lm.model)
+    return PagedDecoder(lm.model)
 
 
 class QwenPlugin:
@@ -99,3 +99,9 @@ class QwenPlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(AR_TEXT)
+
+    @hookimpl
+    def omni_register_commands(self, register):
+        from .commands import models_command
+
+        register(models_command)

@@ -36,6 +36,23 @@ def qwen25_tokenizer(qwen25_tokenizer_dir):
     return AutoTokenizer.from_pretrained(qwen25_tokenizer_dir)
 
 
+# The real SmolLM2-135M-Instruct, where `make models` / `omni models fetch` put it: the user's cache, looked up
+# now, before the session fixture points OMNI_CACHE_DIR at a temporary directory.
+from omni_qwen.registry_model import FETCH_COMMAND, SMOLLM2, cached  # noqa: E402
+
+SMOLLM2_DIR = cached(SMOLLM2)
+NO_SMOLLM2 = (f"the real {SMOLLM2.name} is not in omni's cache: `make models` or `{FETCH_COMMAND}` fetches it "
+              "(make test does)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2 directory (read-only for tests); skips the test when it was never fetched."""
+    if SMOLLM2_DIR is None:
+        pytest.skip(NO_SMOLLM2)
+    return SMOLLM2_DIR
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     from omni_qwen.demo import train_tokenizer

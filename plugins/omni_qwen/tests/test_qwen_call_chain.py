@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 
 from omni_kernel import Omni
-from omni_qwen.paged.qwen2 import PagedQwen2
+from omni_qwen.paged.decoder import PagedDecoder
 
 
 def chain_to(cls, method: str, run) -> list[str]:
@@ -31,7 +31,7 @@ def chain_to(cls, method: str, run) -> list[str]:
 
 def test_ar_text_reaches_the_forward_in_seven_frames(host):
     omni = Omni("ar_text", host=host, ar_device="cpu")
-    chain = chain_to(PagedQwen2, "forward", lambda: omni.generate("hi", max_tokens=2))
+    chain = chain_to(PagedDecoder, "forward", lambda: omni.generate("hi", max_tokens=2))
     assert chain == ["omni_kernel.stage_scheduler.generate", "omni_kernel.stage_scheduler.step",
                      "omni_kernel.stage.step", "omni_kernel.engine.step", "omni_qwen.runner.run",
-                     "omni_qwen.backends.forward", "PagedQwen2.forward"]
+                     "omni_qwen.backends.forward", "PagedDecoder.forward"]

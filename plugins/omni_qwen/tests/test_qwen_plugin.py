@@ -44,7 +44,7 @@ def test_model_loads_once_per_path(host, tiny_ckpt):
     assert len({id(lm.tokenizer), id(a.inputs.tokenizer), id(b.inputs.tokenizer)}) == 3
     assert a.concurrent_process and b.concurrent_process
     assert a.inputs.tokenizer.encode("a red fox") == lm.tokenizer.encode("a red fox")
-    assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedQwen2, owned by the plugin
+    assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedDecoder, owned by the plugin
     assert a.engine.runner.backend.pool is not b.engine.runner.backend.pool  # each stage its own KV pool
 
 
@@ -70,7 +70,7 @@ def test_installed_script_runs_ar_text_on_the_demo(omni_cache):
     proc = subprocess.run([str(script), "run", "--pipeline", "ar_text", "--stream", "--prompt",
                            "生成1000字的文本，描述一所学校"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "using a random-weight demo model" in proc.stderr and "--ar-model DIR" in proc.stderr
+    assert "default AR model: the tiny random-weight demo model (OMNI_AR_DEFAULT=tiny)" in proc.stderr
     assert "paged KV backend" in proc.stderr and "max concurrency" in proc.stderr
     assert proc.stdout.strip()
     lines = {line.split()[0]: line.split(None, 1)[1] for line in proc.stderr.splitlines() if line.startswith("ar.")}

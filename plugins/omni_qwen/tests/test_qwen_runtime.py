@@ -158,9 +158,12 @@ def test_stop_strings(paged):
     assert_freed(omni)
 
 
-def test_bridge_token_budget(tiny_ckpt, run_plan):
+def test_bridge_token_budget(run_plan):
+    from omni_qwen.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint()  # its 512-token context holds the bridge's worked examples (tiny_ckpt's 256 not)
     events = []
-    result = run_plan("ar.prompt_bridge", "a fox runs through snow", {"ar_model": str(tiny_ckpt)},
+    result = run_plan("ar.prompt_bridge", "a fox runs through snow", {"ar_model": str(demo)},
                       policy={"max_tokens": 9}, stream=True, events=events)
     out = result.output
     assert out.stop_reason == "max_tokens" and out.contract == "supplemental_guidance"
@@ -168,11 +171,14 @@ def test_bridge_token_budget(tiny_ckpt, run_plan):
     assert result.trace["ar.prompt_mode"] == "bridge_chat_template"
     assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == out.text
     assert any(isinstance(e, StageFinished) for e in events)
-    from omni_qwen.bridge_prompt import BRIDGE_INSTRUCTION
+    from omni_qwen.bridge_prompt import ANSWER_PREFIX, BRIDGE_INSTRUCTION, EXAMPLES
 
-    pipeline_tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(tiny_ckpt)
+    pipeline_tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(demo)
     prompt_text = pipeline_tokenizer.decode(out.data["prompt_token_ids"])
     assert BRIDGE_INSTRUCTION in prompt_text and "a fox runs through snow" in prompt_text
+    assert all(guidance in prompt_text for _, guidance in EXAMPLES)  # the worked turns
+    assert prompt_text.endswith("<|im_start|>assistant\n" + ANSWER_PREFIX)  # the answer is started for the model
+    assert out.text.startswith(ANSWER_PREFIX)  # and the output text is the whole answer
 
 
 def test_seed_reproduces_and_seeds_differ(omni):

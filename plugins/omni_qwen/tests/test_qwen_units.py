@@ -140,11 +140,13 @@ def test_backend_choice_falls_back_for_models_the_paged_forward_lacks():
     def model(**config):
         return SimpleNamespace(config=SimpleNamespace(**config))
 
-    qwen2, llama = model(model_type="qwen2"), model(model_type="llama")
-    assert choose_backend(QwenConfig(), qwen2) == "paged"
+    qwen2, llama, qwen3 = model(model_type="qwen2"), model(model_type="llama"), model(model_type="qwen3")
+    assert choose_backend(QwenConfig(), qwen2) == choose_backend(QwenConfig(), llama) == "paged"
     assert choose_backend(QwenConfig(ar_kv_backend="dynamic_cache"), qwen2) == "dynamic_cache"
-    assert choose_backend(QwenConfig(), llama) == "dynamic_cache"
+    assert choose_backend(QwenConfig(), qwen3) == "dynamic_cache"
     assert choose_backend(QwenConfig(), model(model_type="qwen2", layer_types=["sliding_attention"])) == \
         "dynamic_cache"
+    assert choose_backend(QwenConfig(), model(model_type="llama", hidden_act="gelu")) == "dynamic_cache"
+    assert choose_backend(QwenConfig(), model(model_type="llama", pretraining_tp=2)) == "dynamic_cache"
     with pytest.raises(ModelError, match="dynamic_cache"):
-        choose_backend(QwenConfig(ar_kv_backend="paged"), llama)
+        choose_backend(QwenConfig(ar_kv_backend="paged"), qwen3)

@@ -21,7 +21,7 @@ class KVPool:
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int) -> KVPool:
-        """A pool shaped for a PagedQwen2, on its device and in its dtype."""
+        """A pool shaped for a PagedDecoder, on its device and in its dtype."""
         return cls(len(model.layers), model.num_kv_heads, model.head_dim, num_blocks, block_size, model.dtype,
                    model.device)
 

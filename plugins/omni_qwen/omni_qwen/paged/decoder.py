@@ -1,4 +1,11 @@
-"""PagedQwen2: the project's own Qwen2 forward over a HF Qwen2ForCausalLM's weights and a KVPool.
+"""PagedDecoder: the project's own decoder forward over a HF Qwen2ForCausalLM's or LlamaForCausalLM's weights
+and a KVPool (SmolLM2 is a Llama).
+
+The two families share one layer structure (RMSNorm, rotary attention with grouped K/V heads, SiLU-gated MLP);
+they differ in which projections carry a bias (Qwen2: q/k/v; Llama: all attention projections with
+`attention_bias`, the MLP's with `mlp_bias`), in tied embeddings and in rope parameters, which come from the
+HF model's own rotary module. `supports` names what this forward does not implement, so those models take
+the dynamic_cache backend.
 
 Every linear layer runs once over the flattened tokens of the whole step. q/k/v and gate/up are merged into
 one matmul each; the HF modules are re-pointed at views of the merged weights, so nothing is duplicated and
@@ -32,20 +39,29 @@ class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv_w, self.qkv_b = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_w = attn.o_proj.weight
-        self.gate_up_w, _ = _merge([mlp.gate_proj, mlp.up_proj])
-        self.down_w = mlp.down_proj.weight
+        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.gate_up_w, self.gate_up_b = _merge([mlp.gate_proj, mlp.up_proj])
+        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
 
-class PagedQwen2:
+# The model types whose HF decoder layer is exactly the structure above (no q/k norms, no sliding window).
+FAMILIES = ("qwen2", "llama")
+
+
+class PagedDecoder:
     @staticmethod
     def supports(config) -> str | None:
         """Why this forward cannot run a model with `config` (None: it can)."""
-        if getattr(config, "model_type", None) != "qwen2":
-            return f"it implements the Qwen2 architecture, not {getattr(config, 'model_type', None)!r}"
+        model_type = getattr(config, "model_type", None)
+        if model_type not in FAMILIES:
+            return f"it implements the {' and '.join(FAMILIES)} architectures, not {model_type!r}"
         if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
             return "it does not implement sliding-window attention"
+        if getattr(config, "hidden_act", "silu") != "silu":
+            return f"it implements the SiLU-gated MLP, not hidden_act {config.hidden_act!r}"
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            return "it does not implement pretraining_tp > 1"
         return None
 
     def __init__(self, model):
@@ -96,10 +112,10 @@ class PagedQwen2:
             k_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, k)
             v_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, v)
             attn = self._attend(step, q, k_pool, v_pool, workspace)
-            x = x + F.linear(attn, layer.o_w)
+            x = x + F.linear(attn, layer.o_w, layer.o_b)
             h = self._norm(x, layer.ln2)
-            gate, up = F.linear(h, layer.gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_w)
+            gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
         h = self._norm(x.index_select(0, step.sample_rows), self.norm)
         return F.linear(h, self.lm_head)
 

