@@ -83,14 +83,10 @@ class Engine:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a step would make progress (at once when there is work to schedule)."""
-        if self.failed:
-            return True
-        return self.dead is None and self.scheduler.wait(timeout)
+        return bool(self.failed) or (self.dead is None and self.scheduler.wait(timeout))
 
     def stats(self) -> StageStats:
-        if self.dead is not None:
-            return StageStats(dead=str(self.dead))
-        return self.scheduler.stats()
+        return self.scheduler.stats() if self.dead is None else StageStats(dead=str(self.dead))
 
     def _die(self, exc: Exception) -> list[RequestOutput]:
         log.error("engine failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)

@@ -115,27 +115,17 @@ def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
 _ATOMIC_TMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp(\.[A-Za-z0-9]{1,8})?$")
 
 
-def atomic_leftovers(folder: str | Path, name: str | re.Pattern | None = None) -> list[Path]:
-    """The temporary files of atomic writes into `folder` (of outputs named `name`, or whose name matches the
-    pattern, or any) that were never renamed: what a process killed while it wrote an output leaves behind."""
+def remove_atomic_leftovers(folder: str | Path, name: str | re.Pattern | None = None) -> list[str]:
+    """Remove the temporary files of atomic writes into `folder` (of outputs named `name`, or whose name matches
+    the pattern, or any) that were never renamed: what a process killed while it wrote an output leaves behind.
+    Returns the paths removed."""
     try:
-        entries = list(Path(folder).iterdir())
+        entries = [e for e in Path(folder).iterdir() if _ATOMIC_TMP.match(e.name) and e.is_file()]
     except OSError:
         return []
-    found = []
-    for entry in entries:
-        match = _ATOMIC_TMP.match(entry.name)
-        if match is None or not entry.is_file():
-            continue
-        target = match.group("name")
-        if name is None or (target == name if isinstance(name, str) else name.fullmatch(target)):
-            found.append(entry)
-    return sorted(found)
-
-
-def remove_atomic_leftovers(folder: str | Path, name: str | re.Pattern | None = None) -> list[str]:
-    """Remove what `atomic_leftovers` finds; returns the paths removed."""
-    return remove_outputs(atomic_leftovers(folder, name))
+    targets = {e: _ATOMIC_TMP.match(e.name).group("name") for e in entries}
+    return remove_outputs(sorted(e for e, t in targets.items() if name is None
+                                 or (t == name if isinstance(name, str) else name.fullmatch(t))))
 
 
 def sync_file(path: str | Path) -> None:

@@ -19,7 +19,7 @@ from .params import ARParams
 from .registry import NodeType
 from .request import StageInput, StageOutput
 from .scheduler import SchedulerOutput, StepScheduler
-from .stage import Outputs, Stage
+from .stage import Inputs, Outputs, Stage
 
 _WORD = re.compile(r"\s*\S+|\s+")
 
@@ -45,12 +45,7 @@ class IdentityRunner:
         pass
 
 
-class EchoInputs:
-    concurrent = True
-
-    def check(self, item: StageInput) -> None:
-        pass
-
+class EchoInputs(Inputs):
     def process(self, item: StageInput) -> StageInput:
         if not item.prompt:
             raise InvalidParameter("prompt", "must not be empty")

@@ -7,9 +7,9 @@ it is added). StepScheduler runs
 up to `max_batch` requests from the front of its queue that share a batch key, and whose `cost(item)` sums to at
 most `max_cost` (the first always runs); DiffusionScheduler names the steps as phases (prepare, denoise 0..n-1,
 decode, export), only batches requests in the same phase, and with `phase_order` runs the first listed phase
-any request is in (prepare before denoise: newcomers join the denoise batch at the next step). A step's result
-may be a `concurrent.futures.Future` (work the runner finishes in the background, e.g. an MP4 export): the
-request stays held, is not scheduled again, and finishes (`collect`) when the future is done. The ARScheduler
+any request is in (prepare before denoise: newcomers join the denoise batch at the next step). The result of a
+request's last step may be a `concurrent.futures.Future` (work the runner finishes in the background, e.g. an MP4
+export): the request stays held, is not scheduled again, and finishes (`collect`) when it is done. The ARScheduler
 (ar_scheduler.py) is the token-level one.
 """
 
@@ -116,7 +116,7 @@ class StepScheduler:
                 continue  # aborted or failed since
             job.step += 1
             result = results[rid]
-            if isinstance(result, Future):
+            if isinstance(result, Future) and job.step >= job.total:
                 job.pending = result
             elif job.step >= job.total:
                 self.queue.remove(job)
@@ -131,10 +131,6 @@ class StepScheduler:
         for job in [j for j in self.queue if j.pending is not None and j.pending.done()]:
             self.queue.remove(job)
             error = job.pending.exception() if not job.pending.cancelled() else RuntimeError("cancelled")
-            if error is None and job.step < job.total:
-                job.pending = None  # more steps to go
-                self.queue.append(job)
-                continue
             result = None if error is not None else job.pending.result()
             job.pending = None  # delivered: freeing the request now leaves what it made
             outputs.append(RequestOutput(job.request_id, result, None if error else "done", error, record=job))

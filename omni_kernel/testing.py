@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 try:
     import pytest
@@ -31,15 +31,7 @@ except ImportError:  # drain and wait_until work without pytest
 T = TypeVar("T")
 
 
-class Steppable(Protocol):
-    """An Omni, a StageScheduler, an Engine, a Stage: whatever `step()`s requests to their end."""
-
-    def has_unfinished(self) -> bool: ...
-
-    def step(self) -> list: ...
-
-
-def drain(stepper: Steppable, limit: int | None = 10_000, *, until: Callable[[], bool] | None = None,
+def drain(stepper: Any, limit: int | None = 10_000, *, until: Callable[[], bool] | None = None,
           on_step: Callable[[list], Any] | None = None) -> list:
     """Step `stepper` until nothing is unfinished (or, given `until`, until `until()` is true); return everything
     its steps returned, in order (events from an Omni or a StageScheduler, RequestOutputs from an Engine).
@@ -50,17 +42,16 @@ def drain(stepper: Steppable, limit: int | None = 10_000, *, until: Callable[[],
     """
     done = until or (lambda: not stepper.has_unfinished())
     items: list = []
-    steps = 0
-    while not done():
-        if limit is not None and steps >= limit:
-            raise AssertionError(f"{type(stepper).__name__} still unfinished after {limit} steps"
-                                 + ("" if until is None else " (waiting for `until`)"))
-        got = stepper.step()
-        items.extend(got)
-        steps += 1
+    for _ in range(limit) if limit is not None else iter(int, 1):
+        if done():
+            return items
+        items.extend(got := stepper.step())
         if on_step is not None:
             on_step(got)
-    return items
+    if done():
+        return items
+    raise AssertionError(f"{type(stepper).__name__} still unfinished after {limit} steps"
+                         + ("" if until is None else " (waiting for `until`)"))
 
 
 def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "the condition",
@@ -69,14 +60,11 @@ def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "t
     an AssertionError that says what was waited for (`what`, e.g. "the stream's first delta"). The last look is
     taken after the deadline, so a slow poll fails only if the condition really did not come in time."""
     deadline = time.monotonic() + timeout
-    while True:
-        late = time.monotonic() >= deadline
-        value = predicate()
-        if value:
-            return value
-        if late:
-            raise AssertionError(f"waited {timeout:g}s for {what}, in vain")
+    while not (value := predicate()) and time.monotonic() < deadline:
         time.sleep(interval)
+    if value or (value := predicate()):
+        return value
+    raise AssertionError(f"waited {timeout:g}s for {what}, in vain")
 
 
 @fixture(scope="session")
