@@ -100,7 +100,8 @@ API_CASES = {
     "negative token id": (lambda o: o.generate("x", prompt_token_ids=[-1]), InvalidParameter, "prompt_token_ids"),
     "seed 2**70": (lambda o: o.generate("x", temperature=1.0, seed=2**70), InvalidParameter, "seed"),
     "temperature inf": (lambda o: o.generate("x", temperature=float("inf")), InvalidParameter, "temperature"),
-    "prompt over the context window": (lambda o: o.generate("word " * 2000), InputError, "context window"),
+    "prompt over the context window": (lambda o: o.generate("word " * 600), InputError, "context window"),
+    "prompt over any prompt that fits": (lambda o: o.generate("word " * 2000), InvalidParameter, "context window"),
 }
 
 
