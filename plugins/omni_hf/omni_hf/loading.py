@@ -192,6 +192,11 @@ class ModelPool(Generic[K, V]):
         with self._lock:
             return len(self._models)
 
+    def values(self) -> list:
+        """The models loaded so far."""
+        with self._lock:
+            return list(self._models.values())
+
     def clear(self) -> None:
         with self._lock:
             self._models.clear()

@@ -181,6 +181,7 @@ def test_the_pool_loads_a_key_once_under_concurrent_threads_cold_then_warm():
                for r in results if not r.cold)
     again = pool.acquire(("dir", "cpu"))
     assert not again.cold and again.model is cold[0].model and ("dir", "cpu") in pool and len(pool) == 1
+    assert pool.values() == [again.model]
     pool.clear()
     assert pool.acquire(("dir", "cpu")).cold and len(calls) == 2
 
