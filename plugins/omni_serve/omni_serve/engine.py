@@ -253,10 +253,13 @@ class AsyncOmni:
             else:
                 result = payload()
         except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
-            if future is not None:
-                future.set_exception(exc)
-            else:
+            if future is None:
                 log.exception("engine command %s failed", kind)
+                return
+            future.set_exception(exc)
+            # The error's traceback holds this frame: as long as the frame holds the future (which holds the error),
+            # the request (its 18 MB prompt, say) stays in memory until a full garbage collection.
+            future = None
             return
         if future is not None:
             future.set_result(result)
