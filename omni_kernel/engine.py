@@ -135,7 +135,7 @@ class EngineView:
         with self.engine.lock:
             if item.request_id in self.engine.owners:
                 self.inbox.append(RequestOutput(item.request_id, error=InvalidParameter(
-                    "request_id", f"{item.request_id!r} is in flight in a pipeline that shares this stage")))
+                    "request_id", f"{item.request_id!r} is in flight in another stage that shares this engine")))
                 return None
             self.engine.owners[item.request_id] = self
             return self.engine.add_request(item)

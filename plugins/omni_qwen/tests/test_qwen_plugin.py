@@ -45,7 +45,7 @@ def test_model_loads_once_per_path(host, tiny_ckpt):
     assert a.concurrent_process and b.concurrent_process
     assert a.inputs.tokenizer.encode("a red fox") == lm.tokenizer.encode("a red fox")
     assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedDecoder, owned by the plugin
-    assert a.engine.runner.backend.pool is not b.engine.runner.backend.pool  # each stage its own KV pool
+    assert a.engine.engine is b.engine.engine  # and one engine (one KV pool, one batch) under both nodes' stages
 
 
 def test_demo_checkpoint_is_built_once(omni_cache):

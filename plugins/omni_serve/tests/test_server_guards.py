@@ -21,8 +21,8 @@ KEY = "sk-test-0123456789"
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guards")
     with running(["--pipeline", "echo", "--pipeline", "fault", "--served-model-name", "parrot=echo", "--max-body-mb",
-                  "0.01", "--max-text-body-mb", "0.005", "--output-dir", str(tmp / "out")], tmp / "server.log", plugins=("fault_plugin:FaultPlugin",),
-                 env={"OMNI_API_KEY": KEY}) as proc:
+                  "0.01", "--max-text-body-mb", "0.005", "--output-dir", str(tmp / "out")], tmp / "server.log",
+                 plugins=("fault_plugin:FaultPlugin",), env={"OMNI_API_KEY": KEY}) as proc:
         yield proc
 
 

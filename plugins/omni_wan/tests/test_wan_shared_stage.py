@@ -89,7 +89,7 @@ def test_one_request_id_in_two_pipelines_and_an_abort_in_one(pipelines, image, t
     failed = {o: [(e.request_id, e.error) for e in events[o] if isinstance(e, RequestFailed)] for o in events}
     assert failed[i2v] == [("same", "aborted")]
     [(rid, error)] = failed[t2v]
-    assert rid == "same" and "'same' is in flight in a pipeline that shares this stage" in error, error
+    assert rid == "same" and "'same' is in flight in another stage that shares this engine" in error, error
     assert [e.request_id for e in events[t2v] if isinstance(e, RequestFinished)] == ["other"]
     assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "b.mp4").exists()
     assert (tmp_path / "c.mp4").is_file()
