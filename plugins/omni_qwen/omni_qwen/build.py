@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 
-from omni_kernel.ar_scheduler import ARScheduler
 from omni_kernel.engine import Engine
 from omni_kernel.errors import InvalidParameter, ModelError
 from omni_kernel.graph import NodeSpec
@@ -22,6 +21,8 @@ from omni_kernel.stage import Stage
 
 from .backends import DynamicCacheBackend, PagedBackend
 from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
+from .grammar import Grammars
+from .grammar_scheduler import GrammarScheduler
 from .inputs import ARInputProcessor
 from .model import CausalLM
 from .outputs import AROutputProcessor
@@ -70,14 +71,19 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
     max_num_seqs = config.max_num_seqs_for(settings)
-    scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
-                            max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
-    runner = ARModelRunner(backend)
     own = _own_tokenizer(lm)
+    # Structured output: xgrammar's vocabulary is the logits' width (lm.vocab_size), built on first use.
+    grammars = Grammars.for_tokenizer(own or lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    scheduler = GrammarScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
+                                 max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window,
+                                 grammars=grammars)
+    runner = ARModelRunner(backend, grammars)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
+    inputs.grammars = grammars
     model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)
+    outputs.extra_trace = grammars.trace
     summary = (
         f"{node.id}: {backend_name} KV backend, {num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
         f"({capacity * per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency {capacity / context_window:.1f} "

@@ -16,6 +16,7 @@ from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
+from .structured import Structure
 
 
 def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
@@ -51,6 +52,7 @@ class ARInputProcessor:
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
+        self.grammars = None  # grammar.Grammars: checks and starts compiling a request's structured output
         self._longest: int | None = None
 
     @property
@@ -83,6 +85,8 @@ class ARInputProcessor:
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
         check_fits(prompt, self.context_window, self.capacity_tokens)
+        if self.grammars is not None:
+            self.grammars.check(item.request_id, Structure.of(params))
         if not params.greedy and params.seed is None:  # drawn once, so the trace can report it
             params = attrs.evolve(params, seed=secrets.randbits(63))
         return attrs.evolve(item, params=params, processed=prompt)
