@@ -42,15 +42,27 @@ def _xgrammar_error(exc: Exception) -> str:
 def grammar_of(structure: Structure) -> xgr.Grammar:
     """The structure as an xgrammar Grammar; InvalidParameter naming the field when xgrammar refuses it."""
     try:
-        if structure.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(structure.source, **JSON_OPTIONS)
-        if structure.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', **JSON_OPTIONS)
+        if structure.kind in ("json_schema", "json_object"):
+            source = structure.source if structure.kind == "json_schema" else '{"type": "object"}'
+            return _strict_strings(xgr.Grammar.from_json_schema(source, **JSON_OPTIONS))
         if structure.kind == "regex":
             return xgr.Grammar.from_regex(structure.source)
         return xgr.Grammar.from_regex("|".join(_escape(c) for c in json.loads(structure.source)))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise InvalidParameter(structure.kind, f"is not supported: {_xgrammar_error(exc)}") from None
+
+
+# xgrammar 0.2.9 lets a string with minLength/maxLength hold raw control characters (U+0000..U+001F but \r and
+# \n), which JSON forbids (json.loads refuses them): its characters are narrowed to printable ones.
+_LOOSE_CHARACTERS = r'_characters ::= (([^\"\\\r\n]))'
+_STRICT_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\]))'
+
+
+def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    text = str(grammar)
+    if _LOOSE_CHARACTERS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS))
 
 
 def _escape(text: str) -> str:
@@ -178,9 +190,12 @@ class Grammars:
             masks.append(state.bitmask)
         if indices:
             logits = logits.float()
-            width = min(logits.shape[-1], masks[0].shape[-1] * 32)
-            xgr.apply_token_bitmask_inplace(logits, torch.stack(masks).to(logits.device), vocab_size=width,
-                                            indices=indices)
+            # xgrammar indexes the bitmask and the logits alike: one row per logits row, all-allowed (-1) rows
+            # for the unconstrained ones, which `indices` leaves untouched.
+            bitmask = torch.full((logits.shape[0], masks[0].shape[-1]), -1, dtype=masks[0].dtype)
+            bitmask[indices] = torch.stack(masks)
+            width = min(logits.shape[-1], bitmask.shape[-1] * 32)
+            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=width, indices=indices)
         return logits, failed
 
     def _start(self, request_id: str, structure: Structure) -> Constrained:
