@@ -196,11 +196,13 @@ class ARNodeSettings:
     max_num_seqs: int | None = None  # None: the run's ar_max_num_seqs, else DEFAULT_MAX_NUM_SEQS
     contract: str | None = None
     prompt_label: str = ""  # prefixed to ar.prompt_mode (e.g. "bridge_")
+    json_schema: str | None = None  # the node's own output constraint, for requests that give none (canonical JSON)
 
 
 # Node policy keys and their defaults. max_tokens is the node's token budget (None: EOS or context window).
 TEXT_GENERATION_POLICY = {"max_tokens": None, "chat": True, "max_num_seqs": None}
-PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None}
+# json_schema: the node's output is constrained to it (omni_bridge's pipelines give the guidance contract's).
+PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None, "json_schema": None}
 
 
 def node_policy(node: NodeSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:

@@ -102,6 +102,8 @@ class Grammars:
         self._lock = threading.Lock()  # submit (input processing) and steps may run on different threads
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
         self.structures: dict[str, Structure] = {}  # the constrained requests the engine holds
+        self.answer_prefix = ""  # the node's (ARNodeSettings.answer_prefix): the start of every output text
+        self.prefixes: dict[str, str] = {}
         self.active: dict[str, Constrained] = {}  # those that have started decoding
 
     @classmethod
@@ -134,10 +136,15 @@ class Grammars:
                 self._cache.popitem(last=False)
             return entry
 
-    def add(self, request_id: str, structure: Structure | None) -> None:
+    def add(self, item) -> None:
+        """A request the engine took (a StageInput with its ARPrompt); where its text begins with the node's answer
+        prefix, the grammar covers the prefix too (its matcher starts by accepting it)."""
+        structure = Structure.of(item.params)
         if structure is not None:
-            self.structures[request_id] = structure
-            self.entry(structure, request_id)
+            self.structures[item.request_id] = structure
+            if self.answer_prefix and not item.processed.mode.endswith("token_ids"):
+                self.prefixes[item.request_id] = self.answer_prefix
+            self.entry(structure, item.request_id)
 
     def compile_ms(self, request_id: str, structure: Structure) -> float | None:
         """The compile time of the request's grammar when this request compiled it (None: it was cached)."""
@@ -201,6 +208,9 @@ class Grammars:
     def _start(self, request_id: str, structure: Structure) -> Constrained:
         compiled = self.entry(structure, request_id).future.result()
         matcher = xgr.GrammarMatcher(compiled)
+        prefix = self.prefixes.get(request_id, "")
+        if prefix and not matcher.accept_string(prefix):
+            raise ValueError(f"the node's answer prefix {prefix!r} does not start any text the grammar allows")
         bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)[0]
         matcher.fill_next_token_bitmask(bitmask.unsqueeze(0))
         state = self.active[request_id] = Constrained(matcher, bitmask)
@@ -237,6 +247,7 @@ class Grammars:
 
     def free(self, request_id: str) -> None:
         self.structures.pop(request_id, None)
+        self.prefixes.pop(request_id, None)
         self.active.pop(request_id, None)
 
     def close(self) -> None:

@@ -15,7 +15,6 @@ from omni_kernel.ar_scheduler import ARScheduler, ARSchedulerOutput, ARSequence
 from omni_kernel.request import StageInput
 
 from .grammar import Grammars
-from .structured import Structure
 
 
 class GrammarScheduler(ARScheduler):
@@ -25,7 +24,7 @@ class GrammarScheduler(ARScheduler):
 
     def add(self, item: StageInput) -> ARSequence:
         seq = super().add(item)
-        self.grammars.add(item.request_id, Structure.of(item.params))
+        self.grammars.add(item)
         return seq
 
     def schedule(self) -> ARSchedulerOutput:

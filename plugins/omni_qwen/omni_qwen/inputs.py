@@ -82,6 +82,8 @@ class ARInputProcessor:
         else:
             ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None),
                                     getattr(params, "raw_prompt", False))
+        if self.settings.json_schema is not None and Structure.of(params) is None:
+            params = attrs.evolve(params, json_schema=self.settings.json_schema)
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
         check_fits(prompt, self.context_window, self.capacity_tokens)
