@@ -119,3 +119,34 @@ def test_a_bad_structure_is_refused_at_submit(omni, params, message):
         omni.submit(omni.request("x", **params))
     assert message in str(caught.value)
     assert not omni.has_unfinished()
+
+
+def cli(*args):
+    from click.testing import CliRunner
+
+    from omni_kernel.cli import main
+
+    return CliRunner().invoke(main, ["run", "--pipeline", "ar_text", "-c", "ar_device=cpu", *args])
+
+
+def test_cli_takes_the_same_parameters(tiny_ckpt, tmp_path):
+    schema = '{"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}'
+    result = cli("--ar-model", str(tiny_ckpt), "--prompt", "x", "-o", f"json_schema={schema}", "--trace-json",
+                 str(tmp_path / "t.json"))
+    assert result.exit_code == 0, result.output
+    assert isinstance(json.loads(result.stdout)["ok"], bool)
+    trace = json.loads((tmp_path / "t.json").read_text())
+    assert trace["ar.stop_reason"] == "grammar" and trace["ar.structured_output"] == "json_schema"
+    result = cli("--ar-model", str(tiny_ckpt), "--prompt", "x", "-o", "choice=red", "-o", "choice=green")
+    assert result.exit_code == 0 and result.stdout.strip() in ("red", "green"), result.output
+
+
+@pytest.mark.parametrize("option, message", [
+    ('json_schema={"type": "nope"}', 'invalid json_schema: is not supported: Unsupported type "nope"'),
+    ("regex=[a-", "invalid regex: is not supported"),
+    ("json_object=maybe", "invalid json_object"),
+])
+def test_cli_bad_structure_is_exit_2_in_one_line(tiny_ckpt, option, message):
+    result = cli("--ar-model", str(tiny_ckpt), "--prompt", "x", "-o", option)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
