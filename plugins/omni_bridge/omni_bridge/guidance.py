@@ -17,9 +17,11 @@ CONTRACT = "supplemental_guidance"  # the output contract of the node types this
 GUIDANCE_FIELD = "guidance"
 
 # The contract as a JSON schema: the pipelines' bridge node is constrained to it (grammar-constrained decoding,
-# docs/bridge.md). maxLength keeps the guidance inside the node's 128-token budget: a token of ASCII text is at
-# least one character, so 120 characters and the closing `"}` always fit, and the object is never cut.
-GUIDANCE_MAX_CHARS = 120
+# docs/bridge.md). maxLength keeps the guidance inside the node's token budget (GUIDANCE_MAX_TOKENS): a token of
+# ASCII text is at least one character, so 180 characters and the closing `"}` always fit and the object is never
+# cut; two short sentences are 100-180 characters (at 120, a third of SmolLM2's answers were cut mid-word).
+GUIDANCE_MAX_CHARS = 180
+GUIDANCE_MAX_TOKENS = 192
 GUIDANCE_SCHEMA = {"type": "object", "properties": {GUIDANCE_FIELD: {"type": "string", "minLength": 1,
                                                                       "maxLength": GUIDANCE_MAX_CHARS}},
                    "required": [GUIDANCE_FIELD], "additionalProperties": False}

@@ -4,11 +4,12 @@ imports neither."""
 from omni_kernel import EdgeSpec, NodeSpec, PipelinePlan
 
 from .connector import ARToDiffusionConnector
-from .guidance import GUIDANCE_SCHEMA
+from .guidance import GUIDANCE_MAX_TOKENS, GUIDANCE_SCHEMA
 
 AR_TO_DIFFUSION = ARToDiffusionConnector()
-# The bridge node writes its guidance under the contract's schema (omni_qwen's structured output).
-BRIDGE_POLICY = {"json_schema": GUIDANCE_SCHEMA}
+# The bridge node writes its guidance under the contract's schema (omni_qwen's structured output), with a budget
+# that the schema's bounded guidance always fits.
+BRIDGE_POLICY = {"json_schema": GUIDANCE_SCHEMA, "max_tokens": GUIDANCE_MAX_TOKENS}
 
 QWEN_TO_WAN_I2V = PipelinePlan(
     "qwen_to_wan_i2v",

@@ -1,5 +1,5 @@
 """The pipelines' bridge node is constrained to the guidance schema: even the tiny random model's answers parse
-(the schema bounds the guidance, so the 128-token budget never cuts it), and the trace says it was constrained."""
+(the schema bounds the guidance, so the node's token budget never cuts it), and the trace says it was constrained."""
 
 from __future__ import annotations
 
