@@ -80,7 +80,6 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     runner = ARModelRunner(backend, grammars)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
     inputs.grammars = grammars
-    grammars.answer_prefix = settings.answer_prefix
     model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)

@@ -102,7 +102,6 @@ class Grammars:
         self._lock = threading.Lock()  # submit (input processing) and steps may run on different threads
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
         self.structures: dict[str, Structure] = {}  # the constrained requests the engine holds
-        self.answer_prefix = ""  # the node's (ARNodeSettings.answer_prefix): the start of every output text
         self.prefixes: dict[str, str] = {}
         self.active: dict[str, Constrained] = {}  # those that have started decoding
 
@@ -137,13 +136,14 @@ class Grammars:
             return entry
 
     def add(self, item) -> None:
-        """A request the engine took (a StageInput with its ARPrompt); where its text begins with the node's answer
-        prefix, the grammar covers the prefix too (its matcher starts by accepting it)."""
+        """A request the engine took (a StageInput with its ARPrompt); where its text begins with its node's answer
+        prefix (a PrefixedPrompt), the grammar covers the prefix too (its matcher starts by accepting it)."""
         structure = Structure.of(item.params)
         if structure is not None:
             self.structures[item.request_id] = structure
-            if self.answer_prefix and not item.processed.mode.endswith("token_ids"):
-                self.prefixes[item.request_id] = self.answer_prefix
+            prefix = getattr(item.processed, "answer_prefix", "")  # a structured.PrefixedPrompt's
+            if prefix:
+                self.prefixes[item.request_id] = prefix
             self.entry(structure, item.request_id)
 
     def compile_ms(self, request_id: str, structure: Structure) -> float | None:

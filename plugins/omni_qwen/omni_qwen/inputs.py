@@ -16,7 +16,7 @@ from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
-from .structured import Structure
+from .structured import PrefixedPrompt, Structure
 
 
 def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
@@ -86,9 +86,12 @@ class ARInputProcessor:
             params = attrs.evolve(params, json_schema=self.settings.json_schema)
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
+        structure = Structure.of(params)
+        if structure is not None and self.settings.answer_prefix and not mode.endswith("token_ids"):
+            prompt = PrefixedPrompt(ids, prompt.max_tokens, prompt.ignore_eos, mode, self.settings.answer_prefix)
         check_fits(prompt, self.context_window, self.capacity_tokens)
         if self.grammars is not None:
-            self.grammars.check(item.request_id, Structure.of(params))
+            self.grammars.check(item.request_id, structure)
         if not params.greedy and params.seed is None:  # drawn once, so the trace can report it
             params = attrs.evolve(params, seed=secrets.randbits(63))
         return attrs.evolve(item, params=params, processed=prompt)

@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 
+from omni_kernel.ar_scheduler import ARPrompt
 from omni_kernel.errors import InvalidParameter
 
 STRUCTURE_FIELDS = ("json_schema", "json_object", "regex", "choice")
@@ -83,3 +84,12 @@ class Structure:
         kind, value = given[0], getattr(params, given[0])
         source = json.dumps(list(value)) if kind == "choice" else "" if kind == "json_object" else value
         return cls(kind, source)
+
+
+@attrs.frozen
+class PrefixedPrompt(ARPrompt):
+    """The ARPrompt of a constrained request whose output text begins with its node's answer prefix (written for
+    the model): its grammar covers the prefix too. Per request, since nodes with different prefixes may share an
+    engine."""
+
+    answer_prefix: str = ""
