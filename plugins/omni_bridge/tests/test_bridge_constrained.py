@@ -60,3 +60,30 @@ def test_a_bad_policy_schema_is_refused_when_the_stage_is_built(host):
                                          final=True)])
     with pytest.raises(InvalidParameter, match='policy json_schema of node bridge: .*Unsupported type "nope"'):
         GraphBuilder(host.registry).build(plan, {"ar_device": "cpu"})
+
+
+def test_a_shared_engine_keeps_each_requests_own_prefix(omni_cache):
+    """ar_text and the constrained bridge node share one AR engine (one model): the bridge's grammar covers its
+    answer prefix, a constrained ar_text request's grammar starts at its first token, in the same batches."""
+    import json
+
+    from omni_kernel import Omni
+    from omni_qwen.demo import ensure_demo_checkpoint
+
+    host, model = load_host(), str(ensure_demo_checkpoint())
+    text = Omni("ar_text", host=host, ar_model=model, ar_device="cpu")
+    bridge = Omni(PipelinePlan("bridge_only", [NodeSpec("bridge", "ar.prompt_bridge", policy=BRIDGE_POLICY,
+                                                        final=True)]), host=host, ar_model=model, ar_device="cpu")
+    assert text.graph.stages["generate"].engine.engine is bridge.graph.stages["bridge"].engine.engine
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    text.submit(text.request("x", request_id="t", json_schema=schema))
+    bridge.submit(bridge.request("a lighthouse at dusk", request_id="b", temperature=1.0, seed=2))
+    results = {}
+    while text.has_unfinished() or bridge.has_unfinished():
+        for o in (text, bridge):
+            for event in o.step() if o.has_unfinished() else ():
+                if isinstance(event, RequestFinished):
+                    results[event.request_id] = event.result.output
+    assert isinstance(json.loads(results["t"].text)["ok"], bool)
+    guidance = json.loads(results["b"].text)["guidance"]
+    assert results["b"].text.startswith('{"guidance": "') and 1 <= len(guidance) <= GUIDANCE_MAX_CHARS
