@@ -150,3 +150,36 @@ def test_cli_bad_structure_is_exit_2_in_one_line(tiny_ckpt, option, message):
     result = cli("--ar-model", str(tiny_ckpt), "--prompt", "x", "-o", option)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(omni):
+    """While a grammar compiles, its request waits unscheduled and the others decode to the end; then it runs."""
+    import threading
+
+    engine = omni.graph.stages["generate"].engine.engine
+    grammars, release = engine.scheduler.grammars, threading.Event()
+    compile_ = grammars._compile
+
+    def slow(structure, entry):
+        assert release.wait(60)
+        return compile_(structure, entry)
+
+    grammars._compile = slow
+    try:
+        schema = {"type": "object", "properties": {"held_back": {"enum": [1, 2]}}, "required": ["held_back"]}
+        held, free = omni.request("x", json_schema=schema), omni.request("Describe a school", max_tokens=5)
+        omni.submit(held)
+        omni.submit(free)
+        finished = set()
+        while free.request_id not in finished:
+            finished |= {e.request_id for e in omni.step() if isinstance(e, RequestFinished)}
+        assert held.request_id not in finished
+        assert [s.request_id for s in engine.scheduler.waiting] == [held.request_id] and not engine.scheduler.running
+        assert engine.scheduler.wait(0.05)  # blocks on the compile (timing out here), never spins
+    finally:
+        release.set()
+        grammars._compile = compile_
+    results = {}
+    while omni.has_unfinished():
+        results |= {e.request_id: e.result for e in omni.step() if isinstance(e, RequestFinished)}
+    assert json.loads(results[held.request_id].text)["held_back"] in (1, 2)
