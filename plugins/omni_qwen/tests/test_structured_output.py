@@ -183,3 +183,40 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(omni):
     while omni.has_unfinished():
         results |= {e.request_id: e.result for e in omni.step() if isinstance(e, RequestFinished)}
     assert json.loads(results[held.request_id].text)["held_back"] in (1, 2)
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(qwen_tokenizer):
+    """The logits may be wider than the tokenizer (the demo model: 1024 logits, 1003 tokens): xgrammar's
+    vocabulary is the logits' width and the ids no token stands for stay masked."""
+    import torch
+
+    from omni_kernel import Request, StageInput
+    from omni_kernel.ar_scheduler import ARPrompt
+    from omni_qwen.config import QwenParams
+    from omni_qwen.grammar import Grammars
+
+    width = len(qwen_tokenizer) + 21
+    grammars = Grammars.for_tokenizer(qwen_tokenizer, width, [qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    item = StageInput(Request("p", "x").request_id, "x", params=QwenParams(json_object=True),
+                      processed=ARPrompt([1]))
+    grammars.add(item)
+    grammars.entry(grammars.structures[item.request_id], item.request_id).future.result(60)
+    logits, failed = grammars.mask([item.request_id, "free"], torch.zeros(2, width))
+    assert not failed and torch.isinf(logits[0, len(qwen_tokenizer):]).all()
+    assert torch.isfinite(logits[0]).sum() >= 1 and (logits[1] == 0).all()  # the unconstrained row untouched
+    grammars.free(item.request_id)
+    assert not grammars.structures and not grammars.active
+
+
+def test_real_weights_write_valid_json(smollm2_dir, host):
+    """SmolLM2-135M-Instruct asked for a record, constrained to its schema, greedy and seeded."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                               "population": {"type": "integer", "minimum": 0},
+                                               "country": {"type": "string", "maxLength": 40}},
+              "required": ["city", "population", "country"], "additionalProperties": False}
+    omni = Omni("ar_text", host=host, ar_model=str(smollm2_dir), ar_device="cpu", ar_dtype="fp32")
+    for params in ({}, {"temperature": 0.8, "seed": 5}):
+        out = omni.generate("Give me a JSON record of the largest city in France.", json_schema=schema,
+                            max_tokens=96, **params)
+        assert out.trace["ar.stop_reason"] == "grammar", out.text
+        jsonschema.validate(json.loads(out.text), schema)
