@@ -1,4 +1,4 @@
-"""Grammar-constrained decoding with xgrammar: one `Grammars` per AR stage.
+"""Grammar-constrained decoding with xgrammar: one `Grammars` per AR engine (shared, like it, by its stages).
 
 - At submit, `check` converts the request's Structure into an xgrammar Grammar (no tokenizer needed, about a
   millisecond), so an invalid or unsupported schema or regex is refused before any work, and starts compiling it.
@@ -27,7 +27,7 @@ from omni_kernel.errors import InvalidParameter
 
 from .structured import Structure
 
-CACHE_SIZE = 64  # distinct compiled grammars kept per stage
+CACHE_SIZE = 64  # distinct compiled grammars kept per engine
 # Compact JSON (no free whitespace between tokens): a small model may otherwise spend its budget on newlines.
 JSON_OPTIONS = {"any_whitespace": False, "strict_mode": True}
 
@@ -89,14 +89,12 @@ class Constrained:
 
 class Grammars:
     """`tokenizer_info()` builds xgrammar's view of the vocabulary (`vocab_size` = the logits' width, which may
-    exceed the tokenizer's) on the compile thread, on first use; `on_compile(seconds)` reports each compile."""
+    exceed the tokenizer's) on the compile thread, on first use."""
 
-    def __init__(self, tokenizer_info: Callable[[], xgr.TokenizerInfo],
-                 on_compile: Callable[[float], None] | None = None, cache_size: int = CACHE_SIZE):
+    def __init__(self, tokenizer_info: Callable[[], xgr.TokenizerInfo], cache_size: int = CACHE_SIZE):
         self._tokenizer_info = tokenizer_info
         self._compiler: xgr.GrammarCompiler | None = None
         self._stop_only: torch.Tensor | None = None
-        self.on_compile = on_compile
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple[str, str], Compile] = OrderedDict()
         self._lock = threading.Lock()  # submit (input processing) and steps may run on different threads
@@ -106,11 +104,10 @@ class Grammars:
         self.active: dict[str, Constrained] = {}  # those that have started decoding
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
-                      on_compile: Callable[[float], None] | None = None) -> Grammars:
+    def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> Grammars:
         stops = sorted(stop_token_ids)
         return cls(lambda: xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                              stop_token_ids=stops or None), on_compile)
+                                                              stop_token_ids=stops or None))
 
     def check(self, request_id: str, structure: Structure | None) -> None:
         """At submit: refuse a structure xgrammar cannot take (InvalidParameter) and start compiling it."""
@@ -126,7 +123,7 @@ class Grammars:
         `owner`), then kept (LRU) for every later one."""
         with self._lock:
             entry = self._cache.get(structure.key)
-            if entry is None or (entry.future.done() and entry.future.exception() is not None):
+            if entry is None:  # a failed compile stays: the same structure would fail again
                 entry = Compile(request_id)
                 entry.future = self._executor.submit(self._compile, structure, entry)
                 self._cache[structure.key] = entry
@@ -164,8 +161,6 @@ class Grammars:
             self._stop_only = stop_only[0]
         compiled = self._compiler.compile_grammar(grammar_of(structure))
         entry.ms = round((time.perf_counter() - start) * 1000, 3)
-        if self.on_compile is not None:
-            self.on_compile(entry.ms / 1000)
         return compiled
 
     def ready(self, request_id: str) -> bool:
@@ -249,6 +244,3 @@ class Grammars:
         self.structures.pop(request_id, None)
         self.prefixes.pop(request_id, None)
         self.active.pop(request_id, None)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
