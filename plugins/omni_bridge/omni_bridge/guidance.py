@@ -16,6 +16,16 @@ from omni_kernel import TRUNCATED_STOP_REASONS
 CONTRACT = "supplemental_guidance"  # the output contract of the node types this bridge reads (NodeType.output_contract)
 GUIDANCE_FIELD = "guidance"
 
+# The contract as a JSON schema: the pipelines' bridge node is constrained to it (grammar-constrained decoding,
+# docs/bridge.md). maxLength keeps the guidance inside the node's token budget (GUIDANCE_MAX_TOKENS): a token of
+# ASCII text is at least one character, so 180 characters and the closing `"}` always fit and the object is never
+# cut; two short sentences are 100-180 characters (at 120, a third of SmolLM2's answers were cut mid-word).
+GUIDANCE_MAX_CHARS = 180
+GUIDANCE_MAX_TOKENS = 192
+GUIDANCE_SCHEMA = {"type": "object", "properties": {GUIDANCE_FIELD: {"type": "string", "minLength": 1,
+                                                                      "maxLength": GUIDANCE_MAX_CHARS}},
+                   "required": [GUIDANCE_FIELD], "additionalProperties": False}
+
 # The closed set of reasons a bridge falls back to the user's prompt alone, in the order they are checked.
 FALLBACK_REASONS = ("contract_mismatch", "empty", "truncated", "invalid_json", "missing_fields")
 

@@ -27,6 +27,7 @@ PROMPT = "a red fox trotting through fresh snow"
 SMOKE = {"num_frames": 9, "height": 128, "width": 128}
 BRIDGE_FIELDS = ("diffusion.bridge", "diffusion.source_node", "diffusion.source_request_id",
                  "diffusion.bridge_strategy", "diffusion.bridge_parse_success", "diffusion.bridge_fallback",
+                 "diffusion.bridge_constrained",
                  "diffusion.bridge_fallback_reason", "diffusion.ar_guidance_prompt", "diffusion.prompt")
 AR_FIELDS = ("ar.input_tokens", "ar.output_tokens", "ar.ttft_ms", "ar.stop_reason", "ar.kv_cache_backend",
              "ar.prompt_mode", "ar.streaming", "ar.token_budget")
@@ -167,14 +168,15 @@ def test_the_image_is_decoded_once_with_the_wan_node_downstream(omni, tmp_path, 
     assert [e.request_id for e in finished] == [rid] and decodes == [str(IMAGE)]
 
 
-GOOD_REPLY = '{"guidance": "slow dolly-in,\\n soft lumière at dawn", "negative_prompt": "blur"}'
+GOOD_REPLY = '{"guidance": "slow dolly-in,  soft lumière at dawn"}'  # within the bridge's guidance schema
 
 
 def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, monkeypatch):
     """The demo Qwen writes noise, so its reply is forced: `Sampler.sample` is replaced to return, one per
     step, the demo tokenizer's ids of GOOD_REPLY after the answer prefix the node wrote for the model
-    (`{"guidance": "`), then <|im_end|>. Everything else is real: the Qwen2 model
-    still runs prefill and every decode step, the executor detokenizes, streams and stops on EOS, the connector
+    (`{"guidance": "`). Everything else is real: the Qwen2 model still runs prefill and every decode step, the
+    guidance schema's grammar accepts each token, the executor detokenizes, streams and stops where the grammar is
+    complete, the connector
     parses and merges, and the Wan2.2 stage encodes the merged prompt and writes the MP4."""
     from transformers import AutoTokenizer
 
@@ -185,8 +187,8 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
 
     tokenizer = AutoTokenizer.from_pretrained(demo_dir())
     continuation = GOOD_REPLY.removeprefix(ANSWER_PREFIX)
-    script = tokenizer.encode(continuation) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-    assert tokenizer.decode(script[:-1], clean_up_tokenization_spaces=False) == continuation
+    script = tokenizer.encode(continuation)
+    assert tokenizer.decode(script, clean_up_tokenization_spaces=False) == continuation
 
     tokens = iter(script)
 
@@ -200,7 +202,7 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     assert isinstance(events[-1], RequestFinished)
 
     bridge = result.outputs["bridge"]
-    assert bridge.text == GOOD_REPLY and bridge.stop_reason == "eos" and bridge.contract == "supplemental_guidance"
+    assert bridge.text == GOOD_REPLY and bridge.stop_reason == "grammar" and bridge.contract == "supplemental_guidance"
     assert "".join(e.text for e in events if isinstance(e, TokenDelta) and e.node_id == "bridge") == GOOD_REPLY
     trace = result.trace
     assert_bridge_trace(trace, PROMPT)
@@ -209,7 +211,8 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     merged = f"{PROMPT}\n\nSupplemental guidance: {guidance}"
     assert trace["diffusion.prompt"] == merged
     assert result.outputs["video"].trace["diffusion.prompt"] == merged  # what the Wan stage itself encoded
-    assert trace["ar.stop_reason"] == "eos" and trace["ar.output_tokens"] == len(script) - 1
+    assert trace["ar.stop_reason"] == "grammar" and trace["ar.output_tokens"] == len(script)
+    assert trace["diffusion.bridge_constrained"] is True and trace["ar.structured_output"] == "json_schema"
     assert result.path == str(video) and video.is_file()
     assert result.output.data["frames"].shape == (9, 128, 128, 3)
 

@@ -10,7 +10,7 @@ from omni_kernel import Request, StageOutput
 PROMPT = "A red fox runs through fresh snow"
 TRACE_KEYS = {"diffusion.bridge", "diffusion.source_node", "diffusion.source_request_id", "diffusion.bridge_strategy",
               "diffusion.bridge_parse_success", "diffusion.bridge_fallback", "diffusion.bridge_fallback_reason",
-              "diffusion.ar_guidance_prompt", "diffusion.prompt"}
+              "diffusion.ar_guidance_prompt", "diffusion.prompt", "diffusion.bridge_constrained"}
 
 
 def convert(text, stop_reason="eos", contract="supplemental_guidance", connector=None, **request_kwargs):
@@ -31,7 +31,8 @@ def test_good_json_merges_after_the_users_prompt():
     assert item.trace == {
         "diffusion.bridge": "ar_to_diffusion", "diffusion.source_node": "bridge",
         "diffusion.source_request_id": request.request_id, "diffusion.bridge_strategy": "append",
-        "diffusion.bridge_parse_success": True, "diffusion.bridge_fallback": False,
+        "diffusion.bridge_constrained": False, "diffusion.bridge_parse_success": True,
+        "diffusion.bridge_fallback": False,
         "diffusion.bridge_fallback_reason": None, "diffusion.ar_guidance_prompt": "slow dolly-in, soft morning light",
         "diffusion.prompt": item.prompt}
 

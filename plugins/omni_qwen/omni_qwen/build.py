@@ -1,6 +1,7 @@
-"""build_stage: an AR node's Stage(ARInputProcessor, Engine(ARScheduler(BlockManager), ARModelRunner(backend)),
-AROutputProcessor). The engine (build_engine) is shared by every AR node of the plugin host with the same model
-and engine settings, whichever pipeline it is in: each stage gets a view of it (omni_kernel.engine.EngineView).
+"""build_stage: an AR node's Stage(ARInputProcessor, Engine(GrammarScheduler(BlockManager), ARModelRunner(backend,
+grammars)), AROutputProcessor). The engine (build_engine) is shared by every AR node of the plugin host with the
+same model and engine settings, whichever pipeline it is in: each stage gets a view of it
+(omni_kernel.engine.EngineView). Its Grammars (structured output) are shared with it.
 
 Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
 (QwenConfig.kv_memory_for) and the model's K/V bytes per token.
@@ -15,7 +16,6 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from omni_kernel.ar_scheduler import ARScheduler
 from omni_kernel.engine import Engine
 from omni_kernel.errors import InvalidParameter, ModelError
 from omni_kernel.graph import NodeSpec
@@ -24,6 +24,8 @@ from omni_kernel.stage import Stage
 
 from .backends import DynamicCacheBackend, PagedBackend
 from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
+from .grammar import Grammars
+from .grammar_scheduler import GrammarScheduler
 from .inputs import ARInputProcessor
 from .model import CausalLM
 from .outputs import AROutputProcessor
@@ -65,6 +67,7 @@ class AREngine:
     per_token: int
     caching: bool
     max_num_seqs: int
+    grammars: Grammars  # structured output, shared like the engine (grammar.py)
 
     @property
     def capacity(self) -> int:
@@ -88,10 +91,13 @@ def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int,
     else:
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
-    scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
-                            max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
-    return AREngine(Engine(scheduler, ARModelRunner(backend)), backend_name, backend.kv_trace, num_blocks, per_token,
-                    caching, max_num_seqs)
+    # Structured output: xgrammar's vocabulary is the logits' width (lm.vocab_size), built on first use.
+    grammars = Grammars.for_tokenizer(_own_tokenizer(lm) or lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    scheduler = GrammarScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
+                                 max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window,
+                                 grammars=grammars)
+    return AREngine(Engine(scheduler, ARModelRunner(backend, grammars)), backend_name, backend.kv_trace, num_blocks,
+                    per_token, caching, max_num_seqs, grammars)
 
 
 def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig, engine: AREngine) -> Stage:
@@ -99,9 +105,11 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     context_window, capacity = lm.context_window, engine.capacity
     own = _own_tokenizer(lm)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
+    inputs.grammars = engine.grammars
     model_trace = {**engine.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)
+    outputs.extra_trace = engine.grammars.trace
     summary = (
         f"{node.id}: {engine.backend} KV backend, {engine.num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
         f"({capacity * engine.per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "

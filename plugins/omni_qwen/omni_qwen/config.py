@@ -19,6 +19,8 @@ from omni_kernel.errors import InvalidParameter
 from omni_kernel.graph import NodeSpec
 from omni_kernel.params import ARParams, boolean, integer, option, text
 
+from . import structured
+
 KV_BACKENDS = ("paged", "dynamic_cache")
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_MAX_NUM_SEQS = 64
@@ -166,6 +168,18 @@ class QwenParams(ARParams):
                    "model's chat template instead of the prompt", multiple=True, converter=_messages)
     raw_prompt: bool = option(False, help="the prompt is raw text to continue: no chat template around it "
                                           "(OpenAI's /v1/completions)", type=bool, validator=boolean)
+    # Structured output (structured.py, grammar.py): at most one of these constrains the request's tokens.
+    json_schema: str | None = option(None, help="constrain the output to JSON valid under this JSON schema (JSON "
+                                                "text or a mapping)", converter=structured.json_schema)
+    json_object: bool = option(False, help="constrain the output to one JSON object", type=bool, validator=boolean)
+    regex: str | None = option(None, help="constrain the output to match this regular expression",
+                               converter=structured.regex)
+    choice: tuple[str, ...] | None = option(None, help="constrain the output to exactly one of these strings "
+                                                       "(repeatable)", multiple=True, converter=structured.choice)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        structured.Structure.of(self)  # refuses two constraints at once
 
 
 @attrs.frozen
@@ -182,11 +196,13 @@ class ARNodeSettings:
     max_num_seqs: int | None = None  # None: the run's ar_max_num_seqs, else DEFAULT_MAX_NUM_SEQS
     contract: str | None = None
     prompt_label: str = ""  # prefixed to ar.prompt_mode (e.g. "bridge_")
+    json_schema: str | None = None  # the node's own output constraint, for requests that give none (canonical JSON)
 
 
 # Node policy keys and their defaults. max_tokens is the node's token budget (None: EOS or context window).
 TEXT_GENERATION_POLICY = {"max_tokens": None, "chat": True, "max_num_seqs": None}
-PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None}
+# json_schema: the node's output is constrained to it (omni_bridge's pipelines give the guidance contract's).
+PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None, "json_schema": None}
 
 
 def node_policy(node: NodeSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from omni_kernel.errors import InputError, InvalidParameter
 from omni_kernel.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
+from .structured import PrefixedPrompt, Structure
 
 
 def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
@@ -51,6 +52,7 @@ class ARInputProcessor:
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
+        self.grammars = None  # grammar.Grammars: checks and starts compiling a request's structured output
         self._longest: int | None = None
 
     @property
@@ -80,9 +82,16 @@ class ARInputProcessor:
         else:
             ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None),
                                     getattr(params, "raw_prompt", False))
+        if self.settings.json_schema is not None and Structure.of(params) is None:
+            params = attrs.evolve(params, json_schema=self.settings.json_schema)
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
         prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
+        structure = Structure.of(params)
+        if structure is not None and self.settings.answer_prefix and not mode.endswith("token_ids"):
+            prompt = PrefixedPrompt(ids, prompt.max_tokens, prompt.ignore_eos, mode, self.settings.answer_prefix)
         check_fits(prompt, self.context_window, self.capacity_tokens)
+        if self.grammars is not None:
+            self.grammars.check(item.request_id, structure)
         if not params.greedy and params.seed is None:  # drawn once, so the trace can report it
             params = attrs.evolve(params, seed=secrets.randbits(63))
         return attrs.evolve(item, params=params, processed=prompt)

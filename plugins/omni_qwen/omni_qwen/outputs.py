@@ -40,6 +40,7 @@ class AROutputProcessor:
         self.decode = decode
         self.settings = settings
         self.model_trace = dict(model_trace)  # ar.* fields of the model and KV backend, without the prefix
+        self.extra_trace: Callable[[ARSequence], Mapping[str, Any]] | None = None  # grammar.Grammars.trace
 
     def add(self, seq: ARSequence) -> None:
         """A new request; its text starts with the node's answer prefix (written for the model, streamed first)
@@ -102,7 +103,7 @@ class AROutputProcessor:
                   "ttft_ms": round(req.ttft_ms, 3), "stop_reason": reason,
                   "streaming": bool(params is not None and params.stream), "prompt_mode": prompt.mode,
                   "sampling": "greedy" if greedy else "sample", "seed": None if greedy else params.seed,
-                  **self.model_trace}
+                  **self.model_trace, **(self.extra_trace(seq) if self.extra_trace else {})}
         return StageOutput(seq.request_id, self.node_id, text=req.text, stop_reason=reason,
                            contract=self.settings.contract,
                            data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids)},

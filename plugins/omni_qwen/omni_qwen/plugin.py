@@ -40,9 +40,11 @@ class QwenStages:
 
     def prompt_bridge(self, node: NodeSpec, config: QwenConfig | None) -> Stage:
         policy = node_policy(node, PROMPT_BRIDGE_POLICY)
+        schema = node_schema(node, policy["json_schema"])
         settings = ARNodeSettings(chat=policy["chat"], render=bridge_prompt, messages=bridge_messages,
                                   answer_prefix=ANSWER_PREFIX, max_tokens=policy["max_tokens"],
-                                  max_num_seqs=policy["max_num_seqs"], contract=CONTRACT, prompt_label="bridge_")
+                                  max_num_seqs=policy["max_num_seqs"], contract=CONTRACT, prompt_label="bridge_",
+                                  json_schema=schema)
         return self._build(node, config or QwenConfig(), settings)
 
     def _build(self, node: NodeSpec, config: QwenConfig, settings: ARNodeSettings) -> Stage:
@@ -113,3 +115,21 @@ class QwenPlugin:
         from .commands import models_command
 
         register(models_command)
+
+
+def node_schema(node: NodeSpec, value) -> str | None:
+    """A node policy's json_schema, checked when the stage is built (one line naming the policy key)."""
+    if value is None:
+        return None
+    from omni_kernel.errors import InvalidParameter
+
+    from .grammar import grammar_of
+    from .structured import Structure, json_schema
+
+    try:
+        schema = json_schema(value)
+        grammar_of(Structure("json_schema", schema))
+    except InvalidParameter as exc:
+        raise InvalidParameter(f"policy json_schema of node {node.id}",
+                               str(exc).split(": ", 1)[-1]) from None
+    return schema

@@ -13,14 +13,16 @@ from omni_kernel.ar_scheduler import ARSchedulerOutput, ARSequence
 from omni_kernel.params import ARParams
 
 from .backends import ARBackend
+from .grammar import Grammars
 from .sampling import Sampler, Sampling
 
 STEP_LOG_SIZE = 10_000
 
 
 class ARModelRunner:
-    def __init__(self, backend: ARBackend):
+    def __init__(self, backend: ARBackend, grammars: Grammars | None = None):
         self.backend = backend
+        self.grammars = grammars  # structured output: masks constrained rows before sampling (grammar.py)
         self.sampler = Sampler()
         # (sequences, tokens, ms) of recent steps, for benchmarks; bounded so a long-lived server does not grow
         self.step_log: deque[tuple[int, int, float]] = deque(maxlen=STEP_LOG_SIZE)
@@ -34,7 +36,13 @@ class ARModelRunner:
         start = time.perf_counter()
         request_ids, logits = self.backend.forward(batch)
         sampling = {seq.request_id: seq.state for seq in batch.records}
+        failed = {}
+        if self.grammars is not None and self.grammars.structures:
+            logits, failed = self.grammars.mask(request_ids, logits)
         tokens = self.sampler.sample(logits, [sampling[rid] for rid in request_ids])
+        if self.grammars is not None and self.grammars.active:
+            tokens = self.grammars.accept(request_ids, tokens)
+        tokens = [failed.get(rid, token) for rid, token in zip(request_ids, tokens)]
         self.step_log.append((len(batch.chunks), batch.num_tokens, (time.perf_counter() - start) * 1000))
         return dict(zip(request_ids, tokens))
 

@@ -79,6 +79,11 @@ class Metrics:
         self.prompt = Counter("omni_prompt_tokens", "prompt tokens processed", ["model"], registry=r)
         self.denoise = Histogram("omni_denoise_step_seconds", "time of one denoise step (as the server sees it)",
                                  ["model"], buckets=E2E_BUCKETS, registry=r)
+        self.structured = Counter("omni_structured_requests", "requests with constrained (structured) output, by "
+                                  "kind: json_schema, json_object, regex, choice", ["model", "kind"], registry=r)
+        self.grammar_compile = Histogram("omni_grammar_compile_seconds", "time to compile a request's grammar (a "
+                                         "schema compiled before is not compiled again)", ["model"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
         self.http = Counter("omni_http_requests", "HTTP requests by route and status", ["route", "status"],
                             registry=r)
         r.register(_EngineCollector(snapshot, jobs))

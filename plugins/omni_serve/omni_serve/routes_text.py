@@ -16,6 +16,7 @@ from .guards import until_disconnect
 from .handlers import api_error
 from .protocol import NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import Served, State
+from .structured import STRUCTURED_FIELDS, structured_params
 from .text import FINISH, Watch, collect, sse
 
 router = APIRouter()
@@ -46,7 +47,10 @@ def sampling(body: SamplingFields) -> dict[str, Any]:
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
               "stop": body.stop, "ignore_eos": body.ignore_eos}
     params = {k: v for k, v in params.items() if v is not None}
+    params.update(structured_params(body.model_extra or {}))
     for key, value in (body.model_extra or {}).items():
+        if key in STRUCTURED_FIELDS:
+            continue
         if key in NEUTRAL:
             neutral = NEUTRAL[key]
             if neutral is not None and value not in neutral:

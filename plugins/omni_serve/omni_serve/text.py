@@ -56,6 +56,11 @@ class Watch:
         self.metrics.generated.labels(self.model).inc(usage["completion_tokens"])
         self.metrics.prompt.labels(self.model).inc(usage["prompt_tokens"])
         self.metrics.e2e.labels(self.model, route).observe(time.perf_counter() - self.arrival)
+        structured, compile_ms = result.trace.get("ar.structured_output"), result.trace.get("ar.grammar_compile_ms")
+        if structured:
+            self.metrics.structured.labels(self.model, structured).inc()
+        if compile_ms is not None:
+            self.metrics.grammar_compile.labels(self.model).observe(compile_ms / 1000)
 
 
 async def collect(stream, final: str, watch: Watch):
