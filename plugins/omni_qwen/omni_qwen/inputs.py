@@ -81,7 +81,8 @@ class ARInputProcessor:
             ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None),
                                     getattr(params, "raw_prompt", False))
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
-        prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
+        prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode,
+                          prefix_cache=getattr(params, "prompt_logprobs", None) is None)  # logits of every position
         check_fits(prompt, self.context_window, self.capacity_tokens)
         if not params.greedy and params.seed is None:  # drawn once, so the trace can report it
             params = attrs.evolve(params, seed=secrets.randbits(63))

@@ -13,14 +13,16 @@ from omni_kernel.ar_scheduler import ARSchedulerOutput, ARSequence
 from omni_kernel.params import ARParams
 
 from .backends import ARBackend
+from .logprobs import LogprobsBook
 from .sampling import Sampler, Sampling
 
 STEP_LOG_SIZE = 10_000
 
 
 class ARModelRunner:
-    def __init__(self, backend: ARBackend):
+    def __init__(self, backend: ARBackend, logprobs: LogprobsBook | None = None):
         self.backend = backend
+        self.logprobs = logprobs or LogprobsBook()  # the output processor reads it in the same step
         self.sampler = Sampler()
         # (sequences, tokens, ms) of recent steps, for benchmarks; bounded so a long-lived server does not grow
         self.step_log: deque[tuple[int, int, float]] = deque(maxlen=STEP_LOG_SIZE)
@@ -32,11 +34,18 @@ class ARModelRunner:
         for request_id in batch.preempted:  # they recompute from their first token later
             self.backend.free(request_id)
         start = time.perf_counter()
-        request_ids, logits = self.backend.forward(batch)
+        every_row = self.logprobs.every_row(batch)
+        if every_row:
+            request_ids, logits, every = self.backend.forward_rows(batch, every_row)
+        else:
+            (request_ids, logits), every = self.backend.forward(batch), {}
+        raw = self.logprobs.raw(logits, request_ids, batch)
         sampling = {seq.request_id: seq.state for seq in batch.records}
         tokens = self.sampler.sample(logits, [sampling[rid] for rid in request_ids])
+        self.logprobs.record(batch, request_ids, raw, tokens, every)
         self.step_log.append((len(batch.chunks), batch.num_tokens, (time.perf_counter() - start) * 1000))
         return dict(zip(request_ids, tokens))
 
     def free(self, seq: ARSequence) -> None:
         self.backend.free(seq.request_id)
+        self.logprobs.free(seq.request_id)
