@@ -24,7 +24,7 @@ class ARTokenDelta(TokenDelta):
     whose text is held back come with a later delta or only in the StageOutput), and the prompt's once."""
 
     logprobs: tuple[dict, ...] = ()
-    prompt_logprobs: tuple[dict | None, ...] | None = None
+    prompt_logprobs: tuple[dict, ...] | None = None  # the first token's `logprob` is None
 
 
 @attrs.frozen
@@ -139,9 +139,9 @@ class TokenTexts:
 
     def entry(self, lp: Logprob) -> dict[str, Any]:
         """OpenAI's chat shape of one token (plus `token_id`), as omni_serve reads it."""
-        return {**self._one(lp.token, lp.logprob), "top_logprobs": [self._one(t, v) for t, v in lp.top]}
+        return {**self.one(lp.token, lp.logprob), "top_logprobs": [self.one(t, v) for t, v in lp.top]}
 
-    def _one(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def one(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         text, raw = self(token_id)
         return {"token_id": token_id, "token": text, "logprob": logprob, "bytes": raw}
 
@@ -152,7 +152,7 @@ class RequestLogprobs:
 
     tokens: list[dict] = attrs.Factory(list)  # every sampled token's entry (EOS included)
     sent: int = 0  # entries already carried on a delta
-    prompt: tuple[dict | None, ...] | None = None
+    prompt: tuple[dict, ...] | None = None
     prompt_sent: bool = False
 
 
@@ -168,13 +168,14 @@ class LogprobsOutput:
             return None
         return RequestLogprobs()
 
-    def take(self, req: RequestLogprobs, request_id: str) -> None:
-        found = self.book.tokens.get(request_id)
+    def take(self, req: RequestLogprobs, seq: ARSequence) -> None:
+        found = self.book.tokens.get(seq.request_id)
         if found is not None:
             req.tokens.append(self.texts.entry(found))
-        prompt = self.book.prompts.get(request_id)
-        if prompt is not None and req.prompt is None:
-            req.prompt = tuple(None if p is None else self.texts.entry(p) for p in prompt)
+        prompt = self.book.prompts.get(seq.request_id)
+        if prompt is not None and req.prompt is None:  # the first token has no logprob, but has its text
+            first = {**self.texts.one(seq.token_ids[0], None), "top_logprobs": []}
+            req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))
 
     def delta(self, req: RequestLogprobs, request_id: str, node_id: str, text: str) -> ARTokenDelta:
         prompt = None if req.prompt_sent else req.prompt

@@ -75,7 +75,7 @@ class AROutputProcessor:
         text now holds a stop string (which beats a token budget or the context window, not EOS)."""
         req = seq.output
         if req.logprobs is not None:
-            self.logprobs.take(req.logprobs, seq.request_id)
+            self.logprobs.take(req.logprobs, seq)
         if seq.num_output == 1:
             req.ttft_ms = (time.perf_counter() - req.start) * 1000
         stop = seq.item.params.stop if seq.item.params is not None else ()

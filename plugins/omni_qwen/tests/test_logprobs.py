@@ -50,7 +50,7 @@ def check_output(model, out, prompt, top, prompt_top):
             check_entry(entry, ref[len(prompt) + i - 1], token, top)
     if prompt_top is not None:
         given = out.data["prompt_logprobs"]
-        assert len(given) == len(prompt) and given[0] is None
+        assert len(given) == len(prompt) and given[0]["logprob"] is None and given[0]["token_id"] == prompt[0]
         for p in range(1, len(prompt)):
             check_entry(given[p], ref[p - 1], prompt[p], prompt_top)
     else:
@@ -108,7 +108,7 @@ def test_prompt_logprobs_survive_preemption(host, ckpt):
                                                                   "prompt_logprobs": 2}) for i in range(3)]
     finished, _ = run(omni, reqs)
     assert sum(out.trace["ar.preemptions"] for out in finished.values()) > 0
-    for rid, prompt, params in reqs:
+    for rid, prompt, _ in reqs:
         check_output(model, finished[rid], prompt, 3, 2)
 
 
