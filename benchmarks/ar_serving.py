@@ -19,11 +19,12 @@ ratios. Tokens are counted up to and without the EOS in every system.
 
 `--workload logprobs` measures what logprobs cost: the random workload through the stage with every request
 asking `logprobs=5` (top 5 and the chosen token's, docs/qwen.md "Logprobs") against none asking, alternating
-(A B A B ...) for `--rounds` rounds; `logprobs_over_off` is the median of the per-round throughput ratios.
+(A B A B ...) for `--rounds` rounds, in `--dtype` (fp32 by default); `logprobs_over_off` is the median of the
+per-round throughput ratios.
 
     .venv/bin/python benchmarks/ar_serving.py --quick
     .venv/bin/python benchmarks/ar_serving.py --workload real --quick
-    .venv/bin/python benchmarks/ar_serving.py --workload logprobs --quick --layers 4 --rounds 4
+    .venv/bin/python benchmarks/ar_serving.py --workload logprobs --quick --layers 4 --rounds 4 --threads 1
 """
 
 from __future__ import annotations
@@ -449,7 +450,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     path = ensure_checkpoint(args.layers)
-    runtime = Runtime(path)
+    runtime = Runtime(path, dtype=args.dtype) if args.workload == "logprobs" else Runtime(path)
     warm_omni = runtime.omni(kv_memory="64MiB")  # loads the model once for every Omni of this host
     model = hf_model_of(warm_omni)
     say(f"checkpoint ready and loaded in {time.perf_counter() - t0:.1f}s: "

@@ -25,7 +25,7 @@ def _top(field: str, value: int | None) -> None:
 def chat_params(body) -> dict[str, Any]:
     """`logprobs: true` and `top_logprobs` (0-20) as the request parameter `logprobs`."""
     _top("top_logprobs", body.top_logprobs)
-    if body.top_logprobs is not None and not body.logprobs:
+    if body.top_logprobs and not body.logprobs:  # 0 alone is the neutral value some clients send
         raise APIError(400, "invalid top_logprobs: only allowed when logprobs is true", "top_logprobs",
                        "invalid_value")
     return {"logprobs": body.top_logprobs or 0} if body.logprobs else {}
