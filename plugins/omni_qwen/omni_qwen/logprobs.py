@@ -177,10 +177,13 @@ class LogprobsOutput:
             first = {**self.texts.one(seq.token_ids[0], None), "top_logprobs": []}
             req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))
 
-    def delta(self, req: RequestLogprobs, request_id: str, node_id: str, text: str) -> ARTokenDelta:
+    def delta(self, req: RequestLogprobs, request_id: str, node_id: str, text: str, eos: bool = False
+              ) -> ARTokenDelta:
+        """`eos`: the last entry is the EOS token's, whose text is not in the output: it stays in the data only."""
         prompt = None if req.prompt_sent else req.prompt
         req.prompt_sent = req.prompt_sent or prompt is not None
-        tokens, req.sent = tuple(req.tokens[req.sent:]), len(req.tokens)
+        end = max(req.sent, len(req.tokens) - eos)
+        tokens, req.sent = tuple(req.tokens[req.sent:end]), end
         return ARTokenDelta(request_id, node_id, text, tokens, prompt)
 
     @staticmethod

@@ -95,8 +95,9 @@ class AROutputProcessor:
         end = max(req.sent, len(req.text) - held)
         delta = None
         if end > req.sent:
-            delta = TokenDelta(seq.request_id, self.node_id, req.text[req.sent:end]) if req.logprobs is None else \
-                self.logprobs.delta(req.logprobs, seq.request_id, self.node_id, req.text[req.sent:end])
+            text = req.text[req.sent:end]
+            delta = TokenDelta(seq.request_id, self.node_id, text) if req.logprobs is None else \
+                self.logprobs.delta(req.logprobs, seq.request_id, self.node_id, text, finished == "eos")
             req.sent = end
         return delta, reason
 

@@ -50,6 +50,12 @@ def _one(entry: dict) -> dict:
     return {"token": entry["token"], "logprob": entry["logprob"], "bytes": entry["bytes"]}
 
 
+def chat_entries(output) -> list:
+    """A finished chat's entries: the generated tokens' without the EOS token's (its text is not the message's)."""
+    entries = list((output.data or {}).get("logprobs") or [])
+    return entries[:-1] if output.stop_reason == "eos" and entries else entries
+
+
 def chat_content(entries) -> dict:
     """Chat's `choices[].logprobs`."""
     return {"content": [{**_one(e), "top_logprobs": [_one(t) for t in e["top_logprobs"]]} for e in entries],

@@ -14,7 +14,7 @@ from omni_kernel.events import RequestFailed
 
 from .guards import until_disconnect
 from .handlers import api_error
-from .logprobs import chat_content, chat_params
+from .logprobs import chat_content, chat_entries, chat_params
 from .protocol import NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import Served, State
 from .text import FINISH, Watch, collect, sse
@@ -123,7 +123,7 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text or "", "refusal": None}
         if body.logprobs:
-            choice["logprobs"] = chat_content(out.output.data.get("logprobs") or [])
+            choice["logprobs"] = chat_content(chat_entries(out.output))
     else:
         choice["text"] = out.text or ""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from omni_kernel.events import STOP_REASONS, TRUNCATED_STOP_REASONS, RequestFailed, RequestFinished, TokenDelta
 
-from .logprobs import chat_content
+from .logprobs import chat_content, chat_entries
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -101,7 +101,7 @@ async def sse(stream, final: str, watch: Watch, rid: str, model: str, chat: bool
             elif isinstance(event, RequestFinished):
                 out = event.result
                 watch.done(out, "chat" if chat else "completions")
-                rest = (out.output.data.get("logprobs") or [])[sent:] if out.output.data else []
+                rest = chat_entries(out.output)[sent:] if chat else []
                 yield chunk(None, FINISH.get(out.output.stop_reason or "eos", "stop"), logprobs=rest or None)
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
