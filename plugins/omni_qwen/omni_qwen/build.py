@@ -24,7 +24,7 @@ from .backends import DynamicCacheBackend, PagedBackend
 from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
 from .inputs import ARInputProcessor
 from .model import CausalLM
-from .logprobs import LogprobsBook, LogprobsOutput, TokenTexts
+from .logprobs import LogprobsOutput, TokenTexts
 from .outputs import AROutputProcessor
 from .paged.pool import KVPool
 from .paged.decoder import PagedDecoder
@@ -73,13 +73,12 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     max_num_seqs = config.max_num_seqs_for(settings)
     scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
                             max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
-    book = LogprobsBook()
-    runner = ARModelRunner(backend, book)
+    runner = ARModelRunner(backend)
     own = _own_tokenizer(lm)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
     model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
-    logprobs = LogprobsOutput(book, TokenTexts(lm.tokenizer))
+    logprobs = LogprobsOutput(runner.logprobs, TokenTexts(lm.tokenizer))  # the engine's book
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, logprobs)
     summary = (
         f"{node.id}: {backend_name} KV backend, {num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "

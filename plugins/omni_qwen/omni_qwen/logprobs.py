@@ -1,13 +1,16 @@
 """Logprobs of an AR stage (docs/qwen.md, "Logprobs"): the log-softmax of the model's raw logits (before
 temperature, top-k and top-p), for the generated tokens (`logprobs`) and the prompt's (`prompt_logprobs`).
 
-The runner computes them in its step for the rows of the requests that asked, into the stage's LogprobsBook;
-the output processor, in the same step, turns that step's entries into text (TokenTexts) and carries them on
-ARTokenDelta events and in the StageOutput's data. Requests that did not ask pay nothing.
+The runner computes them in its step for the rows of the requests that asked, into the engine's LogprobsBook,
+keyed by the request's record (weakly: they go with it); the output processor that gets the record's output
+takes them (whichever step delivers it: stages of several pipelines may share one engine), turns them into text
+(TokenTexts) and carries them on ARTokenDelta events and in the StageOutput's data. Requests that did not ask
+pay nothing.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,12 +51,12 @@ def _entries(logprobs: torch.Tensor, targets: Sequence[int], tops: Sequence[int]
 
 
 class LogprobsBook:
-    """The runner's side: what one step computed, read by the output processor in the same step."""
+    """The runner's side: what its steps computed per request record, until the output processor takes it."""
 
     def __init__(self):
-        self.tokens: dict[str, Logprob] = {}  # this step's sampled tokens, of the requests that asked
-        self.prompts: dict[str, tuple[Logprob | None, ...]] = {}  # prompts completed in this step
-        self.partial: dict[str, list[Logprob | None]] = {}  # prompts being prefilled (chunk by chunk)
+        self.tokens = weakref.WeakKeyDictionary()  # record -> [Logprob] of its sampled tokens not yet taken
+        self.prompts = weakref.WeakKeyDictionary()  # record -> its prompt's entries, once complete
+        self.partial = weakref.WeakKeyDictionary()  # record -> [Logprob | None] of a prompt being prefilled
 
     def every_row(self, batch: ARSchedulerOutput) -> frozenset[str]:
         """Requests whose chunk this step needs logits at every row: prompt positions not yet delivered."""
@@ -71,24 +74,24 @@ class LogprobsBook:
 
     def record(self, batch: ARSchedulerOutput, request_ids: Sequence[str], raw, tokens: Sequence,
                every: dict[str, torch.Tensor]) -> None:
-        self.tokens, self.prompts = {}, {}
         seqs = {s.request_id: s for s in batch.records}
         rows, logprobs = raw
         keep = [j for j, i in enumerate(rows) if isinstance(tokens[i], int)]  # a failed row has none
         if keep:
-            rids = [request_ids[rows[j]] for j in keep]
-            found = _entries(logprobs[keep], [tokens[rows[j]] for j in keep],
-                             [asked(seqs[rid], "logprobs") for rid in rids])
-            self.tokens = dict(zip(rids, found))
+            picked = [seqs[request_ids[rows[j]]] for j in keep]
+            found = _entries(logprobs[keep], [tokens[rows[j]] for j in keep], [asked(s, "logprobs") for s in picked])
+            for seq, entry in zip(picked, found):
+                self.tokens.setdefault(seq, []).append(entry)
         for chunk in batch.chunks:
+            seq = seqs[chunk.request_id]
             if chunk.request_id in every:
-                self._prompt(seqs[chunk.request_id], chunk.start, every[chunk.request_id])
-            if chunk.samples and chunk.request_id in self.partial:
-                self.prompts[chunk.request_id] = tuple(self.partial.pop(chunk.request_id))
+                self._prompt(seq, chunk.start, every[chunk.request_id])
+            if chunk.samples and seq in self.partial:
+                self.prompts[seq] = tuple(self.partial.pop(seq))
 
     def _prompt(self, seq: ARSequence, start: int, logits: torch.Tensor) -> None:
         """Row j predicts position start + j + 1: the prompt's own tokens only (a recompute may hold more)."""
-        entries = self.partial.setdefault(seq.request_id, [None] * seq.num_prompt)
+        entries = self.partial.setdefault(seq, [None] * seq.num_prompt)
         count = min(logits.shape[0], seq.num_prompt - 1 - start)
         if count > 0:
             targets = seq.token_ids[start + 1:start + 1 + count]
@@ -96,8 +99,6 @@ class LogprobsBook:
                              [asked(seq, "prompt_logprobs")] * count)
             entries[start + 1:start + 1 + count] = found
 
-    def free(self, request_id: str) -> None:
-        self.partial.pop(request_id, None)
 
 
 def _byte_table() -> dict[str, int]:
@@ -169,10 +170,8 @@ class LogprobsOutput:
         return RequestLogprobs()
 
     def take(self, req: RequestLogprobs, seq: ARSequence) -> None:
-        found = self.book.tokens.get(seq.request_id)
-        if found is not None:
-            req.tokens.append(self.texts.entry(found))
-        prompt = self.book.prompts.get(seq.request_id)
+        req.tokens.extend(self.texts.entry(found) for found in self.book.tokens.pop(seq, ()))
+        prompt = self.book.prompts.pop(seq, None)
         if prompt is not None and req.prompt is None:  # the first token has no logprob, but has its text
             first = {**self.texts.one(seq.token_ids[0], None), "top_logprobs": []}
             req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))

@@ -22,7 +22,7 @@ STEP_LOG_SIZE = 10_000
 class ARModelRunner:
     def __init__(self, backend: ARBackend, logprobs: LogprobsBook | None = None):
         self.backend = backend
-        self.logprobs = logprobs or LogprobsBook()  # the output processor reads it in the same step
+        self.logprobs = logprobs or LogprobsBook()  # the output processors take from it
         self.sampler = Sampler()
         # (sequences, tokens, ms) of recent steps, for benchmarks; bounded so a long-lived server does not grow
         self.step_log: deque[tuple[int, int, float]] = deque(maxlen=STEP_LOG_SIZE)
@@ -48,4 +48,3 @@ class ARModelRunner:
 
     def free(self, seq: ARSequence) -> None:
         self.backend.free(seq.request_id)
-        self.logprobs.free(seq.request_id)
