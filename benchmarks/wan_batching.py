@@ -18,9 +18,11 @@ before every run so all sides do the same work. `cfg_batch_speedup` is one reque
 rows in two forwards over one forward. `max_abs_diff` is the largest difference between a request's frames
 in a continuous run and in its sequential (solo) run. The same is repeated at a larger size (4x the tokens).
 With `--steps-spread N` each request's steps are drawn from steps +- N (fixed seed) instead of all equal.
-With `--workload mixed` every other request is text-to-video (no image: wan_t2v's path) and the rest image-to-video,
-all served by one stage whose node takes both (image policy `optional`), so text and image rows share forwards;
-`max_abs_diff` then covers both kinds.
+With `--workload mixed` every other request is text-to-video (sent to wan_t2v) and the rest image-to-video (sent to
+wan_i2v): continuous is the two pipelines on one plugin host, so one shared engine (text and image rows in one
+forward), stepped in turn as `omni serve` steps them; `separate` is the same two pipelines on two hosts (an engine
+each, every step of one waiting for the other's), `ratio_vs_separate` its time over continuous; sequential is one
+stage that takes both (image policy `optional`) at `wan_max_batch=1`. `max_abs_diff` then covers both kinds.
 
 `busy_s` is the time each run spent inside the engine's steps (the rest it waited for arrivals).
 `ratio_vs_static_ceiling` is static's makespan over its busy time: what continuous batching would reach doing
@@ -108,7 +110,16 @@ def main() -> None:
         pipeline = "wan_i2v" if args.workload == "image" else _mixed_plan()
         engines = {"continuous": Omni(pipeline, host=host, model=str(model), **where),
                    "sequential": Omni(pipeline, host=host, model=str(model), **where, wan_max_batch=1)}
-        cache = host.pm.get_plugin("omni_wan").stages.cache
+        hosts = [host]
+        if args.workload == "mixed":
+            global MODES
+            MODES = {**MODES, "separate": ("separate", True)}
+            hosts += [load_host(), load_host()]
+            engines["continuous"] = Turns(*(Omni(name, host=host, model=str(model), **where)
+                                            for name in ("wan_i2v", "wan_t2v")))
+            engines["separate"] = Turns(*(Omni(name, host=h, model=str(model), **where)
+                                          for name, h in zip(("wan_i2v", "wan_t2v"), hosts[1:])))
+        cache = Caches([h.pm.get_plugin("omni_wan").stages.cache for h in hosts])
         sizes = {"base": (args.height, args.width),
                  "large": (args.height * args.large_scale, args.width * args.large_scale)}
         report = {"benchmark": "wan_batching", "checkpoint": {"transformer": BENCH_DIMS},
@@ -138,6 +149,48 @@ def main() -> None:
     print(json.dumps(report))
 
 
+class Turns:
+    """wan_i2v and wan_t2v served side by side: a request goes to the pipeline its image says, and a step steps each
+    pipeline with work in turn (as `omni serve`'s engine thread does)."""
+
+    def __init__(self, i2v, t2v):
+        self.omnis = {"wan_i2v": i2v, "wan_t2v": t2v}
+
+    def request(self, prompt, image=None, **params):
+        return self.omnis["wan_i2v" if image else "wan_t2v"].request(prompt, image=image, **params)
+
+    def generate(self, prompt, image=None, **params):
+        return self.omnis["wan_i2v" if image else "wan_t2v"].generate(prompt, image=image, **params)
+
+    def submit(self, request) -> None:
+        self.omnis[request.pipeline].submit(request)
+
+    def has_unfinished(self) -> bool:
+        return any(o.has_unfinished() for o in self.omnis.values())
+
+    def step(self) -> list:
+        return [e for o in self.omnis.values() if o.has_unfinished() for e in o.step()]
+
+
+class Caches:
+    def __init__(self, caches):
+        self.caches = caches
+
+    def clear(self) -> None:
+        for cache in self.caches:
+            cache.clear()
+
+
+def _runners(engine) -> list:
+    omnis = engine.omnis.values() if isinstance(engine, Turns) else [engine]
+    return [o.graph.stages["wan"].engine.runner for o in omnis]
+
+
+def _set_cfg_batched(engine, value: bool) -> None:
+    for runner in _runners(engine):
+        runner.cfg_batched = value
+
+
 def _mixed_plan():
     """One Wan node that takes requests with and without an image (what wan_i2v and wan_t2v share)."""
     from omni_kernel import NodeSpec, PipelinePlan
@@ -150,14 +203,13 @@ def _compare(engines, cache, images, params, rounds, args, out: Path) -> dict:
     """Warm up, measure one request's solo time (sets the arrival rate) and the CFG speedup, then rounds; then
     one round at each `--sweep` arrival factor."""
     omni = engines["continuous"]
-    runner = omni.graph.stages["wan"].engine.runner
 
     def solo(cfg_batched: bool):
-        runner.cfg_batched = cfg_batched
+        _set_cfg_batched(omni, cfg_batched)
         cache.clear()
         start = time.perf_counter()
         trace = omni.generate(PROMPTS[0], image=images[0], **params, seed=0, output=str(out / "solo.mp4")).trace
-        runner.cfg_batched = True
+        _set_cfg_batched(omni, True)
         return time.perf_counter() - start, trace["diffusion.denoise_ms"]
 
     solo(True)  # load and warm up
@@ -211,9 +263,9 @@ def _rounds(engines, cache, images, params, arrivals, steps, rounds, out: Path, 
             cache.clear()
             engine, cfg_batched = MODES[mode]
             engine = engines[engine]
-            engine.graph.stages["wan"].engine.runner.cfg_batched = cfg_batched
+            _set_cfg_batched(engine, cfg_batched)
             elapsed, stepping, results = _serve(engine, mode, images, params, arrivals, steps, out / f"{mode}{r}")
-            engine.graph.stages["wan"].engine.runner.cfg_batched = True
+            _set_cfg_batched(engine, True)
             times[mode].append(elapsed)
             busy[mode].append(stepping)
             if r == 0 and keep_frames and mode in ("continuous", "sequential"):
@@ -231,6 +283,8 @@ def _rounds(engines, cache, images, params, arrivals, steps, rounds, out: Path, 
               "ratio_vs_static_ceiling": round(statistics.median(t / b for t, b in zip(times["static"],
                                                                                       busy["static"])), 3),
               "ratio_vs_sequential_cfg_batched": round(statistics.median(pairs["sequential_cfg_batched"]), 3),
+              **({"ratio_vs_separate": round(statistics.median(pairs["separate"]), 3),
+                  "pairs_vs_separate": [round(x, 3) for x in pairs["separate"]]} if "separate" in pairs else {}),
               "pairs_vs_sequential": [round(x, 3) for x in pairs["sequential"]],
               "pairs_vs_static": [round(x, 3) for x in pairs["static"]],
               "throughput_rps": {m: round(len(arrivals) / statistics.median(t), 4) for m, t in times.items()},

@@ -1,5 +1,6 @@
 """build_stage: an AR node's Stage(ARInputProcessor, Engine(ARScheduler(BlockManager), ARModelRunner(backend)),
-AROutputProcessor).
+AROutputProcessor). The engine (build_engine) is shared by every AR node of the plugin host with the same model
+and engine settings, whichever pipeline it is in: each stage gets a view of it (omni_kernel.engine.EngineView).
 
 Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
 (QwenConfig.kv_memory_for) and the model's K/V bytes per token.
@@ -11,6 +12,7 @@ import copy
 import logging
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from omni_kernel.ar_scheduler import ARScheduler
@@ -52,8 +54,26 @@ def kv_bytes_per_token(config, element_size: int) -> int:
     return text.num_hidden_layers * 2 * kv_heads * head_dim * element_size
 
 
-def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig,
-                paged_model: Callable[[], PagedDecoder]) -> Stage:
+@attrs.frozen
+class AREngine:
+    """The engine of every AR stage with the same model and engine settings (pipelines share it: one batch, one
+    KV pool), with what its stages report of it."""
+
+    engine: Engine
+    backend: str
+    kv_trace: dict
+    num_blocks: int
+    per_token: int
+    caching: bool
+    max_num_seqs: int
+
+    @property
+    def capacity(self) -> int:
+        return self.num_blocks * BLOCK_SIZE
+
+
+def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int,
+                 paged_model: Callable[[], PagedDecoder]) -> AREngine:
     """`paged_model()` gives the (shared) PagedDecoder over `lm`'s weights, built on first use."""
     model, context_window = lm.model, lm.context_window
     backend_name = choose_backend(config, model)
@@ -63,30 +83,35 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     if num_blocks < 1:
         raise InvalidParameter("ar_kv_memory", f"{memory} bytes hold no block of {BLOCK_SIZE} tokens "
                                                f"({per_token * BLOCK_SIZE} bytes for this model)")
-    capacity = num_blocks * BLOCK_SIZE
     if backend_name == "paged":
         paged = paged_model()
         backend = PagedBackend(paged, KVPool.for_model(paged, num_blocks, BLOCK_SIZE))
     else:
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
-    max_num_seqs = config.max_num_seqs_for(settings)
     scheduler = ARScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
                             max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window)
-    runner = ARModelRunner(backend)
+    return AREngine(Engine(scheduler, ARModelRunner(backend)), backend_name, backend.kv_trace, num_blocks, per_token,
+                    caching, max_num_seqs)
+
+
+def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig, engine: AREngine) -> Stage:
+    """An AR node's stage over `engine`, which other nodes' stages (of other pipelines) may share."""
+    context_window, capacity = lm.context_window, engine.capacity
     own = _own_tokenizer(lm)
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
-    model_trace = {**backend.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
+    model_trace = {**engine.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
     logprobs = LogprobsOutput(runner.logprobs, TokenTexts(lm.tokenizer))  # the engine's book
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, logprobs)
     summary = (
-        f"{node.id}: {backend_name} KV backend, {num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
-        f"({capacity * per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency {capacity / context_window:.1f} "
-        f"requests at the full {context_window}-token context; up to {max_num_seqs} sequences and "
-        f"{config.ar_max_num_batched_tokens} tokens per step; prefix caching {'on' if caching else 'off'}")
+        f"{node.id}: {engine.backend} KV backend, {engine.num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
+        f"({capacity * engine.per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "
+        f"{capacity / context_window:.1f} requests at the full {context_window}-token context; up to "
+        f"{engine.max_num_seqs} sequences and {config.ar_max_num_batched_tokens} tokens per step; prefix caching "
+        f"{'on' if engine.caching else 'off'}")
     inputs.concurrent = own is not None
-    return Stage(node, "ar", inputs, Engine(scheduler, runner), outputs, summary)
+    return Stage(node, "ar", inputs, engine.engine.view(), outputs, summary)
 
 
 def _own_tokenizer(lm: CausalLM):

@@ -18,7 +18,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import omni_hf
 from omni_kernel.errors import ModelError
-from omni_kernel.files import check_safetensors_index, safetensors_shapes
+from omni_hf.weights import check_safetensors_index, safetensors_shapes
 
 log = logging.getLogger("omni")
 

@@ -22,13 +22,15 @@ AR_TEXT = PipelinePlan(
 class QwenStages:
     """Builds the AR stages. Owns the loaded models, one per (path, dtype, device, trust_remote_code), and the
     paged forward over each, so a graph with several AR nodes (or several graphs of one host) loads each model
-    once and keeps it loaded."""
+    once and keeps it loaded; and the engines, one per model and engine settings, which every AR stage built
+    with them shares (one batch and one KV pool across the pipelines of a host)."""
 
     def __init__(self):
         from omni_hf import ModelPool
 
         self.models = ModelPool(_load_causal_lm)  # key: (path, dtype, device, trust_remote_code)
         self.paged_models = ModelPool(lambda key: _paged(self.model(key)))
+        self.engines: dict[tuple, object] = {}  # (model key, config, max_num_seqs) -> build.AREngine
 
     def text_generation(self, node: NodeSpec, config: QwenConfig | None) -> Stage:
         policy = node_policy(node, TEXT_GENERATION_POLICY)
@@ -44,10 +46,16 @@ class QwenStages:
         return self._build(node, config or QwenConfig(), settings)
 
     def _build(self, node: NodeSpec, config: QwenConfig, settings: ARNodeSettings) -> Stage:
-        from .build import build_stage
+        from .build import build_engine, build_stage
 
         key = self._key(config)
-        return build_stage(node, self.model(key), settings, config, lambda: self.paged_model(key))
+        lm = self.model(key)
+        engine_key = (key, config, config.max_num_seqs_for(settings))
+        shared = self.engines.get(engine_key)
+        if shared is None or shared.engine.dead is not None:  # a dead engine takes nothing more: a new one
+            shared = build_engine(lm, config, engine_key[2], lambda: self.paged_model(key))
+            self.engines[engine_key] = shared
+        return build_stage(node, lm, settings, config, shared)
 
     def _key(self, config: QwenConfig) -> tuple:
         from .model import resolve_device

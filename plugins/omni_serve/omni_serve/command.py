@@ -68,6 +68,8 @@ def serve_command() -> click.Command:
                      help="Seconds a finished video job and its file are kept (0: forever)."),
         click.Option(["--max-body-mb"], type=float, default=20.0, show_default=True,
                      help="Largest request body in MB (413 above)."),
+        click.Option(["--max-text-body-mb"], type=float, default=4.0, show_default=True,
+                     help="Largest completions or chat request body in MB (413 above, before it is parsed)."),
         click.Option(["--allowed-origins"], multiple=True,
                      help="Origins allowed by CORS (repeatable; default: no CORS)."),
         click.Option(["--max-concurrent-requests", "max_in_flight"], type=click.IntRange(min=0), default=1024,
@@ -84,14 +86,15 @@ def serve_command() -> click.Command:
     ]
 
     @click.pass_context
-    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, allowed_origins,
-              max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout, config_pairs, placement,
+    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, max_text_body_mb,
+              allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout, config_pairs, placement,
               ray_address, worker_threads, max_restarts, log_level, **given):
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
         try:
             run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
                        aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
+                       max_text_body_mb=max_text_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
                        max_in_flight=max_in_flight or None,
                        timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout),
@@ -180,7 +183,7 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
 def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
                log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None,
-               timeouts: Timeouts | None = None) -> None:
+               timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0) -> None:
     import uvicorn
 
     from .timeouts import TimedH11Protocol
@@ -191,6 +194,8 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
 
     if max_body_mb <= 0:
         raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")
+    if max_text_body_mb <= 0:
+        raise UserError(f"invalid --max-text-body-mb: {max_text_body_mb} is not > 0")
     if shutdown_timeout < 0:
         raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
     timeouts = timeouts or Timeouts()
@@ -217,7 +222,7 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         temp_dir = tempfile.mkdtemp(prefix="omni-serve-")
         output_dir = temp_dir
     settings = ServeSettings(Path(output_dir).expanduser().absolute(), api_key or None, video_ttl or None,
-                             max_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map,
+                             max_body_mb, max_text_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map,
                              timeouts.body or None)
     app = create_app(engine, settings)
     # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):

@@ -21,7 +21,7 @@ KEY = "sk-test-0123456789"
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("guards")
     with running(["--pipeline", "echo", "--pipeline", "fault", "--served-model-name", "parrot=echo", "--max-body-mb",
-                  "0.01", "--output-dir", str(tmp / "out")], tmp / "server.log", plugins=("fault_plugin:FaultPlugin",),
+                  "0.01", "--max-text-body-mb", "0.005", "--output-dir", str(tmp / "out")], tmp / "server.log", plugins=("fault_plugin:FaultPlugin",),
                  env={"OMNI_API_KEY": KEY}) as proc:
         yield proc
 
@@ -51,12 +51,23 @@ def test_body_too_large_is_413(http):
     r = http.post("/v1/completions", json={"model": "echo", "prompt": "x" * 20000})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
-    def chunks():  # no Content-Length: counted as it arrives
-        for _ in range(20):
+    def chunks(n: int):  # no Content-Length: counted as it arrives
+        for _ in range(n):
             yield b" " * 1000
 
-    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
-    assert r.status_code == 413
+    r = http.post("/v1/videos", content=chunks(20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-body-mb" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_text_request_has_its_own_smaller_limit(http, path):
+    r = http.post(path, json={"model": "echo", "prompt": "x" * 7000, "messages": []})
+    assert r.status_code == 413 and "--max-text-body-mb" in r.json()["error"]["message"], r.text
+    r = http.post(path, content=(b" " * 1000 for _ in range(7)), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-text-body-mb" in r.json()["error"]["message"], r.text
+    # the same size elsewhere is under --max-body-mb: read and answered on its merits
+    r = http.post("/v1/videos", json={"model": "echo", "prompt": "x" * 7000})
+    assert r.status_code != 413, r.text
 
 
 def test_schemathesis_finds_no_server_error(server):

@@ -35,7 +35,11 @@ from .runner import WanRunner
 CPU_TOKEN_BUDGET = 16384  # on a CPU a forward is compute-bound long before memory matters
 
 
-def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: PrepareCache) -> Stage:
+def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: PrepareCache,
+                engines: dict[tuple, Engine]) -> Stage:
+    """`engines` (the factory's): one engine per model, device and config, shared by every stage built with them,
+    whichever pipeline and image policy: text and image requests of wan_t2v, wan_i2v and the qwen_to_wan pipelines
+    share its batches."""
     if config.model:
         layout, label, default_preset = read_layout(config.model), config.model, "quality"
     else:
@@ -50,17 +54,21 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
                          f"channels, the VAE's latents {layout.z_dim} (an image-to-video model); use wan_i2v")
     placement = place(config)
     budget, why = token_budget(config, placement, layout)
-    loaded = pool.acquire(layout.path, placement)
-    runner = WanRunner(node.id, layout, placement, loaded, cache, video_preset=config.wan_video_preset)
-    scheduler = DiffusionScheduler(
-        max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
-        batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),
-        cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget,
-        phase_order=("export", "decode", "prepare", "denoise"))
+    key = (layout.path, placement, config)
+    engine = engines.get(key)
+    if engine is None or engine.dead is not None:  # a dead engine takes nothing more: a new one
+        loaded = pool.acquire(layout.path, placement)
+        runner = WanRunner(node.id, layout, placement, loaded, cache, video_preset=config.wan_video_preset)
+        scheduler = DiffusionScheduler(
+            max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
+            batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),
+            cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget,
+            phase_order=("export", "decode", "prepare", "denoise"))
+        engine = engines[key] = Engine(scheduler, runner)
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
     summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
                f"step ({why})")
-    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), Engine(scheduler, runner),
+    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), engine.view(),
                  WanOutputProcessor(node.id, model_trace), summary)
 
 

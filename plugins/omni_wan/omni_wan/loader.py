@@ -8,7 +8,7 @@ from pathlib import Path
 
 import omni_hf
 from omni_kernel.errors import ModelError
-from omni_kernel.files import safetensors_shapes
+from omni_hf.weights import safetensors_shapes
 
 from .device import WanDevice
 from .layout import WEIGHTS

@@ -22,9 +22,9 @@ WAN_T2V_PIPELINE = PipelinePlan("wan_t2v", [NodeSpec("wan", NODE_TYPE, final=Tru
 
 
 class WanStages:
-    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models
-    and the prepare cache, so every graph a plugin host builds shares them: a model loads once per process and host,
-    and stays loaded."""
+    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models,
+    the prepare cache and the engines, so every graph a plugin host builds shares them: a model loads once per
+    process and host and stays loaded, and the stages of one model and config share one engine and its batches."""
 
     def __init__(self):
         from .loader import ModelPool
@@ -32,11 +32,12 @@ class WanStages:
 
         self.pool = ModelPool()
         self.cache = PrepareCache()
+        self.engines: dict = {}  # (model path, device, config) -> the Engine its stages share (build.py)
 
     def build(self, node: NodeSpec, config: WanConfig | None) -> Stage:
         from .build import build_stage
 
-        return build_stage(node, config or WanConfig(), self.pool, self.cache)
+        return build_stage(node, config or WanConfig(), self.pool, self.cache, self.engines)
 
 
 class WanPlugin:

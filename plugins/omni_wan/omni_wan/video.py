@@ -9,6 +9,7 @@ full disk, an abort, Ctrl-C or SIGTERM never leaves a partial MP4 behind, and a 
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import subprocess
 import tempfile
@@ -16,9 +17,18 @@ from pathlib import Path
 
 import numpy as np
 from omni_kernel.errors import RequestError
-from omni_kernel.files import atomic_path, sync_file
+from omni_kernel.files import atomic_path
 
 log = logging.getLogger("omni")
+
+
+def sync_file(path: str | Path) -> None:
+    """Flush a written file to its disk: a full or failing disk shows up here, not after the rename."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def to_uint8(frames: np.ndarray) -> np.ndarray:

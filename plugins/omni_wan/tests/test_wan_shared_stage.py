@@ -1,0 +1,96 @@
+"""One diffusion engine per model: wan_i2v, wan_t2v and qwen_to_wan_i2v built on one plugin host share it (one
+copy of the weights, one batch), each pipeline gets back its own requests' events, the same request id in two
+pipelines is refused in one line, and a request aborted in one pipeline leaves the other's alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omni_kernel import Omni, RequestFailed, RequestFinished
+
+SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4}
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    path = tmp_path_factory.mktemp("shared") / "red.png"
+    Image.new("RGB", (120, 80), "red").save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def pipelines(omni, tiny_model):
+    """wan_i2v (the session's) and wan_t2v on one host, the same model and config."""
+    return omni, Omni("wan_t2v", host=omni.host, model=str(tiny_model), device="cpu")
+
+
+def tensors(stage) -> set[int]:
+    model = stage.engine.runner.model.pipe.transformer
+    return {p.data_ptr() for p in model.parameters()}
+
+
+def test_wan_pipelines_share_one_engine_and_one_copy_of_the_weights(pipelines, tiny_model):
+    i2v, t2v = pipelines
+    chained = Omni("qwen_to_wan_i2v", host=i2v.host, model=str(tiny_model), device="cpu")
+    stages = [i2v.graph.stages["wan"], t2v.graph.stages["wan"], chained.graph.stages["video"]]
+    assert len({id(s.engine.engine) for s in stages}) == 1  # one engine under three views
+    assert len({id(s.inputs) for s in stages}) == 3  # each its own image policy
+    assert tensors(stages[0]) == tensors(stages[2])
+
+
+def test_requests_of_two_pipelines_share_forwards_get_their_own_events_and_match_solo(pipelines, image, tmp_path):
+    i2v, t2v = pipelines
+    i2v.submit(i2v.request("a red fox in the snow", image=image, request_id="i", seed=1, output=str(tmp_path / "i.mp4"),
+                           return_frames=True, **SIZE))
+    t2v.submit(t2v.request("a kite over a field", request_id="t", seed=2, output=str(tmp_path / "t.mp4"),
+                           return_frames=True, **SIZE))
+    events: list = []
+    seen = {i2v: [], t2v: []}
+    while i2v.has_unfinished() or t2v.has_unfinished():  # each in turn, as `omni serve`'s engine thread does
+        for o in (i2v, t2v):
+            if o.has_unfinished():
+                stepped = o.step()
+                seen[o] += [e.request_id for e in stepped]
+                events += stepped
+    assert set(seen[i2v]) == {"i"} and set(seen[t2v]) == {"t"}  # each pipeline got its own events only
+    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    assert sorted(finished) == ["i", "t"]
+    for result in finished.values():
+        assert result.trace["diffusion.batch_size_max"] == 2, result.trace  # one forward for both pipelines
+    alone = {"i": i2v.generate("a red fox in the snow", image=image, seed=1, output=str(tmp_path / "i1.mp4"),
+                               return_frames=True, **SIZE),
+             "t": t2v.generate("a kite over a field", seed=2, output=str(tmp_path / "t1.mp4"), return_frames=True,
+                               **SIZE)}
+    for rid, solo in alone.items():
+        assert solo.trace["diffusion.batch_size_max"] == 1
+        diff = float(np.abs(finished[rid].output.data["frames"] - solo.output.data["frames"]).max())
+        print(f"{rid}: shared-batch frames vs solo, max abs diff {diff:.2e}")
+        assert diff <= 1e-4
+
+
+def test_one_request_id_in_two_pipelines_and_an_abort_in_one(pipelines, image, tmp_path):
+    i2v, t2v = pipelines
+    i2v.submit(i2v.request("a boat", image=image, request_id="same", seed=3, output=str(tmp_path / "a.mp4"), **SIZE))
+    t2v.submit(t2v.request("a boat", request_id="same", seed=3, output=str(tmp_path / "b.mp4"), **SIZE))
+    t2v.submit(t2v.request("a city street", request_id="other", seed=4, output=str(tmp_path / "c.mp4"), **SIZE))
+    events = {i2v: [], t2v: []}
+
+    def step_both(until=None):
+        while (i2v.has_unfinished() or t2v.has_unfinished()) and not (until and until()):
+            for o in (i2v, t2v):
+                if o.has_unfinished():
+                    events[o] += o.step()
+
+    step_both(until=lambda: any(getattr(e, "step", 0) >= 1 for e in events[i2v]))
+    i2v.abort("same")
+    step_both()
+    failed = {o: [(e.request_id, e.error) for e in events[o] if isinstance(e, RequestFailed)] for o in events}
+    assert failed[i2v] == [("same", "aborted")]
+    [(rid, error)] = failed[t2v]
+    assert rid == "same" and "'same' is in flight in a pipeline that shares this stage" in error, error
+    assert [e.request_id for e in events[t2v] if isinstance(e, RequestFinished)] == ["other"]
+    assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "b.mp4").exists()
+    assert (tmp_path / "c.mp4").is_file()
+    assert not i2v.graph.stages["wan"].engine.engine.owners  # nothing left behind in the shared engine
