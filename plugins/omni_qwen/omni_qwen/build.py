@@ -102,7 +102,7 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
     model_trace = {**engine.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
-    logprobs = LogprobsOutput(runner.logprobs, TokenTexts(lm.tokenizer))  # the engine's book
+    logprobs = LogprobsOutput(engine.engine.runner.logprobs, TokenTexts(lm.tokenizer))  # the shared engine's book
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, logprobs)
     summary = (
         f"{node.id}: {engine.backend} KV backend, {engine.num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
