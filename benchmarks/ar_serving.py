@@ -22,9 +22,15 @@ same SmolLM2: a batch of 32 real chat prompts, half of them constrained to a JSO
 unconstrained, greedy, every request exactly --max-tokens tokens (EOS ignored; the schema's minItems keeps the
 grammar open that long), in alternating rounds (A B A B ...), the median of the per-pair ratios; target >= 0.9.
 
+`--workload logprobs` measures what logprobs cost: the random workload through the stage with every request
+asking `logprobs=5` (top 5 and the chosen token's, docs/qwen.md "Logprobs") against none asking, alternating
+(A B A B ...) for `--rounds` rounds, in `--dtype` (fp32 by default); `logprobs_over_off` is the median of the
+per-round throughput ratios.
+
     .venv/bin/python benchmarks/ar_serving.py --quick
     .venv/bin/python benchmarks/ar_serving.py --workload real --quick
     .venv/bin/python benchmarks/ar_serving.py --workload structured --quick
+    .venv/bin/python benchmarks/ar_serving.py --workload logprobs --quick --layers 4 --rounds 4 --threads 1
 """
 
 from __future__ import annotations
@@ -163,8 +169,9 @@ class Runtime:
                     ar_max_num_batched_tokens=budget, ar_max_num_seqs=seqs)
 
 
-def submit(omni: Omni, rid: str, prompt: list[int], max_tokens: int) -> None:
-    omni.submit(omni.request("", request_id=rid, max_tokens=max_tokens, prompt_token_ids=prompt, ignore_eos=True))
+def submit(omni: Omni, rid: str, prompt: list[int], max_tokens: int, **params) -> None:
+    omni.submit(omni.request("", request_id=rid, max_tokens=max_tokens, prompt_token_ids=prompt, ignore_eos=True,
+                             **params))
 
 
 def engine_of(omni: Omni):
@@ -188,7 +195,7 @@ def drain(omni: Omni, on_step=None) -> list[dict]:
     return traces
 
 
-def run_runtime(runtime: Runtime, reqs, budget: int):
+def run_runtime(runtime: Runtime, reqs, budget: int, **params):
     omni = runtime.omni(budget=budget)
     scheduler = engine_of(omni).scheduler
     runner = engine_of(omni).runner
@@ -200,7 +207,7 @@ def run_runtime(runtime: Runtime, reqs, budget: int):
 
     start = time.perf_counter()
     for i, (prompt, m) in enumerate(reqs):
-        submit(omni, f"q{i}", prompt, m)
+        submit(omni, f"q{i}", prompt, m, **params)
     traces = drain(omni, account)
     elapsed = time.perf_counter() - start
     sizes = [n for n, _, _ in runner.step_log]
@@ -460,12 +467,28 @@ def structured_workload(args) -> None:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 
+def logprobs_cost(runtime: Runtime, reqs, rounds: int, figures: dict) -> None:
+    """Throughput with every request asking logprobs=5 against none asking, alternating A B A B."""
+    tok_s: dict[str, list] = {"off": [], "logprobs5": []}
+    for r in range(rounds):
+        for name in ("off", "logprobs5"):
+            stage = time.perf_counter()
+            out = run_runtime(runtime, reqs, 512, **({"logprobs": 5} if name == "logprobs5" else {}))["tok_s"]
+            tok_s[name].append(out)
+            say(f"round {r + 1} {name}: {out:.1f} tok/s ({time.perf_counter() - stage:.0f}s)")
+    figures.update(rounds=rounds, off_tok_s=statistics.median(tok_s["off"]),
+                   logprobs5_tok_s=statistics.median(tok_s["logprobs5"]),
+                   logprobs_over_off=statistics.median(a / b for a, b in zip(tok_s["logprobs5"], tok_s["off"])))
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", choices=("random", "real", "structured"), default="random",
+    parser.add_argument("--workload", choices=("random", "real", "structured", "logprobs"), default="random",
                         help="random: the Qwen2.5-0.5B-shaped random model, token-id prompts, EOS ignored; real: "
                              "SmolLM2 weights, chat prompts, EOS-driven lengths; structured: SmolLM2, half the "
-                             "batch constrained to a JSON schema against none")
+                             "batch constrained to a JSON schema against none; logprobs: the random workload with "
+                             "logprobs=5 against off")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="real workload: weights dtype for every system (fp32: on these CPUs a bf16 matmul "
                              "at batch 32 took 4x the fp32 time)")
@@ -490,7 +513,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     path = ensure_checkpoint(args.layers)
-    runtime = Runtime(path)
+    runtime = Runtime(path, dtype=args.dtype) if args.workload == "logprobs" else Runtime(path)
     warm_omni = runtime.omni(kv_memory="64MiB")  # loads the model once for every Omni of this host
     model = hf_model_of(warm_omni)
     say(f"checkpoint ready and loaded in {time.perf_counter() - t0:.1f}s: "
@@ -503,6 +526,8 @@ def main() -> None:
         submit(warm_omni, f"w{i}", prompt, m)
     drain(warm_omni)
     del warm_omni
+    if args.workload == "logprobs":
+        return logprobs_cost(runtime, reqs, args.rounds, figures)
     hf_generate(model, warm)
     # The throughput systems run in alternating order, round after round (A B C, C B A, ...), and each ratio is the
     # median of its per-round ratios: load that comes and goes on a shared machine then hurts every system alike.

@@ -65,6 +65,7 @@ class ARPrompt:
     max_tokens: int | None = None
     ignore_eos: bool = False
     mode: str = "raw"
+    prefix_cache: bool = True  # False: every prompt token is computed (a request that wants their logits)
 
     def kv_slots(self, context_window: int) -> int:
         """KV slots the request may need: its prompt and its token budget, within the context window."""
@@ -226,7 +227,7 @@ class ARScheduler:
     def _admit(self, budget: int, picked: list) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            blocks = self.blocks.match_prefix(seq.token_ids)  # walked once per admission attempt
+            blocks = self.blocks.match_prefix(seq.token_ids) if seq.item.processed.prefix_cache else []
             hits = len(blocks) * self.blocks.block_size
             n = min(len(seq.token_ids) - hits, budget)
             if not self.blocks.can_allocate(seq.token_ids, hits + n, blocks):

@@ -30,6 +30,10 @@ class ARBackend(Protocol):
         """Compute every chunk of the step; return the request ids of the sampling chunks and their
         next-token logits, one row each."""
 
+    def forward_rows(self, batch: ARSchedulerOutput, every_row: frozenset[str]
+                     ) -> tuple[tuple[str, ...], torch.Tensor, dict[str, torch.Tensor]]:
+        """forward, plus the logits of every row of the chunks of `every_row`'s requests (prompt logprobs)."""
+
     def free(self, request_id: str) -> None:
         """Drop everything the backend holds for the request."""
 
@@ -43,9 +47,13 @@ class DynamicCacheBackend:
         self.device = lm.device
         self.caches: dict[str, DynamicCache] = {}
 
-    @torch.inference_mode()
     def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
-        ids, rows = [], []
+        return self.forward_rows(batch, frozenset())[:2]
+
+    @torch.inference_mode()
+    def forward_rows(self, batch: ARSchedulerOutput, every_row: frozenset[str]
+                     ) -> tuple[tuple[str, ...], torch.Tensor, dict[str, torch.Tensor]]:
+        ids, rows, every = [], [], {}
         for chunk in batch.chunks:
             cache = self.caches.get(chunk.request_id)
             if cache is None or chunk.start == 0:  # new, or recomputed after preemption
@@ -54,12 +62,15 @@ class DynamicCacheBackend:
                 raise RuntimeError(f"request {chunk.request_id}: cache holds {cache.get_seq_length()} tokens, "
                                    f"the chunk starts at {chunk.start}")
             tokens = torch.tensor([chunk.token_ids], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
+            wide = chunk.request_id in every_row
+            out = self.model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=0 if wide else 1)
+            if wide:
+                every[chunk.request_id] = out.logits[0]
             self.caches[chunk.request_id] = out.cache if out.cache is not None else cache
             if chunk.samples:
                 ids.append(chunk.request_id)
                 rows.append(out.logits[0, -1])
-        return tuple(ids), torch.stack(rows) if rows else torch.empty(0)
+        return tuple(ids), torch.stack(rows) if rows else torch.empty(0), every
 
     def free(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
@@ -76,6 +87,16 @@ class PagedBackend:
     def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
         step = build_step(batch.chunks, batch.block_size, self.model.dtype, self.pool.device)
         return step.sample_ids, self.model.forward(step, self.pool)
+
+    def forward_rows(self, batch: ARSchedulerOutput, every_row: frozenset[str]
+                     ) -> tuple[tuple[str, ...], torch.Tensor, dict[str, torch.Tensor]]:
+        step = build_step(batch.chunks, batch.block_size, self.model.dtype, self.pool.device, every_row)
+        logits = self.model.forward(step, self.pool)
+        every, row = {}, len(step.sample_ids)
+        for request_id, n in step.every_rows:
+            every[request_id] = logits[row:row + n]
+            row += n
+        return step.sample_ids, logits[:len(step.sample_ids)], every
 
     def free(self, request_id: str) -> None:
         """Nothing: the request's blocks belong to the scheduler's BlockManager, which frees them."""

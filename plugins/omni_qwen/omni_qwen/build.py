@@ -28,6 +28,7 @@ from .grammar import Grammars
 from .grammar_scheduler import GrammarScheduler
 from .inputs import ARInputProcessor
 from .model import CausalLM
+from .logprobs import LogprobsOutput, TokenTexts
 from .outputs import AROutputProcessor
 from .paged.pool import KVPool
 from .paged.decoder import PagedDecoder
@@ -108,7 +109,8 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
     inputs.grammars = engine.grammars
     model_trace = {**engine.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
-    outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace)
+    logprobs = LogprobsOutput(engine.engine.runner.logprobs, TokenTexts(lm.tokenizer))  # the shared engine's book
+    outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, logprobs)
     outputs.extra_trace = engine.grammars.trace
     summary = (
         f"{node.id}: {engine.backend} KV backend, {engine.num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "

@@ -25,6 +25,7 @@ KV_BACKENDS = ("paged", "dynamic_cache")
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_MAX_NUM_SEQS = 64
 BLOCK_SIZE = 16
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's chat allows 20, its completions 5
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
          "g": 10**9, "gb": 10**9, "gib": 2**30}
 
@@ -176,6 +177,14 @@ class QwenParams(ARParams):
                                converter=structured.regex)
     choice: tuple[str, ...] | None = option(None, help="constrain the output to exactly one of these strings "
                                                        "(repeatable)", multiple=True, converter=structured.choice)
+
+    # Logprobs (docs/qwen.md, "Logprobs"): log-softmax of the raw logits, before temperature, top-k and top-p.
+    logprobs: int | None = option(None, help=f"logprobs of each generated token and of its {MAX_LOGPROBS} best "
+                                             "alternatives at most (0: the chosen token's only)", type=int,
+                                  validator=integer(0, MAX_LOGPROBS))
+    prompt_logprobs: int | None = option(None, help="logprobs of each prompt token and its best alternatives "
+                                                    f"(0-{MAX_LOGPROBS}); the whole prompt is computed (no prefix "
+                                                    "cache)", type=int, validator=integer(0, MAX_LOGPROBS))
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

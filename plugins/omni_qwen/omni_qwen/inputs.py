@@ -85,10 +85,12 @@ class ARInputProcessor:
         if self.settings.json_schema is not None and Structure.of(params) is None:
             params = attrs.evolve(params, json_schema=self.settings.json_schema)
         budgets = [b for b in (params.max_tokens, self.settings.max_tokens) if b is not None]
-        prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode)
+        prompt = ARPrompt(ids, min(budgets) if budgets else None, params.ignore_eos, mode,
+                          prefix_cache=getattr(params, "prompt_logprobs", None) is None)  # logits of every position
         structure = Structure.of(params)
         if structure is not None and self.settings.answer_prefix and not mode.endswith("token_ids"):
-            prompt = PrefixedPrompt(ids, prompt.max_tokens, prompt.ignore_eos, mode, self.settings.answer_prefix)
+            prompt = PrefixedPrompt(ids, prompt.max_tokens, prompt.ignore_eos, mode, prompt.prefix_cache,
+                                    self.settings.answer_prefix)
         check_fits(prompt, self.context_window, self.capacity_tokens)
         if self.grammars is not None:
             self.grammars.check(item.request_id, structure)

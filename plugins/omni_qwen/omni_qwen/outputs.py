@@ -22,6 +22,7 @@ from omni_kernel.trace import prefixed
 
 from .config import ARNodeSettings
 from .detokenize import IncrementalDetokenizer
+from .logprobs import LogprobsOutput, RequestLogprobs
 
 
 @attrs.define
@@ -31,12 +32,14 @@ class RequestText:
     text: str = ""
     sent: int = 0  # characters of text already streamed
     ttft_ms: float = 0.0
+    logprobs: RequestLogprobs | None = None  # only for a request that asked
 
 
 class AROutputProcessor:
     def __init__(self, node_id: str, decode: Callable[[list[int]], str], settings: ARNodeSettings,
-                 model_trace: Mapping[str, Any]):
+                 model_trace: Mapping[str, Any], logprobs: LogprobsOutput | None = None):
         self.node_id = node_id
+        self.logprobs = logprobs
         self.decode = decode
         self.settings = settings
         self.model_trace = dict(model_trace)  # ar.* fields of the model and KV backend, without the prefix
@@ -47,7 +50,8 @@ class AROutputProcessor:
         unless its prompt came as token ids."""
         prompt = seq.item.processed
         prefix = "" if prompt is not None and prompt.mode.endswith("token_ids") else self.settings.answer_prefix
-        seq.output = RequestText(IncrementalDetokenizer(self.decode), time.perf_counter(), text=prefix)
+        seq.output = RequestText(IncrementalDetokenizer(self.decode), time.perf_counter(), text=prefix,
+                                 logprobs=self.logprobs.start(seq) if self.logprobs else None)
 
     def process(self, outputs: list[RequestOutput]) -> tuple[list, list[str]]:
         """Token deltas and StageFinished/StageFailed events; the ids of requests stopped on a stop string."""
@@ -71,6 +75,8 @@ class AROutputProcessor:
         """The new text to stream (if any) and the stop reason: the scheduler's `finished`, or "stop" when the
         text now holds a stop string (which beats a token budget or the context window, not EOS)."""
         req = seq.output
+        if req.logprobs is not None:
+            self.logprobs.take(req.logprobs, seq)
         if seq.num_output == 1:
             req.ttft_ms = (time.perf_counter() - req.start) * 1000
         stop = seq.item.params.stop if seq.item.params is not None else ()
@@ -90,7 +96,9 @@ class AROutputProcessor:
         end = max(req.sent, len(req.text) - held)
         delta = None
         if end > req.sent:
-            delta = TokenDelta(seq.request_id, self.node_id, req.text[req.sent:end])
+            text = req.text[req.sent:end]
+            delta = TokenDelta(seq.request_id, self.node_id, text) if req.logprobs is None else \
+                self.logprobs.delta(req.logprobs, seq.request_id, self.node_id, text, finished == "eos")
             req.sent = end
         return delta, reason
 
@@ -106,5 +114,6 @@ class AROutputProcessor:
                   **self.model_trace, **(self.extra_trace(seq) if self.extra_trace else {})}
         return StageOutput(seq.request_id, self.node_id, text=req.text, stop_reason=reason,
                            contract=self.settings.contract,
-                           data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids)},
+                           data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids),
+                                 **LogprobsOutput.data(req.logprobs)},
                            trace=prefixed("ar", fields))

@@ -14,15 +14,17 @@ from omni_kernel.params import ARParams
 
 from .backends import ARBackend
 from .grammar import Grammars
+from .logprobs import LogprobsBook
 from .sampling import Sampler, Sampling
 
 STEP_LOG_SIZE = 10_000
 
 
 class ARModelRunner:
-    def __init__(self, backend: ARBackend, grammars: Grammars | None = None):
+    def __init__(self, backend: ARBackend, grammars: Grammars | None = None, logprobs: LogprobsBook | None = None):
         self.backend = backend
         self.grammars = grammars  # structured output: masks constrained rows before sampling (grammar.py)
+        self.logprobs = logprobs or LogprobsBook()  # the output processors take from it
         self.sampler = Sampler()
         # (sequences, tokens, ms) of recent steps, for benchmarks; bounded so a long-lived server does not grow
         self.step_log: deque[tuple[int, int, float]] = deque(maxlen=STEP_LOG_SIZE)
@@ -34,7 +36,12 @@ class ARModelRunner:
         for request_id in batch.preempted:  # they recompute from their first token later
             self.backend.free(request_id)
         start = time.perf_counter()
-        request_ids, logits = self.backend.forward(batch)
+        every_row = self.logprobs.every_row(batch)
+        if every_row:
+            request_ids, logits, every = self.backend.forward_rows(batch, every_row)
+        else:
+            (request_ids, logits), every = self.backend.forward(batch), {}
+        raw = self.logprobs.raw(logits, request_ids, batch)
         sampling = {seq.request_id: seq.state for seq in batch.records}
         failed = {}
         if self.grammars is not None and self.grammars.structures:
@@ -43,6 +50,7 @@ class ARModelRunner:
         if self.grammars is not None and self.grammars.active:
             tokens = self.grammars.accept(request_ids, tokens)
         tokens = [failed.get(rid, token) for rid, token in zip(request_ids, tokens)]
+        self.logprobs.record(batch, request_ids, raw, tokens, every)
         self.step_log.append((len(batch.chunks), batch.num_tokens, (time.perf_counter() - start) * 1000))
         return dict(zip(request_ids, tokens))
 

@@ -21,6 +21,7 @@ from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 
 from .guards import until_disconnect
 from .handlers import api_error
+from .logprobs import Echo, StreamedLogprobs, completion_params, prompt_only
 from .protocol import APIError, CompletionRequest
 from .state import Served
 from .text import FINISH, Watch, add_usage, collect
@@ -60,6 +61,11 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
     name = served.resolve(body.model, "text")
     params = sampling(body)
     prompts = prompts_of(body, served, name)
+    echoes = [Echo(bool(body.echo), None if "prompt_token_ids" in extra else text, body.logprobs is not None,
+                   prompt_only(body)) for text, extra in prompts]
+    prompts = [(text, {**extra, **completion_params(body, "prompt_token_ids" in extra)}) for text, extra in prompts]
+    if prompt_only(body):
+        params["max_tokens"] = 1  # the engine samples one token after a prompt; it is left out of the answer
     rid = "cmpl-" + uuid.uuid4().hex[:24]
     streams = []
     try:
@@ -74,7 +80,7 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
     watches = [Watch(served.metrics, body.model, arrival) for _ in streams]
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(sse_many(streams, final, watches, rid, body.model, usage),
+        return StreamingResponse(sse_many(streams, final, watches, rid, body.model, usage, echoes),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     result = await until_disconnect(request, collect_all(streams, final, watches))
@@ -86,8 +92,10 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
             raise APIError.of_failure(finished.kind, finished.error, finished.field)
         out = finished.result
         watches[i].done(out, "completions")
-        choices.append({"index": i, "text": out.text or "", "logprobs": None,
-                        "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop")})
+        text, logprobs = echoes[i].whole(out.text or "", out.output.data or {})
+        choices.append({"index": i, "text": text, "logprobs": logprobs,
+                        "finish_reason": "length" if echoes[i].prompt_only else
+                        FINISH.get(out.output.stop_reason or "eos", "stop")})
         usage = add_usage(usage, watches[i].usage(out))
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": usage}
@@ -110,8 +118,8 @@ async def collect_all(streams, final: str, watches: list[Watch]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: str, include_usage: bool
-                   ) -> AsyncIterator[str]:
+async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: str, include_usage: bool,
+                   echoes: list[Echo]) -> AsyncIterator[str]:
     """The prompts' deltas as `text_completion` chunks as they come, each with its prompt's `index`; the
     usage chunk (summed) after the last prompt finished."""
     created = int(time.time())
@@ -132,6 +140,7 @@ async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: s
         return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
 
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    logprobs = [StreamedLogprobs(echo) for echo in echoes]
     usage, open_ = None, len(streams)
     try:
         while open_:
@@ -140,13 +149,22 @@ async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: s
                 open_ -= 1
             elif isinstance(event, TokenDelta) and event.node_id == final:
                 watches[i].delta()
-                yield chunk([{"index": i, "text": event.text, "finish_reason": None, "logprobs": None}])
+                if echoes[i].prompt_only:
+                    continue
+                if (head := logprobs[i].start(event)) is not None:
+                    yield chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])
+                yield chunk([{"index": i, "text": event.text, "finish_reason": None,
+                              "logprobs": logprobs[i].delta(event)}])
             elif isinstance(event, RequestFinished):
                 out = event.result
                 watches[i].done(out, "completions")
                 usage = add_usage(usage, watches[i].usage(out))
-                yield chunk([{"index": i, "text": "", "logprobs": None,
-                              "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop")}])
+                data = out.output.data or {}
+                if (head := logprobs[i].start(data=data)) is not None:
+                    yield chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])
+                yield chunk([{"index": i, "text": "", "logprobs": None if echoes[i].prompt_only else
+                              logprobs[i].rest(data), "finish_reason": "length" if echoes[i].prompt_only else
+                              FINISH.get(out.output.stop_reason or "eos", "stop")}])
             elif isinstance(event, RequestFailed):
                 yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
                 break

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 # Request parameters a client never sets: the server owns where files go and how text is delivered.
 SERVER_OWNED = frozenset({"output", "stream", "return_frames", "profile", "messages", "prompt"})
 # OpenAI fields accepted at their neutral value (and refused otherwise, naming the field).
 NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "logprobs": (None, False), "top_logprobs": (None, 0), "user": None, "logit_bias": (None, {}),
+           "user": None, "logit_bias": (None, {}),
            "parallel_tool_calls": None, "service_tier": None, "store": None, "metadata": None}
 
 KIND_STATUS = {"invalid_parameter": 400, "bad_input": 400, "user": 400, "model": 422, "runtime": 500,
@@ -87,11 +87,15 @@ class SamplingFields(_Open):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool | None = None  # omni_serve.logprobs
+    top_logprobs: StrictInt | None = None
 
 
 class CompletionRequest(SamplingFields):
     # OpenAI's four forms: a text, several texts, one prompt as token ids, several prompts as token ids.
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: StrictInt | None = None  # omni_serve.logprobs
+    echo: StrictBool | None = None
 
 
 class VideoJob(BaseModel):

@@ -14,6 +14,7 @@ from omni_kernel.events import RequestFailed
 
 from .guards import until_disconnect
 from .handlers import api_error
+from .logprobs import chat_content, chat_entries, chat_params
 from .protocol import NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import Served, State
 from .structured import STRUCTURED_FIELDS, structured_params
@@ -98,7 +99,7 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
     params = sampling(body)
     if chat:
         prompt, extra = chat_prompt(body, served, name)
-        params.update(extra)
+        params.update(extra, **chat_params(body))
     else:
         prompt = body.prompt
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
@@ -125,6 +126,8 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
                               "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": out.text or "", "refusal": None}
+        if body.logprobs:
+            choice["logprobs"] = chat_content(chat_entries(out.output))
     else:
         choice["text"] = out.text or ""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 from omni_kernel.events import STOP_REASONS, TRUNCATED_STOP_REASONS, RequestFailed, RequestFinished, TokenDelta
 
+from .logprobs import chat_content, chat_entries
 from .metrics import Metrics
 from .protocol import APIError
 
@@ -80,11 +81,14 @@ async def sse(stream, final: str, watch: Watch, rid: str, model: str, chat: bool
     created = int(time.time())
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False) -> str:
+    sent = 0  # logprobs entries streamed (omni_serve.logprobs)
+
+    def chunk(delta: str | None, finish: str | None = None, first: bool = False, logprobs=None) -> str:
         if chat:
             body = {"role": "assistant", "content": delta or ""} if first else (
                 {} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": body, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": body, "finish_reason": finish,
+                      "logprobs": None if logprobs is None else chat_content(logprobs)}
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
         return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
@@ -96,11 +100,14 @@ async def sse(stream, final: str, watch: Watch, rid: str, model: str, chat: bool
         async for event in stream:
             if isinstance(event, TokenDelta) and event.node_id == final:
                 watch.delta()
-                yield chunk(event.text)
+                entries = getattr(event, "logprobs", None)  # a stage's ARTokenDelta, when the request asked
+                sent += len(entries or ())
+                yield chunk(event.text, logprobs=entries or None)
             elif isinstance(event, RequestFinished):
                 out = event.result
                 watch.done(out, "chat" if chat else "completions")
-                yield chunk(None, FINISH.get(out.output.stop_reason or "eos", "stop"))
+                rest = chat_entries(out.output)[sent:] if chat else []
+                yield chunk(None, FINISH.get(out.output.stop_reason or "eos", "stop"), logprobs=rest or None)
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
                                                  "choices": [], "usage": watch.usage(out)}) + "\n\n"

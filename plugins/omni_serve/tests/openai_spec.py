@@ -65,6 +65,12 @@ def load() -> dict:
     # A streamed completion is a sequence of CreateCompletionResponse objects (the document's own words), but
     # every chunk before the last has `finish_reason: null`, as OpenAI's API sends it; the schema of the
     # whole response does not allow null there.
+    # With `echo`, the prompt's first token has no logprob: OpenAI's API (and vLLM) send null for it in
+    # `token_logprobs` and `top_logprobs`, which the document's item schemas leave out.
+    logprobs = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["logprobs"]
+    for key in ("token_logprobs", "top_logprobs"):
+        field = logprobs["anyOf"][0]["properties"][key]
+        field["items"] = {"anyOf": [field["items"], {"type": "null"}]}
     chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
     finish = chunk["properties"]["choices"]["items"]["properties"]
     finish["finish_reason"] = {"anyOf": [finish["finish_reason"], {"type": "null"}]}

@@ -280,3 +280,18 @@ def test_schemathesis_over_the_published_document(server):
     assert set(checked) == {(m.upper(), p) for p, ms in openai_spec.load()["paths"].items() for m in ms} - SKIPPED
     assert answered[("POST", "/chat/completions")] & {200, 400}, answered
     assert time.monotonic() - start < 60, f"the schemathesis run took {time.monotonic() - start:.0f}s"
+
+
+def test_logprobs_conform_whole_and_streamed(http):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = {"model": "ar_text", "messages": messages, "max_tokens": 6, "logprobs": True, "top_logprobs": 3}
+    body = ok(http.post("/chat/completions", json=chat), "/chat/completions")
+    assert len(body["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 3
+    with http.stream("POST", "/chat/completions", json={**chat, "stream": True}) as r:
+        sse(r, "CreateChatCompletionStreamResponse")
+    completion = {"model": "ar_text", "prompt": "Once upon a time", "max_tokens": 4, "logprobs": 2, "echo": True}
+    body = ok(http.post("/completions", json=completion), "/completions")
+    assert body["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    ok(http.post("/completions", json={**completion, "max_tokens": 0}), "/completions")
+    with http.stream("POST", "/completions", json={**completion, "stream": True}) as r:
+        sse(r, openai_spec.COMPLETION_CHUNK)

@@ -34,8 +34,9 @@ class StepBatch:
     decode_blocks: torch.Tensor  # (num_decodes * max_blocks,) padded with block 0
     decode_bias: torch.Tensor  # (num_decodes, 1, 1, max_blocks * block_size): 0 or -inf
     prefills: tuple[PrefillSpan, ...]
-    sample_rows: torch.Tensor
+    sample_rows: torch.Tensor  # the rows whose logits are computed: one per sampling chunk, then `every_rows`'
     sample_ids: tuple[str, ...]
+    every_rows: tuple[tuple[str, int], ...] = ()  # (request id, tokens) of chunks whose every row is computed too
 
     @property
     def num_tokens(self) -> int:
@@ -47,14 +48,18 @@ def _slots(table, start: int, n: int, size: int) -> list[int]:
 
 
 def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch.dtype,
-               device: str | torch.device = "cpu") -> StepBatch:
+               device: str | torch.device = "cpu", every_row: frozenset[str] = frozenset()) -> StepBatch:
+    """`every_row`: request ids whose chunk's every row gets logits (prompt logprobs), after the sampled rows."""
     decodes = [c for c in chunks if c.num_tokens == 1]
     longer = [c for c in chunks if c.num_tokens > 1]
-    ids, positions, slots, sample_rows, sample_ids = [], [], [], [], []
+    ids, positions, slots, sample_rows, sample_ids, extra, every = [], [], [], [], [], [], []
     for chunk in decodes + longer:
         if chunk.samples:
             sample_rows.append(len(ids) + chunk.num_tokens - 1)
             sample_ids.append(chunk.request_id)
+        if chunk.request_id in every_row:
+            extra.extend(range(len(ids), len(ids) + chunk.num_tokens))
+            every.append((chunk.request_id, chunk.num_tokens))
         ids.extend(chunk.token_ids)
         positions.extend(range(chunk.start, chunk.context_len))
         slots.extend(_slots(chunk.block_table, chunk.start, chunk.num_tokens, block_size))
@@ -83,4 +88,4 @@ def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch
         prefills = [attrs.evolve(p, blocks=p.blocks.to(device), mask=None if p.mask is None else p.mask.to(device))
                     for p in prefills]
     return StepBatch(as_tensor(ids), as_tensor(positions), as_tensor(slots), len(decodes), as_tensor(gather), bias,
-                     tuple(prefills), as_tensor(sample_rows), tuple(sample_ids))
+                     tuple(prefills), as_tensor(sample_rows + extra), tuple(sample_ids), tuple(every))

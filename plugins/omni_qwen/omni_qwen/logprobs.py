@@ -1,0 +1,192 @@
+"""Logprobs of an AR stage (docs/qwen.md, "Logprobs"): the log-softmax of the model's raw logits (before
+temperature, top-k and top-p), for the generated tokens (`logprobs`) and the prompt's (`prompt_logprobs`).
+
+The runner computes them in its step for the rows of the requests that asked, into the engine's LogprobsBook,
+keyed by the request's record (weakly: they go with it); the output processor that gets the record's output
+takes them (whichever step delivers it: stages of several pipelines may share one engine), turns them into text
+(TokenTexts) and carries them on ARTokenDelta events and in the StageOutput's data. Requests that did not ask
+pay nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from omni_kernel.ar_scheduler import ARSchedulerOutput, ARSequence
+from omni_kernel.events import TokenDelta
+
+
+@attrs.frozen
+class ARTokenDelta(TokenDelta):
+    """A TokenDelta of a request that asked for logprobs: the entries of the tokens behind this text (those
+    whose text is held back come with a later delta or only in the StageOutput), and the prompt's once."""
+
+    logprobs: tuple[dict, ...] = ()
+    prompt_logprobs: tuple[dict, ...] | None = None  # the first token's `logprob` is None
+
+
+@attrs.frozen
+class Logprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # best first
+
+
+def asked(seq: ARSequence, name: str) -> int | None:
+    return getattr(seq.item.params, name, None)
+
+
+def _entries(logprobs: torch.Tensor, targets: Sequence[int], tops: Sequence[int]) -> list[Logprob]:
+    """Row i's logprob of targets[i] and its tops[i] best tokens; one transfer of each."""
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])[:, 0].tolist()
+    k = max(tops)
+    values, ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+    values, ids = values.tolist(), ids.tolist()
+    return [Logprob(t, c, tuple(zip(i[:n], v[:n]))) for t, c, i, v, n in zip(targets, chosen, ids, values, tops)]
+
+
+class LogprobsBook:
+    """The runner's side: what its steps computed per request record, until the output processor takes it."""
+
+    def __init__(self):
+        self.tokens = weakref.WeakKeyDictionary()  # record -> [Logprob] of its sampled tokens not yet taken
+        self.prompts = weakref.WeakKeyDictionary()  # record -> its prompt's entries, once complete
+        self.partial = weakref.WeakKeyDictionary()  # record -> [Logprob | None] of a prompt being prefilled
+
+    def every_row(self, batch: ARSchedulerOutput) -> frozenset[str]:
+        """Requests whose chunk this step needs logits at every row: prompt positions not yet delivered."""
+        seqs = {s.request_id: s for s in batch.records}
+        return frozenset(c.request_id for c in batch.chunks
+                         if asked(seqs[c.request_id], "prompt_logprobs") is not None
+                         and seqs[c.request_id].num_output == 0 and c.start < seqs[c.request_id].num_prompt - 1)
+
+    def raw(self, logits: torch.Tensor, request_ids: Sequence[str], batch: ARSchedulerOutput
+            ) -> tuple[list[int], torch.Tensor | None]:
+        """The rows that asked and their log-softmax, taken before sampling can change the logits."""
+        seqs = {s.request_id: s for s in batch.records}
+        rows = [i for i, rid in enumerate(request_ids) if asked(seqs[rid], "logprobs") is not None]
+        return rows, logits[rows].float().log_softmax(dim=-1) if rows else None
+
+    def record(self, batch: ARSchedulerOutput, request_ids: Sequence[str], raw, tokens: Sequence,
+               every: dict[str, torch.Tensor]) -> None:
+        seqs = {s.request_id: s for s in batch.records}
+        rows, logprobs = raw
+        keep = [j for j, i in enumerate(rows) if isinstance(tokens[i], int)]  # a failed row has none
+        if keep:
+            picked = [seqs[request_ids[rows[j]]] for j in keep]
+            found = _entries(logprobs[keep], [tokens[rows[j]] for j in keep], [asked(s, "logprobs") for s in picked])
+            for seq, entry in zip(picked, found):
+                self.tokens.setdefault(seq, []).append(entry)
+        for chunk in batch.chunks:
+            seq = seqs[chunk.request_id]
+            if chunk.request_id in every:
+                self._prompt(seq, chunk.start, every[chunk.request_id])
+            if chunk.samples and seq in self.partial:
+                self.prompts[seq] = tuple(self.partial.pop(seq))
+
+    def _prompt(self, seq: ARSequence, start: int, logits: torch.Tensor) -> None:
+        """Row j predicts position start + j + 1: the prompt's own tokens only (a recompute may hold more)."""
+        entries = self.partial.setdefault(seq, [None] * seq.num_prompt)
+        count = min(logits.shape[0], seq.num_prompt - 1 - start)
+        if count > 0:
+            targets = seq.token_ids[start + 1:start + 1 + count]
+            found = _entries(logits[:count].float().log_softmax(dim=-1), targets,
+                             [asked(seq, "prompt_logprobs")] * count)
+            entries[start + 1:start + 1 + count] = found
+
+
+
+def _byte_table() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character of each byte (GPT-2's scheme), reversed."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+class TokenTexts:
+    """A token id's text and exact bytes (a byte-level BPE token may hold part of a character: its text then
+    has U+FFFD where its bytes are incomplete); added tokens as written. Cached per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.bytes_of = _byte_table() if type(decoder).__name__ == "ByteLevel" else None
+        self.added = set(tokenizer.get_added_vocab())
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        found = self.cache.get(token_id)
+        if found is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id) or ""  # None: an id past the tokenizer's vocab
+            if self.bytes_of is not None and piece not in self.added and all(c in self.bytes_of for c in piece):
+                raw = bytes(self.bytes_of[c] for c in piece)
+                found = raw.decode("utf-8", errors="replace"), list(raw)
+            else:
+                text = piece if piece in self.added else self.tokenizer.decode([token_id])
+                found = text, list(text.encode("utf-8"))
+            self.cache[token_id] = found
+        return found
+
+    def entry(self, lp: Logprob) -> dict[str, Any]:
+        """OpenAI's chat shape of one token (plus `token_id`), as omni_serve reads it."""
+        return {**self.one(lp.token, lp.logprob), "top_logprobs": [self.one(t, v) for t, v in lp.top]}
+
+    def one(self, token_id: int, logprob: float | None) -> dict[str, Any]:
+        text, raw = self(token_id)
+        return {"token_id": token_id, "token": text, "logprob": logprob, "bytes": raw}
+
+
+@attrs.define
+class RequestLogprobs:
+    """The output processor's logprobs of one request (RequestText.logprobs)."""
+
+    tokens: list[dict] = attrs.Factory(list)  # every sampled token's entry (EOS included)
+    sent: int = 0  # entries already carried on a delta
+    prompt: tuple[dict, ...] | None = None
+    prompt_sent: bool = False
+
+
+class LogprobsOutput:
+    """The output processor's side: this step's entries into text, onto deltas and the final data."""
+
+    def __init__(self, book: LogprobsBook, texts: TokenTexts):
+        self.book = book
+        self.texts = texts
+
+    def start(self, seq: ARSequence) -> RequestLogprobs | None:
+        if asked(seq, "logprobs") is None and asked(seq, "prompt_logprobs") is None:
+            return None
+        return RequestLogprobs()
+
+    def take(self, req: RequestLogprobs, seq: ARSequence) -> None:
+        req.tokens.extend(self.texts.entry(found) for found in self.book.tokens.pop(seq, ()))
+        prompt = self.book.prompts.pop(seq, None)
+        if prompt is not None and req.prompt is None:  # the first token has no logprob, but has its text
+            first = {**self.texts.one(seq.token_ids[0], None), "top_logprobs": []}
+            req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))
+
+    def delta(self, req: RequestLogprobs, request_id: str, node_id: str, text: str, eos: bool = False
+              ) -> ARTokenDelta:
+        """`eos`: the last entry is the EOS token's, whose text is not in the output: it stays in the data only."""
+        prompt = None if req.prompt_sent else req.prompt
+        req.prompt_sent = req.prompt_sent or prompt is not None
+        end = max(req.sent, len(req.tokens) - eos)
+        tokens, req.sent = tuple(req.tokens[req.sent:end]), end
+        return ARTokenDelta(request_id, node_id, text, tokens, prompt)
+
+    @staticmethod
+    def data(req: RequestLogprobs | None) -> dict[str, Any]:
+        if req is None:
+            return {}
+        return {"logprobs": list(req.tokens), "prompt_logprobs": None if req.prompt is None else list(req.prompt)}
