@@ -28,11 +28,8 @@ class Engine:
         self.runner = runner
         self.failed: list[RequestOutput] = []  # add-time failures, reported by the next step
         self.dead: EngineDead | None = None
-        self.owners: dict[str, EngineView] = {}  # request id -> the view it came through (view())
+        self.owners: dict[str, EngineView] = {}  # request id -> the EngineView it came through
         self.lock = threading.RLock()
-
-    def view(self) -> EngineView:
-        return EngineView(self)
 
     def add_request(self, item: StageInput) -> Any:
         """The scheduler's record of the new request, or None when it failed (reported by the next step)."""

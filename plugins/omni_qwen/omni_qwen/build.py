@@ -16,7 +16,7 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from omni_kernel.engine import Engine
+from omni_kernel.engine import Engine, EngineView
 from omni_kernel.errors import InvalidParameter, ModelError
 from omni_kernel.graph import NodeSpec
 from omni_kernel.kv_blocks import BlockManager
@@ -119,7 +119,7 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: 
         f"{engine.max_num_seqs} sequences and {config.ar_max_num_batched_tokens} tokens per step; prefix caching "
         f"{'on' if engine.caching else 'off'}")
     inputs.concurrent = own is not None
-    return Stage(node, "ar", inputs, engine.engine.view(), outputs, summary)
+    return Stage(node, "ar", inputs, EngineView(engine.engine), outputs, summary)
 
 
 def _own_tokenizer(lm: CausalLM):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 
-from omni_kernel.engine import Engine
+from omni_kernel.engine import Engine, EngineView
 from omni_kernel.errors import GraphError, ModelError
 from omni_kernel.graph import NodeSpec
 from omni_kernel.scheduler import DiffusionScheduler
@@ -68,7 +68,7 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
     summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
                f"step ({why})")
-    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), engine.view(),
+    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), EngineView(engine),
                  WanOutputProcessor(node.id, model_trace), summary)
 
 
