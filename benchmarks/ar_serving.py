@@ -454,7 +454,7 @@ def main() -> None:
                         help="real workload: leave out transformers' continuous batching (the slowest baseline)")
     parser.add_argument("--profile", action="store_true",
                         help="real workload: after the rounds, one more runtime run under cProfile (printed)")
-    parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
+    parser.add_argument("--quick", action="store_true", help="a reduced run (real workload: 32 requests)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the throughput systems")
