@@ -12,10 +12,13 @@ contiguous cache, and one request alone. Prompts are token ids (request paramete
 ignored everywhere (request parameter ignore_eos). The last line printed is one JSON object.
 
 `--workload real` measures real trained weights instead: SmolLM2-135M-Instruct (from omni's cache; `omni
-models fetch`; fp32 unless --dtype bf16) on real chat prompts whose lengths EOS decides (greedy, capped at
---max-tokens): omni against HF `generate` one request at a time, static left-padded batches of 32 and
-transformers' continuous batching, in alternating rounds (A B C D, D C B A, ...), medians of the per-round
-ratios. Tokens are counted up to and without the EOS in every system.
+models fetch`; fp32 unless --dtype bf16) on a mixed workload of real chat prompts, all arriving at once: 16 topics x
+4 tasks whose answers differ in length (at most five words, three facts, a short paragraph, an explanation for a
+ten-year-old), topic after topic so every static batch mixes them; greedy, lengths decided by EOS under a
+256-token cap (--max-tokens). omni against HF `generate` one request at a time (every task once, twice
+without --quick), static left-padded batches of 32 and transformers' continuous batching, in alternating rounds
+(A B C D, D C B A, ...), medians of the per-round ratios. Tokens are counted up to and without the EOS in every
+system. --quick: the first 32 requests (8 topics).
 
 `--workload structured` measures grammar-constrained decoding (omni_qwen's structured output, xgrammar) on the
 same SmolLM2: a batch of 32 real chat prompts, half of them constrained to a JSON schema, against the same batch
@@ -28,7 +31,7 @@ asking `logprobs=5` (top 5 and the chosen token's, docs/qwen.md "Logprobs") agai
 per-round throughput ratios.
 
     .venv/bin/python benchmarks/ar_serving.py --quick
-    .venv/bin/python benchmarks/ar_serving.py --workload real --quick
+    .venv/bin/python benchmarks/ar_serving.py --workload real --quick --threads 1 [--no-hf-cb] [--profile]
     .venv/bin/python benchmarks/ar_serving.py --workload structured --quick
     .venv/bin/python benchmarks/ar_serving.py --workload logprobs --quick --layers 4 --rounds 4 --threads 1
 """
@@ -293,15 +296,21 @@ def single_request(runtime: Runtime, model, prompt_len: int, out_len: int):
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+STATIC_BATCH = 32  # the real workload's static HF baseline: left-padded batches of this many, in arrival order
+REAL_MAX_TOKENS = 256  # the real workload's per-request cap (the default): the longest answers reach it
 TOPICS = ("volcanoes", "the Roman Empire", "photosynthesis", "jazz music", "black holes", "honeybees", "the internet",
           "climate change", "chess", "the human heart", "rainforests", "electric cars", "the moon landing", "coffee",
           "earthquakes", "ancient Egypt")
-TASKS = ("Write a short paragraph about {}.", "Explain {} to a ten-year-old.", "Give three facts about {}.",
-         "What is the most surprising thing about {}?")
+# Answers of very different lengths, as in real chat traffic (SmolLM2, greedy, 256-token cap, 8 topics: about 12-29
+# tokens, 55-159, 42-109, and 57 to the cap, mostly the cap), so a static batch waits for its longest answer.
+TASKS = ("What is {}? Answer in at most five words.", "Give three facts about {}.",
+         "Write a short paragraph about {}.", "Explain {} to a ten-year-old.")
 
 
 def real_prompts(tokenizer, n: int) -> list[list[int]]:
-    texts = [task.format(topic) for task in TASKS for topic in TOPICS][:n]
+    """Topic after topic, each with every task: any run of requests (a static batch of 32, the one-at-a-time
+    subset) mixes short and long answers as arrivals would."""
+    texts = [task.format(topic) for topic in TOPICS for task in TASKS][:n]
     return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False) for t in texts]
 
@@ -363,8 +372,34 @@ def omni_eos_rate(host, path, prompts, max_tokens: int, dtype: str) -> tuple[flo
     traces = drain(omni)
     elapsed = time.perf_counter() - start
     stops = collections.Counter(t["ar.stop_reason"] for t in traces)
-    lengths = [t["ar.output_tokens"] for t in traces]
-    return sum(lengths) / elapsed, {"stop_reasons": dict(stops), "median_output_tokens": statistics.median(lengths)}
+    by_arrival = sorted(traces, key=lambda t: int(t["request.id"][1:]))
+    lengths = [t["ar.output_tokens"] for t in by_arrival]
+    return sum(lengths) / elapsed, {"stop_reasons": dict(stops), "median_output_tokens": statistics.median(lengths),
+                                    "output_tokens_range": [min(lengths), max(lengths)],
+                                    "useful_share_of_static": static_share(lengths)}
+
+
+def static_share(lengths: list[int], batch: int = STATIC_BATCH) -> float:
+    """Useful tokens over the rows x steps that static batches of `batch` in arrival order decode (each runs until
+    its longest answer ends): 1 means padding to the longest wastes nothing."""
+    batches = [lengths[i:i + batch] for i in range(0, len(lengths), batch)]
+    return sum(lengths) / sum(len(b) * max(b) for b in batches)
+
+
+def omni_eos_profile(host, path, prompts, max_tokens: int, dtype: str) -> str:
+    """Where the runtime's time goes on the real workload: cProfile's top functions and the share of the run
+    spent in the runner (the forward and the sampler) against the rest (scheduler, outputs, events)."""
+    profiler = cProfile.Profile()
+    with profiler:
+        rate, _ = omni_eos_rate(host, path, prompts, max_tokens, dtype)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    total = stats.total_tt
+    runner = next(v[3] for k, v in stats.stats.items() if k[2] == "run" and k[0].endswith("runner.py"))
+    text.write(f"profiled runtime run: {rate:.1f} tok/s, {total:.1f}s, runner.run {runner:.1f}s "
+               f"({100 * runner / total:.1f}%), the rest {total - runner:.2f}s\n")
+    stats.sort_stats("tottime").print_stats(15)
+    return text.getvalue()
 
 
 def real_workload(args) -> None:
@@ -380,18 +415,20 @@ def real_workload(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     eos = tokenizer.eos_token_id
     n = 32 if args.quick else 64
-    max_tokens = args.max_tokens or (128 if args.quick else 256)
+    max_tokens = args.max_tokens or REAL_MAX_TOKENS
     prompts = real_prompts(tokenizer, n)
     host = load_host()
     dtype = args.dtype
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
-    sequential = prompts[:3 if args.quick else 6]
+    sequential = prompts[:len(TASKS) * (1 if args.quick else 2)]  # every task once (twice): the same mix
     omni_eos_rate(host, path, prompts[:2], 4, dtype)  # warm: loads the stage's model once for the host
     hf_eos_generate(model, prompts[:2], 4, eos)
     systems = {"runtime": lambda: omni_eos_rate(host, path, prompts, max_tokens, dtype),
                "hf_sequential": lambda: hf_eos_rate(model, sequential, max_tokens, eos, batch=1),
-               "hf_static": lambda: hf_eos_rate(model, prompts, max_tokens, eos, batch=32),
+               "hf_static": lambda: hf_eos_rate(model, prompts, max_tokens, eos, batch=STATIC_BATCH),
                "hf_cb": lambda: hf_eos_continuous(model, prompts, max_tokens, eos)}
+    if args.no_hf_cb:
+        del systems["hf_cb"]
     tok_s: dict[str, list] = {name: [] for name in systems}
     shape = {}
     for r in range(args.rounds):
@@ -408,9 +445,11 @@ def real_workload(args) -> None:
     figures.update({f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items() if None not in v})
     for name, key in (("hf_sequential", "ratio_vs_sequential"), ("hf_static", "ratio_vs_static"),
                       ("hf_cb", "ratio_vs_hf_cb")):
-        pairs = [a / b for a, b in zip(tok_s["runtime"], tok_s[name]) if b]
+        pairs = [a / b for a, b in zip(tok_s["runtime"], tok_s.get(name, ())) if b]
         figures[key] = statistics.median(pairs) if pairs else None
     figures["total_s"] = time.perf_counter() - t0
+    if args.profile:
+        say(omni_eos_profile(host, path, prompts, max_tokens, dtype))
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 
@@ -492,10 +531,14 @@ def main() -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
                         help="real workload: weights dtype for every system (fp32: on these CPUs a bf16 matmul "
                              "at batch 32 took 4x the fp32 time)")
-    parser.add_argument("--max-tokens", type=int, default=0, help="real workload: cap per request (0: 128 with "
-                                                                  "--quick, else 256); structured: every "
-                                                                  "request's length (0: 48 with --quick, else 128)")
-    parser.add_argument("--quick", action="store_true", help="a reduced run (under 5 minutes)")
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help=f"real workload: cap per request (0: {REAL_MAX_TOKENS}); structured: every request's "
+                             "length (0: 48 with --quick, else 128)")
+    parser.add_argument("--no-hf-cb", action="store_true",
+                        help="real workload: leave out transformers' continuous batching (the slowest baseline)")
+    parser.add_argument("--profile", action="store_true",
+                        help="real workload: after the rounds, one more runtime run under cProfile (printed)")
+    parser.add_argument("--quick", action="store_true", help="a reduced run (real workload: 32 requests)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the throughput systems")
