@@ -82,8 +82,9 @@ def test_an_18_mb_prompt_is_refused_before_parsing_stalls_no_chat_and_keeps_no_m
     assert refused.status_code == 413 and "--max-text-body-mb" in refused.json()["error"]["message"], refused.text
     print(f"4-token chat alone {alone * 1000:.0f} ms (median), beside the 18 MB prompt at most "
           f"{max(beside) * 1000:.0f} ms ({len(beside)} chats)")
-    # 2x, and 10 ms for the scheduler of a machine with 2 cores (the client, the server and its engine thread).
-    assert max(beside) < 2 * alone + 0.01, (alone, beside)
+    # 2x, and 50 ms for the scheduler of a busy machine with 2 cores (the client, the server and its engine thread
+    # share them); parsing the 18 MB, as before --max-text-body-mb, stalled a chat by 90-150 ms more here.
+    assert max(beside) < 2 * alone + 0.05, (alone, beside)
     for _ in range(2):
         r = httpx.post(server.url + "/v1/completions", content=body, headers={"content-type": "application/json"},
                        timeout=120)
