@@ -112,7 +112,7 @@ class OmniASGI:
     async def _buffer(self, scope, receive):
         """Read the whole body (up to the limit, within the body timeout) and replay it; then hand disconnects
         through."""
-        chunks, size = [], 0
+        chunks, size, limit = [], 0, self._limit(scope)
         timeout = self.settings.body_timeout
         deadline = None if not timeout else time.monotonic() + timeout
         while True:
@@ -126,7 +126,7 @@ class OmniASGI:
                 return receive, APIError(400, "client disconnected")
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self._limit(scope):
+            if size > limit:
                 return receive, self._too_large(scope)
             if not message.get("more_body", False):
                 break

@@ -26,6 +26,17 @@ def pipelines(omni, tiny_model):
     return omni, Omni("wan_t2v", host=omni.host, model=str(tiny_model), device="cpu")
 
 
+def step_in_turn(*omnis, events: dict | None = None, until=None) -> dict:
+    """Step each pipeline with work in turn, as `omni serve`'s engine thread does, until none has work (or
+    `until(events)`); each pipeline's events, added to `events` if given."""
+    events = events if events is not None else {o: [] for o in omnis}
+    while any(o.has_unfinished() for o in omnis) and not (until and until(events)):
+        for o in omnis:
+            if o.has_unfinished():
+                events[o] += o.step()
+    return events
+
+
 def tensors(stage) -> set[int]:
     model = stage.engine.runner.model.pipe.transformer
     return {p.data_ptr() for p in model.parameters()}
@@ -46,16 +57,9 @@ def test_requests_of_two_pipelines_share_forwards_get_their_own_events_and_match
                            return_frames=True, **SIZE))
     t2v.submit(t2v.request("a kite over a field", request_id="t", seed=2, output=str(tmp_path / "t.mp4"),
                            return_frames=True, **SIZE))
-    events: list = []
-    seen = {i2v: [], t2v: []}
-    while i2v.has_unfinished() or t2v.has_unfinished():  # each in turn, as `omni serve`'s engine thread does
-        for o in (i2v, t2v):
-            if o.has_unfinished():
-                stepped = o.step()
-                seen[o] += [e.request_id for e in stepped]
-                events += stepped
-    assert set(seen[i2v]) == {"i"} and set(seen[t2v]) == {"t"}  # each pipeline got its own events only
-    finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
+    events = step_in_turn(i2v, t2v)
+    assert {e.request_id for e in events[i2v]} == {"i"} and {e.request_id for e in events[t2v]} == {"t"}
+    finished = {e.request_id: e.result for got in events.values() for e in got if isinstance(e, RequestFinished)}
     assert sorted(finished) == ["i", "t"]
     for result in finished.values():
         assert result.trace["diffusion.batch_size_max"] == 2, result.trace  # one forward for both pipelines
@@ -75,17 +79,9 @@ def test_one_request_id_in_two_pipelines_and_an_abort_in_one(pipelines, image, t
     i2v.submit(i2v.request("a boat", image=image, request_id="same", seed=3, output=str(tmp_path / "a.mp4"), **SIZE))
     t2v.submit(t2v.request("a boat", request_id="same", seed=3, output=str(tmp_path / "b.mp4"), **SIZE))
     t2v.submit(t2v.request("a city street", request_id="other", seed=4, output=str(tmp_path / "c.mp4"), **SIZE))
-    events = {i2v: [], t2v: []}
-
-    def step_both(until=None):
-        while (i2v.has_unfinished() or t2v.has_unfinished()) and not (until and until()):
-            for o in (i2v, t2v):
-                if o.has_unfinished():
-                    events[o] += o.step()
-
-    step_both(until=lambda: any(getattr(e, "step", 0) >= 1 for e in events[i2v]))
+    events = step_in_turn(i2v, t2v, until=lambda got: any(getattr(e, "step", 0) >= 1 for e in got[i2v]))
     i2v.abort("same")
-    step_both()
+    step_in_turn(i2v, t2v, events=events)
     failed = {o: [(e.request_id, e.error) for e in events[o] if isinstance(e, RequestFailed)] for o in events}
     assert failed[i2v] == [("same", "aborted")]
     [(rid, error)] = failed[t2v]
