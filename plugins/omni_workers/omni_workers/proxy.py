@@ -142,11 +142,12 @@ class StageProxy:
 
     def _take_event(self, request_id: str, data: bytes) -> None:
         try:
-            event = self._load_event(data)
+            event = self._load_event(data)  # loaded even when dropped below: that deletes its spill files
         except Exception as exc:  # noqa: BLE001 - a class the front lacks, a spill file gone: this request only;
             # it stays held, so the abort that comes with its failure stops it in the worker too
-            self.pending.append(StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime"))
-            return
+            event = StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime")
+        if request_id not in self.held:
+            return  # aborted while its event was on the way: a stale event would also keep `wait` from pumping
         if isinstance(event, (StageFinished, StageFailed)):
             self.held.discard(event.request_id)
         self.pending.append(event)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from omni_kernel import Omni
 from omni_kernel.cli import main
 from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
-from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
+from omni_kernel.events import RequestFailed, RequestFinished, StageFailed, TokenDelta
 from omni_kernel.placement import RunSettings, parse_placement
 from omni_kernel.testing import drain, wait_until
 from omni_workers.cores import host_cores
@@ -743,6 +744,9 @@ def test_a_worker_proxy_reports_its_stages_own_stats():
             assert time.monotonic() < deadline, words.stats()
             o.graph.watch(0.05)
         assert words.stats().restarts == 0 and words.stats().dead is None
+        # an event the worker sent before the abort reached it is dropped, so `watch` goes on pumping
+        words._take_event(ids[0], pickle.dumps(StageFailed(ids[0], "words", "sent before the abort", "runtime")))
+        assert words.pending == [] and not o.graph.workers.wait(0)
     with Omni("fake_video", host=make_host(), placement="process") as o:
         assert o.graph.stages["render"].concurrent_process is True
 
