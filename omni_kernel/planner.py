@@ -69,7 +69,7 @@ class GraphBuilder:
         try:
             for mode, ids in placed.items():  # workers first: they load their models while inproc stages do
                 if mode != "inproc":
-                    nodes = [(plan.node(n), types[n].kind, configs[n]) for n in ids]
+                    nodes = [(plan.node(n), types[n], configs[n]) for n in ids]
                     built, workers = self.registry.placements[mode].item.build(nodes, settings, host_factory, workers)
                     stages.update(built)
             for node_id in placed.get("inproc", ()):

@@ -19,6 +19,8 @@ class NodeType:
     receives (as one instance) and the request parameters each StageInput carries. `inputs` names the request
     inputs the node reads besides the prompt (e.g. "image"). An undeclared key is refused everywhere.
     `output_contract` names what its StageOutput holds for a connector that declares a `source_contract`.
+    `share_key(node, config)`, where given: nodes with equal keys share one engine (the factory shares it), so a
+    worker placement hosts their stages in one worker.
     """
 
     name: str
@@ -29,6 +31,7 @@ class NodeType:
     inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
     description: str = ""
     output_contract: str | None = None
+    share_key: Callable[..., Any] | None = None
 
 
 @attrs.frozen

@@ -47,6 +47,15 @@ class QwenStages:
                                   json_schema=schema)
         return self._build(node, config or QwenConfig(), settings)
 
+    @staticmethod
+    def share_key(policy_table):
+        """The node type's share key: the stages of one model and engine settings share an engine (`_build`)."""
+        def key(node: NodeSpec, config: QwenConfig | None) -> tuple:
+            config = config or QwenConfig()
+            return (config, config.max_num_seqs_for(ARNodeSettings(
+                max_num_seqs=node_policy(node, policy_table)["max_num_seqs"])))
+        return key
+
     def _build(self, node: NodeSpec, config: QwenConfig, settings: ARNodeSettings) -> Stage:
         from .build import build_engine, build_stage
 
@@ -99,10 +108,12 @@ class QwenPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
         register(NodeType("ar.text_generation", "ar", self.stages.text_generation, config=QwenConfig,
-                          params=QwenParams, description="the prompt as one user message through the chat "
-                                                         "template; stops at EOS or the context window"))
+                          params=QwenParams, share_key=self.stages.share_key(TEXT_GENERATION_POLICY),
+                          description="the prompt as one user message through the chat template; stops at EOS or "
+                                      "the context window"))
         register(NodeType("ar.prompt_bridge", "ar", self.stages.prompt_bridge, config=QwenConfig,
                           params=QwenParams, output_contract=CONTRACT,
+                          share_key=self.stages.share_key(PROMPT_BRIDGE_POLICY),
                           description="asks the model for JSON supplemental guidance for a Wan video prompt "
                                       "(contract supplemental_guidance, internal token budget)"))
 

@@ -1,5 +1,6 @@
-"""`omni serve --placement process`: a served pipeline's stages in worker processes (shared cores), a chat and a
-video through them, workers killed between requests restarted while the server goes on (a request during the
+"""`omni serve --placement process`: the served pipelines' stages in worker processes (shared cores), one worker per
+shared stage (ar_text and the bridge share the AR one, the three Wan pipelines the Wan one), a chat and videos
+through them, workers killed between requests restarted while the server goes on (a request during the
 restart gets 503 with Retry-After, and a client that retries is served), and no worker left behind once the server
 has stopped."""
 
@@ -41,7 +42,8 @@ def workers_of(pid: int) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve-placement")
-    proc = ServerProcess(["--pipeline", "ar_text", "--pipeline", "qwen_to_wan_i2v", "--output-dir", str(tmp / "videos"),
+    proc = ServerProcess(["--pipeline", "ar_text", "--pipeline", "qwen_to_wan_i2v", "--pipeline", "wan_i2v",
+                          "--pipeline", "wan_t2v", "--output-dir", str(tmp / "videos"),
                           "--placement", "process", "--worker-threads", "shared", "--shutdown-timeout", "5"],
                          tmp / "server.log")
     try:
@@ -63,15 +65,17 @@ def _chat(client) -> str:
 
 def test_chat_and_video_run_in_the_workers(server, client):
     workers = workers_of(server.proc.pid)
-    assert len(workers) == 3, workers  # ar_text's stage and qwen_to_wan_i2v's two
+    assert len(workers) == 2, workers  # four pipelines, two models: one worker per shared stage
     assert _chat(client)
     with httpx.Client(base_url=server.url, timeout=120) as http:
         r = http.post("/v1/videos", files={"input_reference": ("fox.png", ASSET.read_bytes(), "image/png")},
                       data={"prompt": "a fox", **SMALL})
         assert r.status_code == 200, r.text
-        job = video_done(http, r.json()["id"])
-        assert job["status"] == "completed", job
-        assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
+        t2v = http.post("/v1/videos", data={"prompt": "a kite", **SMALL, "model": "wan_t2v"})
+        assert t2v.status_code == 200, t2v.text
+        for job in (video_done(http, r.json()["id"]), video_done(http, t2v.json()["id"])):
+            assert job["status"] == "completed", job
+            assert http.get(f"/v1/videos/{job['id']}/content").content[4:8] == b"ftyp"
     assert "omni[video]: loading Wan2.2" in server.output()  # the worker's load line, prefixed with its stage
 
 
@@ -80,7 +84,7 @@ def test_workers_killed_while_idle_are_restarted_and_a_client_that_retries_on_50
     before = workers_of(server.proc.pid)
     for pid in before:
         os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: len(after := workers_of(server.proc.pid)) >= 3 and not set(after) & set(before), 60,
+    wait_until(lambda: len(after := workers_of(server.proc.pid)) >= 2 and not set(after) & set(before), 60,
                f"the killed workers {sorted(before)} to be replaced", interval=0.1)
     # while the new workers load their models a request gets 503 with Retry-After, which the client honours; on a
     # loaded machine the loads may outlast its 20 retries, so the test (not the client) bounds the wait in seconds

@@ -40,6 +40,11 @@ class WanStages:
         return build_stage(node, config or WanConfig(), self.pool, self.cache, self.engines)
 
 
+def share_key(node: NodeSpec, config: WanConfig | None) -> WanConfig:
+    """Every Wan node of one config shares its engine, whichever pipeline and image policy (build.py)."""
+    return config or WanConfig()
+
+
 class WanPlugin:
     def __init__(self):
         self.stages = WanStages()
@@ -47,8 +52,8 @@ class WanPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
         register(NodeType(NODE_TYPE, "diffusion", self.stages.build, config=WanConfig, params=WanParams,
-                          inputs={"image"}, description="Wan2.2 TI2V-5B image- or text-to-video over diffusers, "
-                                                         "written to MP4"))
+                          inputs={"image"}, share_key=share_key,
+                          description="Wan2.2 TI2V-5B image- or text-to-video over diffusers, written to MP4"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

@@ -90,3 +90,35 @@ def test_one_request_id_in_two_pipelines_and_an_abort_in_one(pipelines, image, t
     assert not (tmp_path / "a.mp4").exists() and not (tmp_path / "b.mp4").exists()
     assert (tmp_path / "c.mp4").is_file()
     assert not i2v.graph.stages["wan"].engine.engine.owners  # nothing left behind in the shared engine
+
+
+def test_with_worker_processes_the_pipelines_share_one_worker_and_its_batches(pipelines, image, tmp_path):
+    """`placement="process"`: the Wan nodes of two pipelines (one share key: the same config) are hosted by one
+    worker, so their requests share its forwards there as in one process; each pipeline gets its own events,
+    equal to the in-process runs, and the worker lives until the last of its pipelines closes."""
+    i2v_here, t2v_here = pipelines
+    model = str(i2v_here.graph.stages["wan"].engine.runner.layout.path)
+    i2v = Omni("wan_i2v", host=i2v_here.host, model=model, device="cpu", placement="process")
+    t2v = Omni("wan_t2v", host=i2v_here.host, model=model, device="cpu", placement="process")
+    try:
+        worker = i2v.graph.stages["wan"].proc
+        assert t2v.graph.stages["wan"].proc is worker and worker.poll() is None
+        requests = {"i": dict(prompt="a red fox in the snow", image=image, seed=1), "t": dict(prompt="a kite", seed=2)}
+        i2v.submit(i2v.request(**requests["i"], request_id="i", output=str(tmp_path / "i.mp4"), return_frames=True,
+                               **SIZE))
+        t2v.submit(t2v.request(**requests["t"], request_id="t", output=str(tmp_path / "t.mp4"), return_frames=True,
+                               **SIZE))
+        events = step_in_turn(i2v, t2v)
+        assert {e.request_id for e in events[i2v]} == {"i"} and {e.request_id for e in events[t2v]} == {"t"}
+        finished = {e.request_id: e.result for got in events.values() for e in got if isinstance(e, RequestFinished)}
+        assert sorted(finished) == ["i", "t"]
+        assert max(r.trace["diffusion.batch_size_max"] for r in finished.values()) == 2  # one forward for both
+        for rid, here in (("i", i2v_here), ("t", t2v_here)):
+            solo = here.generate(**requests[rid], output=str(tmp_path / f"{rid}1.mp4"), return_frames=True, **SIZE)
+            assert float(np.abs(finished[rid].output.data["frames"] - solo.output.data["frames"]).max()) <= 1e-4
+        i2v.close()
+        assert worker.poll() is None and t2v.generate("a kite", seed=2, **SIZE).output.path
+    finally:
+        i2v.close()
+        t2v.close()
+    assert worker.wait(10) is not None  # stopped with the last of its stages

@@ -9,7 +9,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
-import shutil
 import time
 import weakref
 from typing import Any
@@ -22,7 +21,6 @@ from omni_kernel.graph import NodeSpec
 from omni_kernel.request import StageInput, StageStats
 
 from .stage_host import WorkerSpec
-from .tempdirs import make_dir
 from .transport import dumps
 
 log = logging.getLogger("omni")
@@ -33,8 +31,7 @@ class WorkerDied(RequestError):
 
 
 class WorkerGroup:
-    """The remote stages of one graph: one blocking wait over all their pipes, a temporary
-    directory for spilled arrays, and stopping them all.
+    """The remote stages of one graph: one blocking wait over all their pipes, and stopping them all.
 
     `wait_for_restarts`: a call (process, check) to a stage whose worker is restarting waits until it has built
     its stage (a script has no other caller to stall); False: it raises StageUnavailable at once, which an AsyncOmni
@@ -42,7 +39,6 @@ class WorkerGroup:
 
     def __init__(self):
         self.stages: list = []
-        self.spill_dir = make_dir("run")
         self.closed = False
         self.wait_for_restarts = True
         _LIVE.add(self)
@@ -77,7 +73,6 @@ class WorkerGroup:
                 stage.close()
             except Exception:  # noqa: BLE001 - stop the others anyway
                 log.debug("stopping the worker of %s failed", getattr(stage, "node_id", "?"), exc_info=True)
-        shutil.rmtree(self.spill_dir, ignore_errors=True)
         _LIVE.discard(self)
 
 

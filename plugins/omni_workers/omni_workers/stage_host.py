@@ -45,6 +45,7 @@ class WorkerSpec:
     threads: int | str | None = None  # an int, "shared" (cores.py) or None (the library's default)
     spill_dir: str | None = None
     cores: tuple[str, int] | None = None  # with "shared": the board's file and this worker's slot
+    tag: int = 0  # which of its worker's stages it is (a worker hosts every stage of one share key)
     parent_pid: int = attrs.field(factory=os.getpid)
 
 
@@ -62,15 +63,21 @@ class Held:
     request_id: str
 
 
-def build_stage(spec: WorkerSpec):
-    """Rebuild the plugins quietly (the front already reported their warnings) and call the node's factory."""
+def load_plugins(spec: WorkerSpec):
+    """Rebuild the plugin host quietly (the front already reported its plugins' warnings)."""
     logger = logging.getLogger("omni")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        host = spec.host_factory()
+        return spec.host_factory()
     finally:
         logger.setLevel(level)
+
+
+def build_stage(spec: WorkerSpec, host=None):
+    """The node's stage from its type's factory, in `host` (a worker hosting several stages builds them all in
+    one host, so the plugin shares their engine), else in a host rebuilt for it."""
+    host = host or load_plugins(spec)
     registered = host.registry.node_types.get(spec.node.type)
     if registered is None:
         raise PluginError(f"node type {spec.node.type!r} is not registered in the worker of stage {spec.node.id!r} "

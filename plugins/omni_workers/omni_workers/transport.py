@@ -96,7 +96,7 @@ def _unspill(value):
 
 
 def pack(message, node_id: str):
-    """An `events` message is (events, the stage's StageStats or None when unchanged). Each event (with its
+    """An `events` message is (tag, events, the stage's StageStats or None when unchanged). Each event (with its
     request id) and a call's answer are pickled on their own, so one that cannot be pickled here (an output
     holding a lock) or unpickled in the front (a class only the worker has) fails its own request or call, and
     the message around it always crosses."""
@@ -105,8 +105,8 @@ def pack(message, node_id: str):
         return ("reply", call_id, *pack_answer(ok, value, node_id))
     if message[0] != "events":
         return message
-    _, events, stats = message
-    return ("events", [(event.request_id, pack_event(event, node_id)) for event in events], stats)
+    _, tag, events, stats = message
+    return ("events", tag, [(event.request_id, pack_event(event, node_id)) for event in events], stats)
 
 
 def pack_event(event, node_id: str) -> bytes:

@@ -1,4 +1,5 @@
-"""The worker process of placement `process`: it rebuilds one stage (stage_host.py) and runs its engine loop.
+"""The worker process of placement `process`: it rebuilds its stages (stage_host.py: one, or every stage of one
+share key, whose plugin gives them one engine) and runs their engine loop.
 
 The front starts it as a fresh interpreter (spawn.py) and sends it its sys.path, then its WorkerSpec. The worker
 runs its engine loop continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps
@@ -29,7 +30,8 @@ from omni_kernel.errors import classify
 from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 
 from .cores import CoreShare
-from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .stage_host import (WAIT_S, StageHost, WorkerSpec, build_stage, load_plugins, set_torch_threads,
+                         setup_worker)
 from .transport import pack, spill
 
 log = logging.getLogger("omni")
@@ -61,7 +63,8 @@ def child_main(fd: int) -> None:
 
 
 def worker_main(conn, spec: WorkerSpec) -> None:
-    """A stage worker process: build the stage, then its engine loop until told to stop or the parent is gone."""
+    """A stage worker process: build its first stage, then its engine loop until told to stop or the parent is
+    gone; the front may send it more stages to build (`build`: the stages of one share key, in one plugin host)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_worker(spec)
@@ -70,17 +73,17 @@ def worker_main(conn, spec: WorkerSpec) -> None:
                               daemon=True)
     sender.start()
     try:
-        stage = build_stage(spec)
+        plugins = load_plugins(spec)
+        stage = build_stage(spec, plugins)
         set_torch_threads(spec.threads)
     except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
-        outbox.put(("failed", *classify(exc)))
+        outbox.put(("failed", spec.tag, *classify(exc)))
         outbox.put(None)
         sender.join(10)
         return
-    outbox.put(("ready", stage.kind, stage.concurrent_process, stage.stats()))
-    host = StageHost(stage, spec.node.id)
-    share = CoreShare(*spec.cores) if spec.cores else None
-    _engine_loop(conn, outbox, host, spec.parent_pid, spec.spill_dir, share)
+    outbox.put(("ready", spec.tag, stage.kind, stage.concurrent_process, stage.stats()))
+    loop = EngineLoop(plugins, {spec.tag: StageHost(stage, spec.node.id)}, outbox, spec)
+    loop.run(conn)
     outbox.put(None)
     sender.join(5)
 
@@ -100,84 +103,118 @@ def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
             os._exit(0)  # the front is gone
 
 
-def _read_loop(conn, inbox: queue.Queue, outbox: queue.Queue, host: StageHost) -> None:
-    """Reads the front's messages as they come: `check` (model-free by contract), and `process` of a stage whose
-    `concurrent_process` says it may run beside a step, are answered at once, not after the running step;
+class EngineLoop:
+    """The worker's stages (by tag) and the loop that steps them. Its reader thread answers `check` (model-free by
+    contract), and `process` of a stage whose `concurrent_process` says it may run beside a step, at once;
     everything else goes to the engine loop, which takes it between two steps."""
-    try:
-        while True:
-            message = conn.recv()
-            if message[0] == "check" or (message[0] == "process" and host.concurrent_process):
-                outbox.put(_handle(host, message))
-                continue
-            inbox.put(message)
-            if message[0] == "stop":
-                return
-    except (EOFError, OSError):  # the front closed its end
-        inbox.put(("stop",))
-    except Exception as exc:  # noqa: BLE001 - a message it cannot unpickle: whose it was is unknown, so the
-        # worker exits (the front fails what it held and restarts it) instead of leaving every request unanswered
-        log.error("stage %s: its worker could not read a message from the front and stops: %s: %s", host.node_id,
-                  type(exc).__name__, exc)
-        os._exit(1)
 
+    def __init__(self, plugins, hosts: dict[int, StageHost], outbox: queue.Queue, spec: WorkerSpec):
+        self.plugins, self.hosts, self.outbox, self.spec = plugins, hosts, outbox, spec
+        self.share = CoreShare(*spec.cores) if spec.cores else None
 
-def _engine_loop(conn, outbox: queue.Queue, host: StageHost, parent_pid: int, spill_dir: str | None,
-                 share: CoreShare | None = None) -> None:
-    inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read_loop, args=(conn, inbox, outbox, host), name="omni-worker-read",
-                     daemon=True).start()
-    checked = time.monotonic()
-    while True:
-        if time.monotonic() - checked > 1.0:
-            checked = time.monotonic()
-            if os.getppid() != parent_pid:
-                return
-        busy = host.stage.has_unfinished()
-        if share is not None and not busy:
-            share.idle()
+    def read(self, conn, inbox: queue.Queue) -> None:
         try:
-            message = inbox.get_nowait() if busy else inbox.get(timeout=1.0)
-        except queue.Empty:
-            message = None
-        while message is not None:
-            if message[0] == "stop":
-                return
-            if share is not None and message[0] in ("process", "hand_off"):
-                share.before_step()  # input processing is work too (a Wan request encodes its image)
-            reply = _handle(host, message)
-            if reply is not None:
-                outbox.put(reply)
+            while True:
+                message = conn.recv()
+                host = self.hosts.get(message[1]) if message[0] in ("check", "process") else None
+                if host is not None and (message[0] == "check" or host.concurrent_process):
+                    self.outbox.put(self.handle(message))
+                    continue
+                inbox.put(message)  # a call to a stage still being built waits for its build, in order
+                if message[0] == "stop":
+                    return
+        except (EOFError, OSError):  # the front closed its end
+            inbox.put(("stop",))
+        except Exception as exc:  # noqa: BLE001 - a message it cannot unpickle: whose it was is unknown, so the
+            # worker exits (the front fails what it held and restarts it) instead of leaving requests unanswered
+            log.error("stage %s: its worker could not read a message from the front and stops: %s: %s",
+                      self.spec.node.id, type(exc).__name__, exc)
+            os._exit(1)
+
+    def run(self, conn) -> None:
+        inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self.read, args=(conn, inbox), name="omni-worker-read", daemon=True).start()
+        share, checked = self.share, time.monotonic()
+        while True:
+            if time.monotonic() - checked > 1.0:
+                checked = time.monotonic()
+                if os.getppid() != self.spec.parent_pid:
+                    return
+            busy = [h for h in self.hosts.values() if h.stage.has_unfinished()]
+            if share is not None and not busy:
+                share.idle()
             try:
-                message = inbox.get_nowait()
+                message = inbox.get_nowait() if busy else inbox.get(timeout=1.0)
             except queue.Empty:
                 message = None
-        events = []
-        if host.stage.has_unfinished() and (host.stage.wait(0) or host.stage.wait(WAIT_S)):
-            if share is not None:
-                share.before_step()
-            events = host.step()
-            if share is not None and not host.stage.has_unfinished():
-                share.idle()  # lend the cores before the events go out
-        stats = host.new_stats()  # after each step, and after an add or abort that changed them
-        if events or stats is not None:
-            outbox.put(("events", spill(events, spill_dir), stats))
+            while message is not None:
+                if message[0] == "stop":
+                    return
+                if share is not None and message[0] in ("process", "hand_off", "build"):
+                    share.before_step()  # input processing is work too (a Wan request encodes its image)
+                reply = self.handle(message)
+                if reply is not None:
+                    self.outbox.put(reply)
+                try:
+                    message = inbox.get_nowait()
+                except queue.Empty:
+                    message = None
+            self.step()
 
+    def step(self) -> None:
+        """Step every stage whose step would make progress (one stage's step may bring another's outputs, when
+        they share an engine), send each one's events and its stats where they changed; when none could step, wait
+        a little on a busy one (only background work: an MP4 export)."""
+        share, stepped = self.share, False
+        for tag, host in list(self.hosts.items()):
+            events = []
+            if host.stage.has_unfinished() and host.stage.wait(0):
+                if share is not None:
+                    share.before_step()
+                events, stepped = host.step(), True
+            stats = host.new_stats()  # after each step, and after an add or abort that changed them
+            if events or stats is not None:
+                self.outbox.put(("events", tag, spill(events, self.spec.spill_dir), stats))
+        busy = [h for h in self.hosts.values() if h.stage.has_unfinished()]
+        if share is not None and stepped and not busy:
+            share.idle()  # lend the cores before the next messages
+        if busy and not stepped:
+            busy[0].stage.wait(WAIT_S)
 
-def _handle(host: StageHost, message):
-    rpc = message[0]
-    if rpc in ("add", "hand_off"):
-        events = host.add(message[1]) if rpc == "add" else host.hand_off(message[1])
-        return ("events", events, None) if events else None
-    if rpc == "abort":
-        host.abort(message[1])
+    def handle(self, message):
+        rpc, tag = message[0], message[1]
+        if rpc == "build":
+            return self.build(message[1])
+        host = self.hosts.get(tag)
+        if host is None:  # dropped meanwhile (its stage closed in the front)
+            return ("reply", message[2], False, classify(RuntimeError("the stage was closed"))) \
+                if rpc in ("process", "check") else None
+        if rpc in ("add", "hand_off"):
+            events = host.add(message[2]) if rpc == "add" else host.hand_off(message[2])
+            return ("events", tag, events, None) if events else None
+        if rpc == "abort":
+            host.abort(message[2])
+            return None
+        if rpc == "drop":
+            for request_id in sorted(host.stage.request_ids()):
+                host.abort(request_id)
+            del self.hosts[tag]
+            return None
+        if rpc in ("process", "check"):
+            _, _, call_id, item = message
+            try:
+                value = host.process(item) if rpc == "process" else host.check(item)
+            except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
+                return ("reply", call_id, False, classify(exc))
+            return ("reply", call_id, True, value)
+        log.warning("unknown message %r", rpc)
         return None
-    if rpc in ("process", "check"):
-        _, call_id, item = message
+
+    def build(self, spec: WorkerSpec):
+        """Another stage of this worker's share key, built in its plugin host: it shares the engine there."""
         try:
-            value = host.process(item) if rpc == "process" else host.check(item)
-        except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
-            return ("reply", call_id, False, classify(exc))
-        return ("reply", call_id, True, value)
-    log.warning("unknown message %r", rpc)
-    return None
+            stage = build_stage(spec, self.plugins)
+        except Exception as exc:  # noqa: BLE001 - that stage fails to build; the others go on
+            return ("failed", spec.tag, *classify(exc))
+        self.hosts[spec.tag] = StageHost(stage, spec.node.id)
+        return ("ready", spec.tag, stage.kind, stage.concurrent_process, stage.stats())

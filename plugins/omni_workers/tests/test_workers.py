@@ -188,7 +188,7 @@ def test_a_worker_that_cannot_build_raises_typed_and_leaves_nothing():
 def test_numpy_outputs_cross_through_a_file():
     np = pytest.importorskip("numpy")
     with Omni("fake_slow", host=make_host(), placement="process") as o:
-        spill = Path(o.graph.workers.spill_dir)
+        spill = Path(o.graph.stages["words"].worker.spill_dir)
         result = o.generate("frames please")
         assert isinstance(result.output.data["frames"], np.ndarray)
         assert result.output.data["frames"].sum() == sum(range(24))
@@ -652,7 +652,8 @@ FRONT_SCRIPT = textwrap.dedent("""
     from omni_kernel import Omni
     from omni_workers.cores import board
     o = Omni("echo", host=make_host(), placement="process", worker_threads="shared")
-    print(o.graph.workers.spill_dir, board().dir, flush=True)
+    (stage,) = o.graph.stages.values()
+    print(stage.worker.spill_dir, board().dir, flush=True)
     if sys.argv[1] == "hold":
         sys.stdin.read()
     o.close()

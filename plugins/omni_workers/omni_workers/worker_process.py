@@ -1,0 +1,222 @@
+"""The front's handle on one worker process: its pipe, its start and restart, and the stages it hosts.
+
+A worker hosts one stage, or every stage of one share key (the node type's `share_key`: pipelines whose nodes would
+share an engine in one process), whichever graph of the front they belong to: the first one starts the process,
+the others are built in it (`build`), each with a tag that its messages carry both ways. A stage that closes is
+dropped from the worker; the worker stops with the last one. See process_stage.py for the stages' side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from multiprocessing.reduction import ForkingPickler
+
+import attrs
+
+from omni_kernel.errors import rebuild
+
+from .cores import SHARED, board
+from .spawn import start_worker
+from .stage_host import WorkerSpec
+from .tempdirs import make_dir
+
+log = logging.getLogger("omni")
+
+
+class WorkerProcess:
+    """One worker process and the stages it hosts (`members`, by tag). `ready`: it built its first stage, so
+    what is sent goes down the pipe; before that it waits in `backlog` (the worker reads nothing while it loads
+    its first model), so a send never blocks on a full pipe."""
+
+    def __init__(self, threads, on_stop=None):
+        self.members: dict = {}  # tag -> ProcessStage
+        self.tags = itertools.count()
+        self.calls = itertools.count()
+        self.replies: dict[int, tuple] = {}
+        self.spill_dir = make_dir("run")
+        self.slot = board().take() if threads == SHARED else None
+        self.on_stop = on_stop
+        self.proc = self.conn = None
+        self.ready = False
+        self.backlog: list[bytes] = []
+        self.stopped = False
+
+    def spec_for(self, spec: WorkerSpec) -> WorkerSpec:
+        cores = None if self.slot is None else (board().path, self.slot)
+        return attrs.evolve(spec, spill_dir=self.spill_dir, cores=cores, tag=next(self.tags))
+
+    def attach(self, stage) -> None:
+        """Host `stage` (its `spec` made by `spec_for`): start the process for the first, build it there for the
+        others."""
+        self.members[stage.spec.tag] = stage
+        if self.proc is None:
+            self.start()
+        else:
+            self.send(("build", stage.spec))
+        stage.started = time.monotonic()
+
+    def start(self) -> None:
+        """Start the process with the first member's stage; the others are built there once it is ready."""
+        first, *others = self.members.values()
+        self.proc, self.conn = start_worker(first.spec)
+        self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
+        self.conn.send(attrs.evolve(first.spec, parent_pid=os.getpid()))
+        self.ready = False
+        self.backlog = []
+        for stage in others:
+            self.send(("build", stage.spec))
+
+    def detach(self, stage) -> None:
+        """`stage` closed: dropped from the worker, which stops with the last of its stages."""
+        if self.members.pop(stage.spec.tag, None) is None:
+            return
+        if self.members:
+            if self.conn is not None:
+                self.send(("drop", stage.spec.tag))
+            return
+        self.stop()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        conn, process = self.conn, self.proc
+        self.stopped = True
+        self.conn = None
+        if conn is not None:
+            try:
+                conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        if process is not None:
+            for stop in (None, process.terminate, process.kill):
+                if stop is not None:
+                    stop()
+                try:
+                    process.wait(timeout if stop is None else 2)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if conn is not None:
+            conn.close()
+        if self.slot is not None:
+            board().give_back(self.slot)
+            self.slot = None
+        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        if self.on_stop is not None:
+            self.on_stop(self)
+
+    # Sending and receiving.
+
+    def send(self, message) -> None:
+        self.send_bytes(ForkingPickler.dumps(message))
+
+    def send_bytes(self, data: bytes) -> None:
+        if not self.ready:  # still building its first stage: a send must not block on a pipe no one reads yet
+            self.backlog.append(data)
+            return
+        try:
+            self.conn.send_bytes(data)
+        except (OSError, ValueError):
+            self.pump()
+
+    def pump(self) -> None:
+        """Take every message the worker sent so far, for whichever of its stages; notice a worker that died (its
+        end of the pipe closed)."""
+        conn = self.conn
+        try:
+            while self.conn is conn and conn is not None and conn.poll(0):
+                data = conn.recv_bytes()
+                try:
+                    message = ForkingPickler.loads(data)
+                except Exception as exc:  # noqa: BLE001 - not expected (worker.pack sends plain data): whose it
+                    # was is unknown, so the worker is stopped and restarted as if it died, failing what it held
+                    self.proc.kill()
+                    self.died(f"stopped: the front could not read its message, {type(exc).__name__}: "
+                              f"{' '.join(str(exc).split())}")
+                    return
+                self.receive(message)
+        except (EOFError, OSError):
+            if self.conn is conn and conn is not None:
+                self.died()
+
+    def receive(self, message) -> None:
+        rpc = message[0]
+        if rpc == "reply":
+            self.replies[message[1]] = message[2:]
+            return
+        stage = self.members.get(message[1])
+        if stage is None:  # closed meanwhile
+            return
+        if rpc == "events":  # the events of a step (or of an add that failed) and the stage's stats after it
+            _, _, events, stats = message
+            for request_id, data in events:
+                stage._take_event(request_id, data)
+            stage._take_stats(stats)
+        elif rpc == "ready":
+            stage._built(*message[2:])
+            if not self.ready:
+                self.ready = True
+                conn, backlog, self.backlog = self.conn, self.backlog, []
+                for data in backlog:
+                    if self.conn is not conn:  # it died meanwhile: died() failed what these were for
+                        break
+                    self.send_bytes(data)
+        elif rpc == "failed":
+            stage._build_failed(rebuild(*message[2:]))
+
+    def died(self, how: str | None = None) -> None:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
+            self.proc.kill()
+            code = self.proc.wait()
+        how = how or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
+                      signal.Signals._value2member_map_ else f"exit code {code}")
+        self.conn.close()
+        self.conn = None
+        self.ready = False
+        for stage in self.members.values():
+            stage.ready = False
+        if self.slot is not None:
+            board().clear(self.slot)
+        restart = False
+        for stage in list(self.members.values()):
+            if stage.built_once:
+                restart = stage._lost(f"worker process died ({how})", "worker") or restart
+            else:  # died while building it the first time: its wait_ready raises this
+                stage._build_failed(stage._dead_error(how))
+        for stage in [s for s in self.members.values() if s.dead is not None or not s.built_once]:
+            self.members.pop(stage.spec.tag, None)
+        if not (restart and self.members):
+            if not self.members:
+                self.stop()
+            return
+        try:
+            self.start()
+            for stage in self.members.values():
+                stage.started = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - e.g. no file descriptors or memory left to start one
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.kill()  # started, but died before it took its spec
+            self.conn = None
+            for stage in self.members.values():
+                stage._not_restarted(how, exc)
+            self.members.clear()
+            self.stop()
+
+    def wait(self, timeout: float | None) -> bool:
+        """Block until the worker sent something (or died); False after `timeout`."""
+        conn = self.conn
+        if conn is None:
+            return True
+        try:
+            ready = multiprocessing.connection.wait([conn], timeout)
+        except (OSError, ValueError):  # closed meanwhile (close() from another thread)
+            return True
+        return bool(ready)
