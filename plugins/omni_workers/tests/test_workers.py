@@ -767,3 +767,33 @@ def test_a_stage_whose_engine_died_in_its_worker_is_dead_in_the_front():
         assert "injected scheduler fault" in words.stats().dead
         (again,) = run_all(o, ["one two"]).values()
         assert isinstance(again, RequestFailed) and again.kind == "engine_dead", again
+
+
+def test_the_stages_of_one_share_key_live_in_one_worker_die_and_come_back_together():
+    """One worker hosts every stage of one share key, of two graphs of the host: each gets its own events (by
+    tag), a kill fails the requests of all of them and the restarted worker builds them all again; one graph
+    closing leaves the other served, and the worker stops with the last of its stages."""
+    host = make_host(sleep_ms=20, shared=True)
+    with Omni("fake_slow", host=host, placement="process") as o:
+        with Omni("fake_video", host=host, placement="process") as v:
+            words, render, lone = o.graph.stages["words"], o.graph.stages["render"], v.graph.stages["render"]
+            worker = words.proc
+            assert render.proc is worker and lone.proc is worker
+            assert o.generate("two words").text == "rendered 2 words" and "2" in v.generate("one two").text
+            victim = o.submit(o.request("a b c d e f g h"))
+            alone = v.submit(v.request("x " * 30))
+            while victim not in words.request_ids() or alone not in lone.request_ids():
+                o.step()
+                v.step()
+            os.kill(worker.pid, signal.SIGKILL)
+            failed = {}
+            while o.has_unfinished() or v.has_unfinished():
+                failed.update({e.request_id: e for e in o.step() + v.step() if isinstance(e, RequestFailed)})
+            assert sorted(failed) == sorted([victim, alone]), failed
+            assert all("SIGKILL" in e.error and "restarted" in e.error for e in failed.values())
+            assert words.proc is render.proc is lone.proc and words.proc.pid != worker.pid
+            assert o.generate("back again").text == "rendered 2 words" and "2" in v.generate("one two").text
+            assert lone.stats().restarts == words.stats().restarts == 1
+        survivor = words.proc
+        assert survivor.poll() is None and o.generate("still here").text == "rendered 2 words"
+    assert survivor.wait(10) is not None and not alive(worker.pid)

@@ -264,14 +264,21 @@ def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePla
                         [EdgeSpec("words", "render", "fake_words_to_render")])
 
 
+def one_key(node: NodeSpec, config: FakeConfig | None) -> tuple:
+    return ("fake", config or FakeConfig())
+
+
 class FakePlugin:
-    def __init__(self, sleep_ms: float = 0, words_placement: str | None = None):
+    def __init__(self, sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False):
         self.plan = plan(sleep_ms, words_placement)
+        self.share_key = one_key if shared else None
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("fake.words", "ar", build_words, config=FakeConfig, params=FakeParams))
-        register(NodeType("fake.render", "video", build_render, config=FakeConfig, params=FakeParams))
+        register(NodeType("fake.words", "ar", build_words, config=FakeConfig, params=FakeParams,
+                          share_key=self.share_key))
+        register(NodeType("fake.render", "video", build_render, config=FakeConfig, params=FakeParams,
+                          share_key=self.share_key))
 
     @hookimpl
     def omni_register_connectors(self, register):
@@ -284,14 +291,15 @@ class FakePlugin:
                                                       final=True)]))
 
 
-def make_host(sleep_ms: float = 0, words_placement: str | None = None) -> PluginHost:
+def make_host(sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False) -> PluginHost:
     """The kernel's plugin, the fake one and omni-workers (the placements); picklable as
-    `partial(make_host, ...)` for a worker's rebuild."""
+    `partial(make_host, ...)` for a worker's rebuild. `shared`: both fake node types give one share key, so one
+    worker hosts every fake stage of the host."""
     from functools import partial
 
     host = PluginHost()
     host.register(KernelPlugin(), "omni_kernel")
-    host.register(FakePlugin(sleep_ms, words_placement), "fake")
+    host.register(FakePlugin(sleep_ms, words_placement, shared), "fake")
     host.register(WorkersPlugin(), "omni_workers")
-    host.rebuild = partial(make_host, sleep_ms, words_placement)
+    host.rebuild = partial(make_host, sleep_ms, words_placement, shared)
     return host
