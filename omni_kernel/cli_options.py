@@ -24,6 +24,9 @@ def placement_options() -> list[click.Option]:
         click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
                      help="Where stages run: inproc (default), process (each stage in its own worker process) or "
                           "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
+        click.Option(["--replicas"], metavar="N|NODE=N,...",
+                     help="Independent copies of a worker-placed stage, each request to the least loaded: N for "
+                          "every node, or per node as video=2 (docs/distributed.md)."),
         click.Option(["--ray-address"], metavar="ADDRESS",
                      help="The Ray cluster for --placement ray, e.g. HEAD_IP:6379 (default: a local Ray)."),
         click.Option(["--worker-threads"], type=WorkerThreads(), metavar="N|shared",

@@ -17,6 +17,7 @@ from .cli_options import placement_options
 from .errors import InvalidParameter, OmniError, UserError
 from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
 from .files import check_output_path, remove_outputs, write_json
+from .placement import RUN_KEYS
 from .flags import Flag, collect, values
 from .planner import GraphBuilder, Planner
 from .plugins import load_host
@@ -54,11 +55,9 @@ def run_command(registry) -> click.Command:
     by_dest = {f.dest: f for f in flags}
 
     @click.pass_context
-    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, placement, ray_address,
-            worker_threads, max_restarts, **given):
+    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, **given):
+        settings = {key: given.pop(key) for key in RUN_KEYS}
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
-        settings = {"placement": placement, "ray_address": ray_address, "worker_threads": worker_threads,
-                    "max_restarts": max_restarts}
         _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
 
     return RunCommand("run", callback=run, params=options,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,12 +65,10 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
     """
     ids = [n.id for n in plan.nodes]
     seen: set[str] = set()
-    dups = sorted({i for i in ids if i in seen or seen.add(i)})
-    if dups:
+    if dups := sorted({i for i in ids if i in seen or seen.add(i)}):
         raise GraphError("duplicate_node", dups, f"node ids must be unique: {', '.join(dups)}")
     for e in plan.edges:
-        missing = [n for n in (e.source, e.target) if n not in seen]
-        if missing:
+        if missing := [n for n in (e.source, e.target) if n not in seen]:
             raise GraphError("unknown_edge_node", missing,
                              f"edge {e.source} -> {e.target} names unknown node(s) {', '.join(missing)}")
     for e in plan.edges:
@@ -79,14 +78,10 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
     if len(order) != len(ids):
         stuck = sorted(_cycle_nodes(ids, plan.edges))
         raise GraphError("cycle", stuck, f"the graph has a cycle through {', '.join(stuck)}")
-    inputs: dict[str, int] = {}
-    for e in plan.edges:
-        inputs[e.target] = inputs.get(e.target, 0) + 1
-    many = sorted(n for n, k in inputs.items() if k > 1)
-    if many:
+    inputs = Counter(e.target for e in plan.edges)
+    if many := sorted(n for n, k in inputs.items() if k > 1):
         raise GraphError("multiple_inputs", many, f"a node takes at most one input edge: {', '.join(many)}")
-    entries = [i for i in ids if i not in inputs]
-    if not entries:
+    if all(i in inputs for i in ids):
         raise GraphError("no_entry", [], "the graph has no entry node")
     # With at most one input per node and no cycles, every node is reachable from an entry node.
     finals = [n.id for n in plan.nodes if n.final]
@@ -94,8 +89,7 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
         raise GraphError("final_output", finals,
                          f"exactly one node must be the final output, found {len(finals)}"
                          + (f" ({', '.join(finals)})" if finals else ""))
-    unknown = [n for n in plan.nodes if n.type not in node_kinds]
-    if unknown:
+    if unknown := [n for n in plan.nodes if n.type not in node_kinds]:
         hints = sorted({n.plugin_hint for n in unknown if n.plugin_hint})
         hint = (f"; install the plugin(s) that provide them ({', '.join(hints)}), or check `omni plugins` and "
                 f"OMNI_PLUGINS if installed") if hints else ""
@@ -103,8 +97,7 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
         raise GraphError("unknown_node_type", [n.id for n in unknown], f"unregistered node type(s): {names}{hint}")
     kinds = {n.id: node_kinds[n.type] for n in plan.nodes}
     for e in plan.edges:
-        conn = connectors.get(e.connector)
-        if conn is None:
+        if (conn := connectors.get(e.connector)) is None:
             raise GraphError("unknown_connector", [e.source, e.target],
                              f"edge {e.source} -> {e.target} uses unregistered connector {e.connector!r}")
         if (conn.source_kind, conn.target_kind) != (kinds[e.source], kinds[e.target]):

@@ -113,3 +113,4 @@ class StageStats:
     dead: str | None = None
     restarts: int = 0
     restarting: bool = False
+    replicas: tuple[StageStats, ...] = ()  # a replicated stage's: each replica's own, in order

@@ -17,6 +17,7 @@ import attrs
 import click
 
 from omni_kernel.cli_options import placement_options
+from omni_kernel.placement import RUN_KEYS
 from omni_kernel.errors import GraphError, OmniError, UserError
 from omni_kernel.flags import Flag, collect, declared, values
 from omni_kernel.plugins import load_host
@@ -87,8 +88,9 @@ def serve_command() -> click.Command:
 
     @click.pass_context
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, max_text_body_mb,
-              allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout, config_pairs, placement,
-              ray_address, worker_threads, max_restarts, log_level, **given):
+              allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
+              config_pairs, log_level, **given):
+        run_settings = {key: given.pop(key) for key in RUN_KEYS}
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
         try:
@@ -97,9 +99,7 @@ def serve_command() -> click.Command:
                        max_text_body_mb=max_text_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
                        max_in_flight=max_in_flight or None,
-                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout),
-                       run_settings={"placement": placement, "ray_address": ray_address,
-                                     "worker_threads": worker_threads, "max_restarts": max_restarts})
+                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout), run_settings=run_settings)
         except UserError as exc:
             raise _UsageError(" ".join(str(exc).split())) from None
         except OmniError as exc:

@@ -24,6 +24,26 @@ class _EngineCollector:
         self.snapshot = snapshot
         self.jobs = jobs
 
+    @staticmethod
+    def _replicas(snap: Snapshot):
+        """A replicated stage's replicas, each labelled by its index (the stage's own gauges add them up)."""
+        labels = ["model", "stage", "replica"]
+        running = GaugeMetricFamily("omni_replica_requests_running", "requests a stage's replica is running",
+                                    labels=labels)
+        waiting = GaugeMetricFamily("omni_replica_requests_waiting", "requests waiting in a stage's replica",
+                                    labels=labels)
+        restarts = CounterMetricFamily("omni_replica_restarts", "restarts of a stage's replica's worker",
+                                       labels=labels)
+        alive = GaugeMetricFamily("omni_replica_alive", "1 while a stage's replica takes requests", labels=labels)
+        for s in snap.stages:
+            for index, replica in enumerate(s.replicas):
+                key = [s.pipeline, s.node, str(index)]
+                running.add_metric(key, replica.running)
+                waiting.add_metric(key, replica.waiting)
+                restarts.add_metric(key, replica.restarts)
+                alive.add_metric(key, int(replica.dead is None))
+        return running, waiting, restarts, alive
+
     def collect(self):
         snap = self.snapshot()
         labels = ["model", "stage"]
@@ -49,6 +69,7 @@ class _EngineCollector:
             restarts.add_metric([s.pipeline, s.node], s.restarts)
             restarting.add_metric([s.pipeline, s.node], int(s.restarting))
         yield from (running, waiting, used, total, hits, restarts, restarting)
+        yield from self._replicas(snap)
         errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",
                                      labels=["model", "stage", "kind"])
         for (pipeline, node, kind), count in sorted(snap.errors.items()):

@@ -26,11 +26,12 @@ class StageSnapshot:
     prefix_hit_tokens: int | None = None
     restarts: int = 0  # of its worker process or Ray actor (placement process or ray)
     restarting: bool = False  # that worker is building its stage again: requests to it get 503 meanwhile
+    replicas: tuple[StageStats, ...] = ()  # a replicated stage's (--replicas): each replica's own stats
 
     @classmethod
     def of(cls, pipeline: str, node_id: str, stage) -> StageSnapshot:
         stats: StageStats = stage.stats()
-        return cls(pipeline, node_id, stage.kind, **attrs.asdict(stats))
+        return cls(pipeline, node_id, stage.kind, **attrs.asdict(stats, recurse=False))
 
 
 @attrs.frozen

@@ -11,6 +11,7 @@ from omni_kernel.placement import RunSettings
 from .stage_host import WorkerSpec, default_host_factory
 from .process_stage import ProcessStage
 from .proxy import WorkerGroup
+from .replicas import ReplicaStage
 from .worker_process import WorkerProcess
 
 
@@ -21,7 +22,8 @@ class Placement:
 
     `process`: the stages of nodes whose type gives equal share keys (`NodeType.share_key`), of this graph or of
     another graph of the same plugin host with the same worker settings, are hosted by one worker (`shared`), so
-    they share its engine there as they would in one process."""
+    they share its engine there as they would in one process. A node with `replicas` N > 1 gets N proxies, each
+    with a worker (or actor) of its own, behind one ReplicaStage (replicas.py)."""
 
     name: str
     shared: dict = attrs.field(factory=dict, eq=False, repr=False)  # (share key, settings) -> WorkerProcess
@@ -33,23 +35,30 @@ class Placement:
             for node, node_type, config in nodes:
                 spec = WorkerSpec(node, node_type.kind, config, host_factory or default_host_factory(),
                                   settings.worker_threads)
-                if self.name == "process":
-                    worker = self.worker_for(node_type, node, config, settings, host_factory)
-                    stages[node.id] = ProcessStage(spec, group, settings.max_restarts, worker)
-                else:
-                    from .ray_stage import RayStage
-
-                    stages[node.id] = RayStage(spec, group, settings)
+                count = settings.replicas_of(node)
+                if count == 1:
+                    stages[node.id] = self.proxy(spec, group, settings, self.worker_for(node_type, node, config,
+                                                                                        settings, host_factory))
+                else:  # each replica in a worker of its own
+                    stages[node.id] = ReplicaStage([self.proxy(attrs.evolve(spec, replica=i), group, settings)
+                                                    for i in range(count)])
         except BaseException:
             if group is not workers:
                 group.close()
             raise
         return stages, group
 
-    def worker_for(self, node_type, node, config, settings: RunSettings, host_factory) -> WorkerProcess:
+    def proxy(self, spec: WorkerSpec, group: WorkerGroup, settings: RunSettings, worker=None):
+        if self.name == "process":
+            return ProcessStage(spec, group, settings.max_restarts, worker)
+        from .ray_stage import RayStage
+
+        return RayStage(spec, group, settings)
+
+    def worker_for(self, node_type, node, config, settings: RunSettings, host_factory) -> WorkerProcess | None:
         """The running worker of the node's share key, or a new one (kept for the next node of that key)."""
-        if node_type.share_key is None:
-            return WorkerProcess(settings.worker_threads)
+        if self.name != "process" or node_type.share_key is None:
+            return None
         key = (node_type.share_key(node, config), settings.worker_threads, settings.max_restarts, host_factory)
         worker = self.shared.get(key)
         if worker is None or worker.stopped:

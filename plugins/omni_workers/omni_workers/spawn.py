@@ -60,6 +60,9 @@ def start_worker(spec: WorkerSpec) -> tuple[subprocess.Popen, multiprocessing.co
             env[var] = str(host_cores() if spec.threads == SHARED else spec.threads)
     if spec.threads == SHARED:  # see cores.py: a step that finds the cores taken must not spin
         env.setdefault("GOMP_SPINCOUNT", "10000")
+    devices = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if spec.replica is not None and devices:  # the GPUs the front was given, one to each replica in turn
+        env["CUDA_VISIBLE_DEVICES"] = devices[spec.replica % len(devices)]
     code = f"from omni_workers.worker import child_main; child_main({back.fileno()})"
     try:
         proc = launch([sys.executable, "-c", code], pass_fds=(back.fileno(),), env=env,

@@ -3,6 +3,7 @@ stage, and no worker outlives the front. Torch-free: the echo pipeline and the f
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -797,3 +798,43 @@ def test_the_stages_of_one_share_key_live_in_one_worker_die_and_come_back_togeth
         survivor = words.proc
         assert survivor.poll() is None and o.generate("still here").text == "rendered 2 words"
     assert survivor.wait(10) is not None and not alive(worker.pid)
+
+
+def test_replicas_share_a_burst_and_a_killed_one_fails_only_its_own_requests():
+    """`replicas="words=2"`: two copies of the words stage, each in a worker of its own, behind one stage; a burst
+    is spread by least outstanding work (4 and 4), every request as it is alone; a replica killed mid-burst fails
+    its own requests only, while the other's finish, and comes back; the stats add them up and list each one."""
+    from omni_workers.replicas import ReplicaStage
+
+    with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process", replicas="words=2") as o:
+        words = o.graph.stages["words"]
+        assert isinstance(words, ReplicaStage) and not isinstance(o.graph.stages["render"], ReplicaStage)
+        first, second = words.replicas
+        assert first.proc.pid != second.proc.pid
+        prompts = [" ".join(["w"] * (30 + i)) for i in range(8)]  # none ends before the kill
+        ids = [o.submit(o.request(p)) for p in prompts]
+        assert sorted(collections.Counter(id(words.owner[rid]) for rid in ids).values()) == [4, 4]
+        on_first = {rid for rid in ids if words.owner[rid] is first}
+        victim = first.proc.pid
+        os.kill(victim, signal.SIGKILL)
+        done = {e.request_id: e for e in drain(o) if isinstance(e, (RequestFinished, RequestFailed))}
+        for rid, prompt in zip(ids, prompts):
+            if rid in on_first:
+                assert isinstance(done[rid], RequestFailed) and "SIGKILL" in done[rid].error, done[rid]
+            else:
+                assert done[rid].result.text == f"rendered {len(prompt.split())} words", done[rid]
+        assert first.proc.pid != victim and o.generate("back again").text == "rendered 2 words"
+        stats = words.stats()
+        assert [s.restarts for s in stats.replicas] == [1, 0] and stats.restarts == 1 and stats.dead is None
+
+
+def test_bad_replica_settings_are_refused_in_one_line():
+    with pytest.raises(InvalidParameter, match="replicas: '0' is not an integer >= 1"):
+        Omni("fake_slow", host=make_host(), placement="process", replicas="words=0")
+    with pytest.raises(InvalidParameter, match="node 'words' runs inproc; replicas need placement process or ray"):
+        Omni("fake_slow", host=make_host(), replicas=2)
+    with pytest.raises(InvalidParameter, match="replicas: pipeline 'fake_slow' has no node 'video'"):
+        Omni("fake_slow", host=make_host(), placement="process", replicas="video=2")
+    result = CliRunner().invoke(main, ["run", "--pipeline", "fake_slow", "--prompt", "hi", "--placement", "process",
+                                       "--replicas", "words=x"], obj={"host": make_host()})
+    assert result.exit_code == 2 and "invalid replicas: 'x' is not an integer >= 1" in result.output, result.output

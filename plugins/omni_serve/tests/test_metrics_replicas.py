@@ -1,0 +1,49 @@
+"""/metrics of a replicated stage (`--replicas video=2`): the stage's gauges add its replicas up, and each replica
+has its own series, labelled by its index, with its requests, restarts and whether it takes requests."""
+
+from __future__ import annotations
+
+import attrs
+from prometheus_client.parser import text_string_to_metric_families
+
+from omni_kernel.request import StageStats
+from omni_serve.metrics import Metrics
+from omni_serve.snapshot import Snapshot, StageSnapshot
+
+
+@attrs.frozen
+class Replicated:
+    """What a ReplicaStage reports (omni_workers/replicas.py): the sum, and each replica's stats."""
+
+    kind: str = "diffusion"
+
+    def stats(self) -> StageStats:
+        each = (StageStats(running=2, waiting=1), StageStats(dead="stage 'video': its worker died", restarts=1))
+        return StageStats(running=2, waiting=1, restarts=1, replicas=each)
+
+
+def samples(metrics: Metrics) -> dict:
+    text = metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_a_replicated_stage_has_a_series_per_replica():
+    snap = Snapshot(stages=(StageSnapshot.of("wan_i2v", "video", Replicated()),))
+    got = samples(Metrics(lambda: snap, dict))
+
+    def at(name, replica=None):
+        labels = {"model": "wan_i2v", "stage": "video", **({"replica": replica} if replica else {})}
+        return got[(name, tuple(sorted(labels.items())))]
+
+    assert at("omni_requests_running") == 2 and at("omni_requests_waiting") == 1
+    assert [at("omni_replica_requests_running", r) for r in "01"] == [2, 0]
+    assert [at("omni_replica_requests_waiting", r) for r in "01"] == [1, 0]
+    assert [at("omni_replica_restarts_total", r) for r in "01"] == [0, 1]
+    assert [at("omni_replica_alive", r) for r in "01"] == [1, 0]
+
+
+def test_a_stage_without_replicas_has_no_replica_series():
+    snap = Snapshot(stages=(StageSnapshot.of("ar_text", "generate", attrs.evolve(Replicated(), kind="ar")),))
+    plain = Snapshot(stages=(attrs.evolve(snap.stages[0], replicas=()),))
+    assert not [k for k in samples(Metrics(lambda: plain, dict)) if k[0].startswith("omni_replica_")]

@@ -1,0 +1,114 @@
+"""Replicas: independent copies of one stage, each in a worker of its own, behind one Stage (`--replicas video=2`).
+
+Each new request goes to the replica with the least outstanding work (the requests it holds or has events of,
+then the fewest restarts), and stays there: its processed input is held in the worker that processed it, and its
+events come back from there. A replica that dies fails only its own requests (its proxy's fault handling) and is
+restarted as any worker is; while it restarts, or once it is dead, new requests go to the others. The stage is
+dead only when every replica is. Its stats add the replicas' up and list each one's (`StageStats.replicas`,
+which `/metrics` labels by replica). On a machine with GPUs, give the front `CUDA_VISIBLE_DEVICES=0,1`: replica
+i of a process placement then sees the i-th of them only (spawn.py); a Ray replica reserves its own bundle.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from omni_kernel.errors import EngineDead
+from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.request import StageInput, StageStats
+
+ROUTE_LIMIT = 4096  # processed inputs whose add is still to come (a submit that failed later never adds)
+
+
+class ReplicaStage:
+    """The Stage contract over `replicas` (proxies of one node, each with its own worker; see the module)."""
+
+    def __init__(self, replicas: list):
+        self.replicas = replicas
+        self.node_id = replicas[0].node_id
+        self.kind = replicas[0].kind
+        self.owner: dict[str, object] = {}  # request id -> the replica that holds it
+        self.routed: collections.OrderedDict[str, object] = collections.OrderedDict()  # processed, not added
+
+    @property
+    def concurrent_process(self) -> bool:
+        return self.replicas[0].concurrent_process
+
+    @property
+    def dead(self) -> EngineDead | None:
+        return self.replicas[0].dead if all(r.dead is not None for r in self.replicas) else None
+
+    def pick(self):
+        """The replica with the least outstanding work among those that take requests now (else any not dead)."""
+        taking = [r for r in self.replicas if r._gone() is None and not r.restarting]
+        candidates = taking or [r for r in self.replicas if r.dead is None] or self.replicas
+        return min(candidates, key=lambda r: (len(r.request_ids()), r.restarts))
+
+    def _route(self, request_id: str):
+        replica = self.routed.pop(request_id, None) or self.pick()
+        self.owner[request_id] = replica
+        return replica
+
+    # The Stage contract.
+
+    def check(self, item: StageInput) -> None:
+        self.pick().check(item)
+
+    def process(self, item: StageInput) -> StageInput:
+        replica = self.pick()
+        out = replica.process(item)
+        self.routed[item.request_id] = replica
+        while len(self.routed) > ROUTE_LIMIT:
+            self.routed.popitem(last=False)
+        return out
+
+    def add_request(self, item: StageInput) -> None:
+        self._route(item.request_id).add_request(item)
+
+    def hand_off(self, item: StageInput) -> None:
+        self._route(item.request_id).hand_off(item)
+
+    def step(self) -> list:
+        events = []
+        for replica in self.replicas:
+            if replica.has_unfinished():
+                events += replica.step()
+        for event in events:
+            if isinstance(event, (StageFinished, StageFailed)):
+                self.owner.pop(event.request_id, None)
+        return events
+
+    def abort(self, request_id: str) -> None:
+        self.routed.pop(request_id, None)
+        replica = self.owner.pop(request_id, None)
+        for r in [replica] if replica is not None else self.replicas:
+            r.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(r.has_unfinished() for r in self.replicas)
+
+    def request_ids(self) -> set[str]:
+        return set().union(*(r.request_ids() for r in self.replicas))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.replicas[0].wait(timeout)  # the group's wait: every worker of the graph, replicas included
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        for replica in self.replicas:
+            replica.wait_ready(timeout)
+
+    def stats(self) -> StageStats:
+        each = tuple(r.stats() for r in self.replicas)
+        kv = [s for s in each if s.kv_blocks_total is not None]
+        return StageStats(
+            running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
+            kv_blocks_total=sum(s.kv_blocks_total for s in kv) if kv else None,
+            kv_blocks_used=sum(s.kv_blocks_used or 0 for s in kv) if kv else None,
+            prefix_hit_tokens=sum(s.prefix_hit_tokens or 0 for s in kv) if kv else None,
+            dead=str(self.dead) if self.dead is not None else None, restarts=sum(s.restarts for s in each),
+            restarting=all(s.restarting for s in each), replicas=each)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+
