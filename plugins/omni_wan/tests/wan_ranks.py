@@ -18,6 +18,7 @@ from omni_wan.comm import init_ranks
 LOOPBACK = "127.0.0.1"
 COLLECTIVE_TIMEOUT_S = 60  # a collective whose peer died fails after this
 JOIN_TIMEOUT_S = 5
+PRELOAD = ("wan_ranks", "omni_wan.model", "diffusers.pipelines.wan.pipeline_wan_i2v")
 
 
 def free_port() -> int:
@@ -57,7 +58,10 @@ class Ranks:
         self.pipes: list = []
 
     def start(self) -> None:
-        context = multiprocessing.get_context("spawn")  # no fork of a process that has torch's threads
+        # A fork server imports torch and diffusers once for every rank (not once per rank, on two cores) and has
+        # run nothing: no fork of a process that has torch's threads.
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
         port = free_port()
         for rank in range(self.num_ranks):
             parent, child = context.Pipe()
