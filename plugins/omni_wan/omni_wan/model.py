@@ -157,7 +157,7 @@ class Wan22I2VPipeline:
         uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one; on a rank of a
         guidance-parallel group, the rank's branch, and the other's gathered. Each request's UniPC scheduler then
         steps on its own prediction (on every rank of a group alike)."""
-        dtype = self.transformer_dtype
+        model, dtype = self.pipe.transformer, self.transformer_dtype
         ts = [s.timesteps[step] for s, step in zip(states, steps)]
         inputs = [((1 - s.mask) * s.condition + s.mask * s.latents).to(dtype) for s in states]
         stamps = [(s.mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0) for s, t in zip(states, ts)]
@@ -165,28 +165,29 @@ class Wan22I2VPipeline:
         cond = ("cond", inputs, stamps, [s.text.prompt for s in states])
         uncond = ("uncond", [inputs[i] for i in guided], [stamps[i] for i in guided],
                   [states[i].text.negative for i in guided])
-        if self.parallel is not None and self.parallel.mesh.cfg > 1:  # this rank's branch only (parallel.py)
-            noise = self.parallel.noise(cond, uncond if guided else None, self._forward)
-        elif not guided:
-            noise = self._forward(*cond)
+        split = bool(guided) and self.parallel is not None and self.parallel.mesh.cfg > 1
+        if not guided:
+            passes = [cond]
+        elif split:  # a rank of a guidance-parallel group: its own branch, the other's gathered (parallel.py)
+            passes = [self.parallel.branch(cond, uncond)]
         elif cfg_batched:
-            noise = self._forward("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))
+            passes = [("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))]
         else:
-            noise = self._forward(*cond) + self._forward(*uncond)
+            passes = [cond, uncond]
+        noise = []
+        for name, latents, timesteps, texts in passes:
+            with model.cache_context(name), self._context(texts) as context:
+                noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
+                                   encoder_hidden_states=context, encoder_hidden_states_image=None,
+                                   attention_kwargs=None, return_dict=False)[0].split(1))
+        if split:
+            noise = self.parallel.gather(noise, [len(states), len(guided)])
         for i, (state, t) in enumerate(zip(states, ts)):
             pred = noise[i]
             if state.guidance_scale > 1:
                 negative = noise[len(states) + guided.index(i)]
                 pred = negative + state.guidance_scale * (pred - negative)
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
-
-    def _forward(self, name: str, latents: list, timesteps: list, texts: list[Text]) -> list[torch.Tensor]:
-        """One transformer forward of these rows: each row's noise prediction."""
-        model = self.pipe.transformer
-        with model.cache_context(name), self._context(texts) as context:
-            return list(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
-                              encoder_hidden_states=context, encoder_hidden_states_image=None,
-                              attention_kwargs=None, return_dict=False)[0].split(1))
 
     @contextmanager
     def _context(self, texts: list[Text]):

@@ -6,12 +6,10 @@ row or uncond (branch 1) for the guided rows, and the branches are gathered, so 
 predictions and steps each request's scheduler to the same latents. Ulysses (`ulysses` N): each forward is split
 by sequence over the N ranks of a branch (ulysses.py). Both: 2 x N ranks, branch-major (comm.Mesh).
 
-A batch with no guided row has no uncond branch: each branch computes the cond rows, alike.
+A batch with no guided row has no uncond branch: each rank computes the cond rows, alike.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import attrs
 import torch
@@ -63,12 +61,12 @@ class WanParallel:
             self.ulysses.remove()
         model.parallel = None
 
-    def noise(self, cond: tuple, uncond: tuple | None, forward: Callable[..., list[torch.Tensor]]
-              ) -> list[torch.Tensor]:
-        """Each row's prediction, cond rows then uncond rows, as one device's forwards give them: this rank's
-        branch through `forward(name, latents, timesteps, texts)`, the other's gathered."""
-        if uncond is None:
-            return forward(*cond)
-        mine = torch.cat(forward(*(cond, uncond)[self.mesh.cfg_rank]))
-        branches = gather_branches(mine, [len(cond[1]), len(uncond[1])], self.mesh)
+    def branch(self, cond: tuple, uncond: tuple) -> tuple:
+        """The pass (name, latents, timesteps, texts) this rank computes of a guided batch: its branch's."""
+        return (cond, uncond)[self.mesh.cfg_rank]
+
+    def gather(self, noise: list[torch.Tensor], num_rows: list[int]) -> list[torch.Tensor]:
+        """Each row's prediction, cond rows then uncond rows, as one device's forwards give them, from this
+        rank's branch (`noise`, one tensor a row; branch i has `num_rows[i]`) and the other's."""
+        branches = gather_branches(torch.cat(noise), num_rows, self.mesh)
         return [row for branch in branches for row in branch.split(1)]
