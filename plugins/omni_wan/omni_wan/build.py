@@ -70,9 +70,8 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
     summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
                f"step ({why})")
-    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image, config.wan_cfg_parallel),
-                 EngineView(engine),
-                 WanOutputProcessor(node.id, model_trace), summary)
+    processor = WanInputProcessor(layout, default_preset, image, config.wan_cfg_parallel)
+    return Stage(node, "diffusion", processor, EngineView(engine), WanOutputProcessor(node.id, model_trace), summary)
 
 
 def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, placement: WanDevice,
