@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 
 from omni_kernel.engine import Engine, EngineView
-from omni_kernel.errors import GraphError, ModelError
+from omni_kernel.errors import GraphError, ModelError, UserError
 from omni_kernel.graph import NodeSpec
 from omni_kernel.scheduler import DiffusionScheduler
 from omni_kernel.stage import Stage
@@ -29,7 +29,7 @@ from .loader import ModelPool
 from .outputs import WanOutputProcessor
 from .params import WanConfig
 from .prepare_cache import PrepareCache
-from .presets import Settings
+from .presets import PRESETS, Settings
 from .runner import WanRunner
 
 CPU_TOKEN_BUDGET = 16384  # on a CPU a forward is compute-bound long before memory matters
@@ -53,6 +53,8 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
         raise ModelError(f"{layout.path} has no text-to-video path: its transformer takes {layout.in_channels} input "
                          f"channels, the VAE's latents {layout.z_dim} (an image-to-video model); use wan_i2v")
     placement = place(config)
+    if config.wan_cfg_parallel > 1 or config.wan_ulysses > 1:
+        check_parallel(node, config, layout, placement, default_preset)
     budget, why = token_budget(config, placement, layout)
     key = (layout.path, placement, config)
     engine = engines.get(key)
@@ -68,8 +70,23 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     model_trace = {"diffusion.model": label, "diffusion.fps": layout.fps, **placement.trace()}
     summary = (f"{node.id}: batching up to {config.wan_max_batch} requests and {budget} latent tokens per denoise "
                f"step ({why})")
-    return Stage(node, "diffusion", WanInputProcessor(layout, default_preset, image), EngineView(engine),
-                 WanOutputProcessor(node.id, model_trace), summary)
+    processor = WanInputProcessor(layout, default_preset, image, config.wan_cfg_parallel)
+    return Stage(node, "diffusion", processor, EngineView(engine), WanOutputProcessor(node.id, model_trace), summary)
+
+
+def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, placement: WanDevice,
+                   default_preset: str) -> None:
+    """The parallel degrees against the model and the devices (parallel.check_degrees), then the refusal of a
+    group of ranks: the parallel forward exists (parallel.py), the stage that runs one over rank processes does
+    not yet."""
+    from .parallel import check_degrees
+
+    preset = PRESETS.get(default_preset)  # an unknown one is the request's error, naming the field
+    check_degrees(config.wan_cfg_parallel, config.wan_ulysses, layout.num_heads, placement.device,
+                  preset.guidance_scale if preset else float("inf"))
+    raise UserError(f"node {node.id!r}: wan_cfg_parallel={config.wan_cfg_parallel} wan_ulysses={config.wan_ulysses} "
+                    "needs a parallel stage (a group of rank processes), which is not wired into stages yet: run "
+                    "with wan_cfg_parallel=1 and wan_ulysses=1")
 
 
 def batch_key(s: Settings, dtype: str) -> tuple:

@@ -73,15 +73,24 @@ def check_image_policy(policy: str, image: str | None) -> bool:
     return given
 
 
+def check_guidance(guidance_scale: float, cfg_parallel: int) -> None:
+    """Guidance-parallel runs the uncond branch on a rank of its own: a request without guidance has none."""
+    if cfg_parallel > 1 and guidance_scale <= 1:
+        raise InvalidParameter("guidance_scale", f"{guidance_scale:g} turns classifier-free guidance off, but "
+                                                 f"wan_cfg_parallel={cfg_parallel} runs the uncond branch on ranks "
+                                                 "of its own: use a guidance_scale above 1, or wan_cfg_parallel=1")
+
+
 class WanInputProcessor:
     concurrent = True  # processing reads the image and the layout only: never a step's state
 
-    def __init__(self, layout: ModelLayout, default_preset: str, image: str = "required"):
+    def __init__(self, layout: ModelLayout, default_preset: str, image: str = "required", cfg_parallel: int = 1):
         if image not in IMAGE_POLICIES:
             raise ValueError(f"image policy {image!r} is not one of {', '.join(IMAGE_POLICIES)}")
         self.layout = layout
         self.default_preset = default_preset
         self.image_policy = image
+        self.cfg_parallel = cfg_parallel
 
     def check(self, item: StageInput) -> None:
         # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
@@ -89,13 +98,15 @@ class WanInputProcessor:
         params = _params(item)
         check_request(item.prompt, params.output, item.request_id, params.profile)
         given = check_image_policy(self.image_policy, item.image)
-        resolve(params, self.layout, image_size(item.image) if given else None, self.default_preset)
+        settings = resolve(params, self.layout, image_size(item.image) if given else None, self.default_preset)
+        check_guidance(settings.guidance_scale, self.cfg_parallel)
 
     def process(self, item: StageInput) -> StageInput:
         params = _params(item)
         output = check_request(item.prompt, params.output, item.request_id, params.profile)
         image = open_image(item.image) if check_image_policy(self.image_policy, item.image) else None
         settings = resolve(params, self.layout, None if image is None else image.size, self.default_preset)
+        check_guidance(settings.guidance_scale, self.cfg_parallel)
         if settings.seed is None:
             settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
         digest = None if image is None else image_digest(image)

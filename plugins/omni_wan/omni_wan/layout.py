@@ -16,6 +16,7 @@ from omni_hf.weights import check_safetensors_index
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Wan2.2 TI2V-5B renders at 24 fps (the model card exports its examples with fps=24).
 FPS = 24
+DIFFUSERS_HEADS = 40  # WanTransformer3DModel's default num_attention_heads
 
 
 @attrs.frozen
@@ -31,6 +32,7 @@ class ModelLayout:
     text_to_video: bool = True
     in_channels: int | None = None
     z_dim: int | None = None
+    num_heads: int | None = None  # the transformer's attention heads: what a sequence-parallel degree divides
 
 
 def read_layout(path: str | Path) -> ModelLayout:
@@ -60,8 +62,12 @@ def read_layout(path: str | Path) -> ModelLayout:
     check_vae_config(vae, root / "vae" / "config.json")
     spatial = vae.get("scale_factor_spatial", 8) * patch[1]
     in_channels, z_dim = transformer.get("in_channels", 16), vae.get("z_dim", 16)
+    heads = transformer.get("num_attention_heads", DIFFUSERS_HEADS)
+    if not _small_int(heads, 4096):
+        raise ModelError(f"{root / 'transformer' / 'config.json'}: num_attention_heads {heads!r} is not an integer "
+                         "between 1 and 4096")
     return ModelLayout(root.resolve(), spatial, vae.get("scale_factor_temporal", 4),
-                       text_to_video=in_channels == z_dim, in_channels=in_channels, z_dim=z_dim)
+                       text_to_video=in_channels == z_dim, in_channels=in_channels, z_dim=z_dim, num_heads=heads)
 
 
 WEIGHTS = ("transformer", "vae", "text_encoder")

@@ -70,6 +70,7 @@ class Wan22I2VPipeline:
         self.placement = placement
         # Offloaded, the transformer's weights reach the GPU only inside a forward: project the text there.
         self.cross_kv = None if placement.offloaded else CrossKV(pipe.transformer)
+        self.parallel = None  # a WanParallel: this process is one rank of a group running each forward together
 
     @classmethod
     def load(cls, path: str | Path, placement: WanDevice) -> Wan22I2VPipeline:
@@ -153,8 +154,9 @@ class Wan22I2VPipeline:
     def denoise_batch(self, states: list[DenoiseState], steps: list[int], cfg_batched: bool = True) -> None:
         """Denoise step `steps[i]` of every request in `states` (same latent shape), each at its own timestep, with its
         own condition, text and guidance scale. The rows share the transformer call(s): all cond rows, then the
-        uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one. Each request's
-        UniPC scheduler then steps on its own prediction."""
+        uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one; on a rank of a
+        guidance-parallel group, the rank's branch, and the other's gathered. Each request's UniPC scheduler then
+        steps on its own prediction (on every rank of a group alike)."""
         model, dtype = self.pipe.transformer, self.transformer_dtype
         ts = [s.timesteps[step] for s, step in zip(states, steps)]
         inputs = [((1 - s.mask) * s.condition + s.mask * s.latents).to(dtype) for s in states]
@@ -163,8 +165,11 @@ class Wan22I2VPipeline:
         cond = ("cond", inputs, stamps, [s.text.prompt for s in states])
         uncond = ("uncond", [inputs[i] for i in guided], [stamps[i] for i in guided],
                   [states[i].text.negative for i in guided])
+        split = bool(guided) and self.parallel is not None and self.parallel.mesh.cfg > 1
         if not guided:
             passes = [cond]
+        elif split:  # a rank of a guidance-parallel group: its own branch, the other's gathered (parallel.py)
+            passes = [self.parallel.branch(cond, uncond)]
         elif cfg_batched:
             passes = [("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))]
         else:
@@ -175,6 +180,8 @@ class Wan22I2VPipeline:
                 noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
                                    encoder_hidden_states=context, encoder_hidden_states_image=None,
                                    attention_kwargs=None, return_dict=False)[0].split(1))
+        if split:
+            noise = self.parallel.gather(noise, [len(states), len(guided)])
         for i, (state, t) in enumerate(zip(states, ts)):
             pred = noise[i]
             if state.guidance_scale > 1:

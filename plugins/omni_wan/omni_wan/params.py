@@ -44,6 +44,12 @@ class WanConfig:
     wan_max_batch_tokens: int | None = option(
         None, help="latent-token budget of one denoise forward, CFG rows counted twice (default: sized from the "
                    "device's memory; a request over it runs alone)", type=int, validator=integer(1))
+    wan_cfg_parallel: int = option(
+        1, help="ranks that split classifier-free guidance, one branch each (1 or 2; 2 needs guidance_scale > 1)",
+        type=int, validator=integer(1, 2))
+    wan_ulysses: int = option(
+        1, help="ranks that split each forward's latent tokens (Ulysses sequence parallelism; divides the "
+                "transformer's attention heads)", type=int, validator=integer(1))
     wan_video_preset: str = option(
         "veryfast", help="x264 preset of the MP4 export: faster presets use less CPU for larger files at the same "
                          "quality (medium is ffmpeg's default)", choices=X264_PRESETS)
