@@ -133,14 +133,15 @@ def test_an_actor_answers_a_concurrent_process_while_its_step_runs(ray, tmp_path
 
 
 def test_ray_replicas_split_a_burst_between_two_actors(ray):
-    """`replicas="words=2"` under Ray: two actors of the words stage, each request to the less loaded one."""
+    """`replicas="words=2"` under Ray: two actors of the words stage (a CPU each of the two this Ray has; render
+    stays here), each request to the less loaded one."""
     from omni_workers.ray_stage import RayStage
     from omni_workers.replicas import ReplicaStage
 
-    with Omni("fake_slow", host=make_host(sleep_ms=5), placement="ray", replicas="words=2") as o:
+    with Omni("fake_slow", host=make_host(sleep_ms=5), placement="words=ray", replicas="words=2") as o:
         words = o.graph.stages["words"]
         assert isinstance(words, ReplicaStage) and all(isinstance(r, RayStage) for r in words.replicas)
-        prompts = [f"p{i} " + "w " * (20 + i) for i in range(6)]
+        prompts = [" ".join([f"p{i}"] + ["w"] * (20 + i)) for i in range(6)]
         ids = [o.submit(o.request(p)) for p in prompts]
         assert sorted(sum(words.owner.get(rid) is r for rid in ids) for r in words.replicas) == [3, 3]
         done = {e.request_id: e for e in drain(o) if isinstance(e, (RequestFinished, RequestFailed))}
