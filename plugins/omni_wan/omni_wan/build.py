@@ -61,6 +61,8 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
     if engine is None or engine.dead is not None:  # a dead engine takes nothing more: a new one
         loaded = pool.acquire(layout.path, placement)
         runner = WanRunner(node.id, layout, placement, loaded, cache, video_preset=config.wan_video_preset)
+        if config.wan_cfg_parallel > 1 or config.wan_ulysses > 1:
+            runner.group = start_group(node, config, layout, placement, loaded.model)
         scheduler = DiffusionScheduler(
             max_batch=config.wan_max_batch, num_steps=lambda item: item.processed.settings.steps,
             batch_key=lambda item: batch_key(item.processed.settings, placement.dtype),
@@ -76,17 +78,32 @@ def build_stage(node: NodeSpec, config: WanConfig, pool: ModelPool, cache: Prepa
 
 def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, placement: WanDevice,
                    default_preset: str) -> None:
-    """The parallel degrees against the model and the devices (parallel.check_degrees), then the refusal of a
-    group of ranks: the parallel forward exists (parallel.py), the stage that runs one over rank processes does
-    not yet."""
+    """The parallel degrees against the model and the devices (parallel.check_degrees), before any rank starts:
+    the transformer stays on its devices, and one process is rank 0 of one group at most (torch.distributed's
+    default group is the process's)."""
     from .parallel import check_degrees
 
     preset = PRESETS.get(default_preset)  # an unknown one is the request's error, naming the field
     check_degrees(config.wan_cfg_parallel, config.wan_ulysses, layout.num_heads, placement.device,
                   preset.guidance_scale if preset else float("inf"))
-    raise UserError(f"node {node.id!r}: wan_cfg_parallel={config.wan_cfg_parallel} wan_ulysses={config.wan_ulysses} "
-                    "needs a parallel stage (a group of rank processes), which is not wired into stages yet: run "
-                    "with wan_cfg_parallel=1 and wan_ulysses=1")
+    if placement.offloaded:
+        raise UserError(f"node {node.id!r}: wan_cfg_parallel / wan_ulysses keep the transformer on each rank's GPU: "
+                        "add -c disable_cpu_offload=true")
+
+
+def start_group(node: NodeSpec, config: WanConfig, layout: ModelLayout, placement: WanDevice, model):
+    """The other ranks of a parallel stage's new engine, started, with this process as rank 0 (ranks.py)."""
+    import torch.distributed as dist
+
+    from .ranks import RankGroup
+
+    if dist.is_initialized():
+        raise UserError(f"node {node.id!r}: this process is rank 0 of another parallel stage already; run this one "
+                        "in a worker of its own (--placement process)")
+
+    group = RankGroup(node.id, model, layout.path, placement, config.wan_cfg_parallel, config.wan_ulysses)
+    group.start()
+    return group
 
 
 def batch_key(s: Settings, dtype: str) -> tuple:

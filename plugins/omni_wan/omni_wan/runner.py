@@ -70,6 +70,7 @@ class WanRunner:
         self.video_preset = video_preset
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
         self.export_in_background = placement.device == "cuda"
+        self.group = None  # a RankGroup (ranks.py) when the forwards run over several ranks
 
     def add_request(self, record: StepJob) -> None:
         record.state = WanJob(record.item, Profiler(sync=self._sync()))
@@ -83,7 +84,10 @@ class WanRunner:
         steps = [step - 1 for step in batch.steps]  # the scheduler's step 0 was prepare
         timesteps = [float(j.denoise.timesteps[step]) for j, step in zip(jobs, steps)]
         start = time.perf_counter()
-        self.model.denoise_batch([j.denoise for j in jobs], steps, cfg_batched=self.cfg_batched)
+        if self.group is None:
+            self.model.denoise_batch([j.denoise for j in jobs], steps, cfg_batched=self.cfg_batched)
+        else:
+            self.group.denoise([j.denoise for j in jobs], steps, [j.item.request_id for j in jobs], self.cfg_batched)
         end = self._synced()
         for job, step, timestep in zip(jobs, steps, timesteps):
             job.profiler.record(f"denoise:{step}", start, end, timestep=timestep, batch_size=len(jobs))
@@ -99,6 +103,8 @@ class WanRunner:
         if record.pending is not None and not record.pending.cancel():
             record.pending.add_done_callback(_remove_output)  # aborted while exporting: leave no MP4 behind
         self.num_jobs -= 1
+        if self.group is not None:
+            self.group.forget(record.item.request_id)
         if not self.num_jobs:
             self.model.forget_batch()
 

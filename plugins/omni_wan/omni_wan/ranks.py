@@ -1,0 +1,166 @@
+"""RankGroup: the ranks of a Wan stage whose denoise forwards run over `cfg x ulysses` devices (parallel.py).
+
+Rank 0 is the stage itself, wherever its placement put it (this process, a worker process, a Ray actor): it
+holds the scheduler and the runner, prepares, decodes and exports, and talks to the StageScheduler as any stage.
+It starts the other ranks as fresh interpreters on this machine (one device each on CUDA), which load the same
+model and wait for work. Each denoise step rank 0 broadcasts the batch: the states of requests the other ranks
+have not seen yet (a request's DenoiseState, sent once when it first denoises), the batch's request ids and steps,
+and the requests that left. Then every rank runs `denoise_batch` on the same states, so every rank's states stay
+equal (the same gathered predictions, combined and stepped alike) and nothing comes back.
+
+A rank that dies (or a collective that fails) fails the step's requests with one message naming the stage and
+the rank, and the group restarts: the other ranks are stopped and started again, and the requests still
+denoising are sent to the new ranks at their next step. A rank exits when rank 0's process is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from omni_kernel.errors import RequestError
+
+from .comm import Mesh, init_ranks
+
+log = logging.getLogger("omni")
+
+ADDRESS = "127.0.0.1"
+
+
+class RankDied(RequestError):
+    """A rank of a stage's group died (or a collective failed): the step's requests fail, the group restarts."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((ADDRESS, 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """Rank 0's side (see the module docstring). `start()` starts the other ranks and joins the group."""
+
+    def __init__(self, node_id: str, model, path, placement, cfg: int, ulysses: int):
+        self.node_id, self.model, self.path, self.placement = node_id, model, path, placement
+        self.cfg, self.ulysses = cfg, ulysses
+        self.num_ranks = cfg * ulysses
+        self.ranks: list[subprocess.Popen] = []
+        self.sent: set[str] = set()  # request ids whose state the other ranks hold
+        self.left: list[str] = []  # request ids that left since the last step
+        self.num_restarts = 0
+
+    def start(self) -> None:
+        from .parallel import WanParallel
+
+        port = free_port()
+        spec = {"port": port, "num_ranks": self.num_ranks, "cfg": self.cfg, "ulysses": self.ulysses,
+                "path": str(self.path), "placement": attrs.asdict(self.placement),
+                "threads": torch.get_num_threads(), "node_id": self.node_id, "parent": os.getpid()}
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        code = "from omni_wan.ranks import rank_main; rank_main()"
+        self.ranks = [subprocess.Popen([sys.executable, "-c", code, json.dumps({**spec, "rank": rank})], env=env,
+                                       stdin=subprocess.DEVNULL, stdout=2) for rank in range(1, self.num_ranks)]
+        init_ranks(0, self.num_ranks, ADDRESS, port, self.placement.device)
+        WanParallel.install(self.model, Mesh.build(self.cfg, self.ulysses))
+        self.sent = set()
+
+    def denoise(self, states: list, steps: list[int], request_ids: list[str], cfg_batched: bool) -> None:
+        """One denoise step of the batch on every rank (rank 0's own share here)."""
+        new = {rid: state for rid, state in zip(request_ids, states) if rid not in self.sent}
+        message = [("step", new, request_ids, steps, self.left, cfg_batched)]
+        try:
+            dist.broadcast_object_list(message, src=0)
+            self.left = []
+            self.sent |= set(new)
+            self.model.denoise_batch(states, steps, cfg_batched=cfg_batched)
+        except Exception as exc:  # noqa: BLE001 - a rank died or a collective failed: restart the group
+            raise self._restart(exc) from None
+
+    def forget(self, request_id: str) -> None:
+        """A request left the stage: the other ranks drop its state at the next step."""
+        if request_id in self.sent:
+            self.sent.discard(request_id)
+            self.left.append(request_id)
+
+    def _restart(self, exc: Exception) -> RankDied:
+        dead = [f"rank {i} ({_how(p)})" for i, p in enumerate(self.ranks, 1) if p.poll() is not None]
+        what = ", ".join(dead) or f"a collective failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        self.num_restarts += 1
+        message = (f"stage {self.node_id!r}: {what} of its {self.num_ranks} ranks died; the step's requests "
+                   f"failed and the group was restarted ({self.num_restarts} restarts)")
+        log.error("%s", message)
+        self.stop()
+        self.left = []
+        self.start()
+        return RankDied(message)
+
+    def stop(self) -> None:
+        """Stop the other ranks and leave the group."""
+        for rank in self.ranks:
+            if rank.poll() is None:
+                rank.kill()
+            rank.wait(10)
+        self.ranks = []
+        if self.model.parallel is not None:
+            self.model.parallel.uninstall(self.model)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _how(process: subprocess.Popen) -> str:
+    code = process.returncode
+    if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def rank_main() -> None:
+    """A rank other than 0: load the model, join the group, then run each step rank 0 broadcasts."""
+    from pathlib import Path
+
+    import omni_hf
+
+    from .device import WanDevice
+    from .model import Wan22I2VPipeline
+    from .parallel import WanParallel
+
+    spec = json.loads(sys.argv[1])
+    logging.basicConfig(format=f"omni[{spec['node_id']} rank {spec['rank']}]: %(message)s", level=logging.INFO)
+    threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
+    torch.set_num_threads(spec["threads"])
+    placement = WanDevice(**spec["placement"])
+    device = init_ranks(spec["rank"], spec["num_ranks"], ADDRESS, spec["port"], placement.device)
+    with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
+        model = Wan22I2VPipeline.load(Path(spec["path"]), placement)
+    WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
+    states: dict = {}
+    while True:
+        message = [None]
+        try:
+            dist.broadcast_object_list(message, src=0, device=device if placement.device == "cuda" else None)
+        except Exception:  # noqa: BLE001 - rank 0 left the group (stopped, restarting, or gone)
+            os._exit(0)
+        _, new, request_ids, steps, left, cfg_batched = message[0]
+        for rid in left:
+            states.pop(rid, None)
+        states.update(new)
+        model.denoise_batch([states[rid] for rid in request_ids], steps, cfg_batched=cfg_batched)
+        if not states:
+            model.forget_batch()
+
+
+def _exit_with(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
