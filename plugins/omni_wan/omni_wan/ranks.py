@@ -29,13 +29,14 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from omni_kernel.errors import RequestError
+from omni_kernel.errors import ModelError, RequestError
 
 from .comm import Mesh, init_ranks
 
 log = logging.getLogger("omni")
 
 ADDRESS = "127.0.0.1"
+POLL_S = 0.2  # how often rank 0 looks at its ranks while they load and join
 
 
 class RankDied(RequestError):
@@ -71,9 +72,32 @@ class RankGroup:
         code = "from omni_wan.ranks import rank_main; rank_main()"
         self.ranks = [subprocess.Popen([sys.executable, "-c", code, json.dumps({**spec, "rank": rank})], env=env,
                                        stdin=subprocess.DEVNULL, stdout=2) for rank in range(1, self.num_ranks)]
-        init_ranks(0, self.num_ranks, ADDRESS, port, self.placement.device)
+        self._join(port)
         WanParallel.install(self.model, Mesh.build(self.cfg, self.ulysses))
         self.sent = set()
+
+    def _join(self, port: int) -> None:
+        """Join the group as rank 0 once every rank has loaded the model (they load, then join); a rank that
+        exits first fails the start in one line instead of leaving rank 0 waiting for the collective timeout."""
+        outcome: list = []
+        joined = threading.Event()
+
+        def join() -> None:
+            try:
+                init_ranks(0, self.num_ranks, ADDRESS, port, self.placement.device)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                outcome.append(exc)
+            joined.set()
+
+        threading.Thread(target=join, name=f"omni-{self.node_id}-join", daemon=True).start()
+        while not joined.wait(POLL_S):
+            if gone := [f"rank {i} ({_how(p)})" for i, p in enumerate(self.ranks, 1) if p.poll() is not None]:
+                self.stop()
+                raise ModelError(f"stage {self.node_id!r}: {', '.join(gone)} exited before it joined its group of "
+                                 f"{self.num_ranks} ranks (its log lines above say why)")
+        if outcome:
+            self.stop()
+            raise outcome[0]
 
     def denoise(self, states: list, steps: list[int], request_ids: list[str], cfg_batched: bool) -> None:
         """One denoise step of the batch on every rank (rank 0's own share here)."""
@@ -140,9 +164,11 @@ def rank_main() -> None:
     threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     torch.set_num_threads(spec["threads"])
     placement = WanDevice(**spec["placement"])
-    device = init_ranks(spec["rank"], spec["num_ranks"], ADDRESS, spec["port"], placement.device)
+    if placement.device == "cuda":
+        torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
     with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
         model = Wan22I2VPipeline.load(Path(spec["path"]), placement)
+    device = init_ranks(spec["rank"], spec["num_ranks"], ADDRESS, spec["port"], placement.device)
     WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
     states: dict = {}
     while True:

@@ -49,6 +49,14 @@ def ranks_of(worker_pid: int) -> list[int]:
     return sorted(found)
 
 
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def step_in_turn(omnis, events, until=None):
     while any(o.has_unfinished() for o in omnis) and not (until and until()):
         for o in omnis:
@@ -113,3 +121,47 @@ def test_a_killed_rank_fails_the_request_in_one_line_and_the_group_restarts(omni
         assert worker.poll() is None and ranks_of(worker.pid) not in ([], [rank])
         again = t2v.generate(**REQUESTS["late"], output=str(tmp_path / "b.mp4"), return_frames=True, **SIZE)
         assert float(np.abs(again.output.data["frames"] - solo["late"]).max()) <= 1e-4
+
+
+def test_a_rank_that_cannot_start_fails_the_build_in_one_line(tiny_model, monkeypatch):
+    """A rank that exits before it joins (here: an interpreter that is not Python) fails the stage's build at
+    once, naming the rank, instead of leaving rank 0 waiting for the collective timeout."""
+    import time
+
+    from omni_kernel.errors import ModelError
+    from omni_wan import ranks
+
+    monkeypatch.setattr(ranks.sys, "executable", "/bin/false")
+    start = time.monotonic()
+    with pytest.raises(ModelError, match=r"stage 'wan': rank 1 \(exit code 1\) exited before it joined its group"):
+        Omni("wan_t2v", model=str(tiny_model), device="cpu", wan_ulysses=2)
+    assert time.monotonic() - start < 60
+
+
+FRONT = """
+import sys
+from omni_kernel import Omni
+o = Omni("wan_t2v", model=sys.argv[1], device="cpu", placement="process", wan_ulysses=2)
+print(o.graph.stages["wan"].proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_no_rank_outlives_a_front_killed_with_sigkill(tiny_model, tmp_path):
+    """kill -9 of the front: its worker (rank 0) dies with it, and the worker's rank with the worker."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "front.py"
+    script.write_text(FRONT)
+    front = subprocess.Popen([sys.executable, str(script), str(tiny_model)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(front.stdout.readline())
+        (rank,) = wait_until(lambda: ranks_of(worker), 60, "the worker's rank to start")
+        front.kill()
+        front.wait(10)
+        wait_until(lambda: not alive(worker) and not alive(rank), 30, "the worker and its rank to die with the front")
+    finally:
+        if front.poll() is None:
+            front.kill()
