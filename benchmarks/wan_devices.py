@@ -41,12 +41,8 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from wan_batching import PROMPTS  # noqa: E402 - the same prompts as the batching benchmark
 from wan_i2v import BENCH_DIMS  # noqa: E402 - the same checkpoint as the wan_i2v benchmark
-
-PROMPTS = ["a cat surfing on a blue wave at sunset", "a red fox running through fresh snow",
-           "a paper boat drifting down a rainy street", "a hot air balloon over green hills",
-           "a lighthouse in a storm at night", "a hummingbird hovering near a flower",
-           "a train crossing a stone bridge in autumn", "a robot watering plants in a greenhouse"]
 
 
 def burst(omni, n: int, params: dict, out: Path) -> float:

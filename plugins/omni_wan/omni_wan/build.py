@@ -82,10 +82,11 @@ def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, place
     the transformer stays on its devices, and one process is rank 0 of one group at most (torch.distributed's
     default group is the process's)."""
     from .parallel import check_degrees
+    from .rank_launch import in_ray_actor
 
     preset = PRESETS.get(default_preset)  # an unknown one is the request's error, naming the field
     check_degrees(config.wan_cfg_parallel, config.wan_ulysses, layout.num_heads, placement.device,
-                  preset.guidance_scale if preset else float("inf"))
+                  preset.guidance_scale if preset else float("inf"), count_devices=not in_ray_actor())
     if placement.offloaded:
         raise UserError(f"node {node.id!r}: wan_cfg_parallel / wan_ulysses keep the transformer on each rank's GPU: "
                         "add -c disable_cpu_offload=true")
@@ -101,7 +102,8 @@ def start_group(node: NodeSpec, config: WanConfig, layout: ModelLayout, placemen
         raise UserError(f"node {node.id!r}: this process is rank 0 of another parallel stage already; run this one "
                         "in a worker of its own (--placement process)")
 
-    group = RankGroup(node.id, model, layout.path, placement, config.wan_cfg_parallel, config.wan_ulysses)
+    group = RankGroup(node.id, model, layout.path, placement, config.wan_cfg_parallel, config.wan_ulysses,
+                      node.resources)
     group.start()
     return group
 

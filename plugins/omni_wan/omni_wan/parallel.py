@@ -22,10 +22,12 @@ from .ulysses import Ulysses
 NUM_BRANCHES = 2  # classifier-free guidance: cond and uncond
 
 
-def check_degrees(cfg: int, ulysses: int, num_heads: int, device: str, guidance_scale: float) -> None:
+def check_degrees(cfg: int, ulysses: int, num_heads: int, device: str, guidance_scale: float,
+                  count_devices: bool = True) -> None:
     """A stage's parallel degrees against its model, device and default guidance (its preset's), in one line
     each: Ulysses splits the attention heads, guidance-parallel needs the uncond branch, and on CUDA each rank
-    has a GPU of its own."""
+    has a GPU of its own among those this process sees (`count_devices`; on Ray each rank's actor reserves its
+    own)."""
     if num_heads % ulysses:
         divisors = [str(d) for d in range(1, num_heads + 1) if not num_heads % d]
         raise InvalidParameter("wan_ulysses", f"{ulysses} does not divide the transformer's {num_heads} attention "
@@ -33,7 +35,7 @@ def check_degrees(cfg: int, ulysses: int, num_heads: int, device: str, guidance_
                                               f"{', '.join(divisors[:8])}{' ...' if len(divisors) > 8 else ''}")
     if cfg == NUM_BRANCHES:
         check_guidance(guidance_scale, cfg)
-    if device == "cuda" and cfg * ulysses > torch.cuda.device_count():
+    if count_devices and device == "cuda" and cfg * ulysses > torch.cuda.device_count():
         raise UserError(f"wan_cfg_parallel {cfg} x wan_ulysses {ulysses} = {cfg * ulysses} ranks, one GPU each, "
                         f"but {torch.cuda.device_count()} CUDA device(s) are visible")
 

@@ -2,26 +2,24 @@
 
 Rank 0 is the stage itself, wherever its placement put it (this process, a worker process, a Ray actor): it
 holds the scheduler and the runner, prepares, decodes and exports, and talks to the StageScheduler as any stage.
-It starts the other ranks as fresh interpreters on this machine (one device each on CUDA), which load the same
-model and wait for work. Each denoise step rank 0 broadcasts the batch: the states of requests the other ranks
-have not seen yet (a request's DenoiseState, sent once when it first denoises), the batch's request ids and steps,
-and the requests that left. Then every rank runs `denoise_batch` on the same states, so every rank's states stay
-equal (the same gathered predictions, combined and stepped alike) and nothing comes back.
+It starts the other ranks (rank_launch.py: fresh interpreters on its machine, or Ray actors in one placement
+group where rank 0 is a Ray actor; one device each on CUDA), which load the same model and wait for work. Each
+denoise step rank 0 broadcasts the batch: the states of requests the other ranks have not seen yet (a request's
+DenoiseState, sent once when it first denoises), the batch's request ids and steps, and the requests that left.
+Then every rank runs `denoise_batch` on the same states, so every rank's states stay equal (the same gathered
+predictions, combined and stepped alike) and nothing comes back.
 
 A rank that dies (or a collective that fails) fails the step's requests with one message naming the stage and
 the rank, and the group restarts: the other ranks are stopped and started again, and the requests still
-denoising are sent to the new ranks at their next step. A rank exits when rank 0's process is gone.
+denoising are sent to the new ranks at their next step. A rank exits when rank 0's process is gone (Ray: its
+owner, rank 0's actor).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -32,10 +30,10 @@ import torch.distributed as dist
 from omni_kernel.errors import ModelError, RequestError
 
 from .comm import Mesh, init_ranks
+from .rank_launch import launcher
 
 log = logging.getLogger("omni")
 
-ADDRESS = "127.0.0.1"
 POLL_S = 0.2  # how often rank 0 looks at its ranks while they load and join
 
 
@@ -43,20 +41,20 @@ class RankDied(RequestError):
     """A rank of a stage's group died (or a collective failed): the step's requests fail, the group restarts."""
 
 
-def free_port() -> int:
+def free_port(address: str) -> int:
     with socket.socket() as s:
-        s.bind((ADDRESS, 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 
 class RankGroup:
     """Rank 0's side (see the module docstring). `start()` starts the other ranks and joins the group."""
 
-    def __init__(self, node_id: str, model, path, placement, cfg: int, ulysses: int):
+    def __init__(self, node_id: str, model, path, placement, cfg: int, ulysses: int, resources: dict | None = None):
         self.node_id, self.model, self.path, self.placement = node_id, model, path, placement
-        self.cfg, self.ulysses = cfg, ulysses
+        self.cfg, self.ulysses, self.resources = cfg, ulysses, resources
         self.num_ranks = cfg * ulysses
-        self.ranks: list[subprocess.Popen] = []
+        self.ranks = None  # the launcher of the other ranks (rank_launch.py)
         self.sent: set[str] = set()  # request ids whose state the other ranks hold
         self.left: list[str] = []  # request ids that left since the last step
         self.num_restarts = 0
@@ -64,34 +62,32 @@ class RankGroup:
     def start(self) -> None:
         from .parallel import WanParallel
 
-        port = free_port()
-        spec = {"port": port, "num_ranks": self.num_ranks, "cfg": self.cfg, "ulysses": self.ulysses,
-                "path": str(self.path), "placement": attrs.asdict(self.placement),
-                "threads": torch.get_num_threads(), "node_id": self.node_id, "parent": os.getpid()}
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = "from omni_wan.ranks import rank_main; rank_main()"
-        self.ranks = [subprocess.Popen([sys.executable, "-c", code, json.dumps({**spec, "rank": rank})], env=env,
-                                       stdin=subprocess.DEVNULL, stdout=2) for rank in range(1, self.num_ranks)]
+        self.ranks = launcher(self.resources)
+        port = free_port(self.ranks.address)
+        spec = {"address": self.ranks.address, "port": port, "num_ranks": self.num_ranks, "cfg": self.cfg,
+                "ulysses": self.ulysses, "path": str(self.path), "placement": attrs.asdict(self.placement),
+                "threads": torch.get_num_threads(), "node_id": self.node_id}
+        self.ranks.launch([{**spec, "rank": rank} for rank in range(1, self.num_ranks)])
         self._join(port)
         WanParallel.install(self.model, Mesh.build(self.cfg, self.ulysses))
         self.sent = set()
 
     def _join(self, port: int) -> None:
         """Join the group as rank 0 once every rank has loaded the model (they load, then join); a rank that
-        exits first fails the start in one line instead of leaving rank 0 waiting for the collective timeout."""
+        ends first fails the start in one line instead of leaving rank 0 waiting for the collective timeout."""
         outcome: list = []
         joined = threading.Event()
 
         def join() -> None:
             try:
-                init_ranks(0, self.num_ranks, ADDRESS, port, self.placement.device)
+                init_ranks(0, self.num_ranks, self.ranks.address, port, self.placement.device)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 outcome.append(exc)
             joined.set()
 
         threading.Thread(target=join, name=f"omni-{self.node_id}-join", daemon=True).start()
         while not joined.wait(POLL_S):
-            if gone := [f"rank {i} ({_how(p)})" for i, p in enumerate(self.ranks, 1) if p.poll() is not None]:
+            if gone := self.ranks.gone():
                 self.stop()
                 raise ModelError(f"stage {self.node_id!r}: {', '.join(gone)} exited before it joined its group of "
                                  f"{self.num_ranks} ranks (its log lines above say why)")
@@ -118,7 +114,7 @@ class RankGroup:
             self.left.append(request_id)
 
     def _restart(self, exc: Exception) -> RankDied:
-        dead = [f"rank {i} ({_how(p)})" for i, p in enumerate(self.ranks, 1) if p.poll() is not None]
+        dead = self.ranks.gone()
         what = ", ".join(dead) or f"a collective failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         self.num_restarts += 1
         message = (f"stage {self.node_id!r}: {what} of its {self.num_ranks} ranks died; the step's requests "
@@ -131,25 +127,15 @@ class RankGroup:
 
     def stop(self) -> None:
         """Stop the other ranks and leave the group."""
-        for rank in self.ranks:
-            if rank.poll() is None:
-                rank.kill()
-            rank.wait(10)
-        self.ranks = []
+        if self.ranks is not None:
+            self.ranks.stop()
         if self.model.parallel is not None:
             self.model.parallel.uninstall(self.model)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _how(process: subprocess.Popen) -> str:
-    code = process.returncode
-    if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"
-
-
-def rank_main() -> None:
+def rank_main(spec: dict) -> None:
     """A rank other than 0: load the model, join the group, then run each step rank 0 broadcasts."""
     from pathlib import Path
 
@@ -159,16 +145,16 @@ def rank_main() -> None:
     from .model import Wan22I2VPipeline
     from .parallel import WanParallel
 
-    spec = json.loads(sys.argv[1])
     logging.basicConfig(format=f"omni[{spec['node_id']} rank {spec['rank']}]: %(message)s", level=logging.INFO)
-    threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
+    if "parent" in spec:  # a process of rank 0's (a Ray actor ends with its owner instead)
+        threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     torch.set_num_threads(spec["threads"])
     placement = WanDevice(**spec["placement"])
     if placement.device == "cuda":
         torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
     with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
         model = Wan22I2VPipeline.load(Path(spec["path"]), placement)
-    device = init_ranks(spec["rank"], spec["num_ranks"], ADDRESS, spec["port"], placement.device)
+    device = init_ranks(spec["rank"], spec["num_ranks"], spec["address"], spec["port"], placement.device)
     WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
     states: dict = {}
     while True:

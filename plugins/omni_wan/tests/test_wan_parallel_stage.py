@@ -129,9 +129,9 @@ def test_a_rank_that_cannot_start_fails_the_build_in_one_line(tiny_model, monkey
     import time
 
     from omni_kernel.errors import ModelError
-    from omni_wan import ranks
+    from omni_wan import rank_launch
 
-    monkeypatch.setattr(ranks.sys, "executable", "/bin/false")
+    monkeypatch.setattr(rank_launch.sys, "executable", "/bin/false")
     start = time.monotonic()
     with pytest.raises(ModelError, match=r"stage 'wan': rank 1 \(exit code 1\) exited before it joined its group"):
         Omni("wan_t2v", model=str(tiny_model), device="cpu", wan_ulysses=2)
