@@ -3,25 +3,24 @@
 The StageScheduler sees a `ProcessStage` like any Stage and knows nothing of processes. The worker process
 (worker_process.py is the front's handle on it, spawn.py starts it, worker.py is its loop) rebuilds its stage and
 runs its engine loop continuously. Stages of one share key (pipelines whose nodes share an engine) are hosted by
-one worker, each behind its own ProcessStage. The front
-blocks on every worker's pipe at once (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in
-`Stage.wait`; `step()` returns the events received so far. `process`/`check` are calls, so a user error stays
-synchronous at submit. What crosses the pipe, and how: transport.py.
+one worker, each behind its own ProcessStage. The front blocks on every worker's pipe at once
+(`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in `Stage.wait`; `step()` returns the events
+received so far. `process`/`check` are calls, so a user error stays synchronous at submit. What crosses the pipe,
+and how: transport.py.
 
 Faults: a worker that dies fails its in-flight requests with one error naming the stage (kind runtime) and is
 restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
-worker builds its stage, what the front sends it waits in the proxy (`backlog`), so a send never blocks on a full
-pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False (an
-AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits
-when its parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its
-workers at exit.
+worker builds its stage, what the front sends it waits in its WorkerProcess (`backlog`), so a send never blocks on
+a full pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False
+(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits when its
+parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its workers at
+exit.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-
 
 from omni_kernel.errors import EngineDead, OmniError, RequestError
 from omni_kernel.request import StageInput
