@@ -16,7 +16,8 @@ import pytest
 from omni_kernel import Omni, RequestFailed, RequestFinished, StageProgress
 from omni_kernel.testing import wait_until
 
-SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 8}  # a late request meets the others
+# 8 steps: a request submitted after another's first step still meets it, however loaded the machine
+SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 8}
 REQUESTS = {"i": dict(prompt="a red fox in the snow", seed=1, guidance_scale=5.0),
             "late": dict(prompt="a kite over a field", seed=3, guidance_scale=4.0),
             "gone": dict(prompt="a boat", seed=2, guidance_scale=5.0)}
