@@ -40,17 +40,6 @@ def server(omni_cache, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def tokenizer(server, omni_cache):
     from transformers import AutoTokenizer
 

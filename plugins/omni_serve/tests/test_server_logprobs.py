@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
-import openai
 import pytest
 import torch
 
@@ -24,17 +22,6 @@ def server(omni_cache, tmp_path_factory):
         yield proc.wait_ready()
     finally:
         assert proc.stop() == 0, proc.output()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

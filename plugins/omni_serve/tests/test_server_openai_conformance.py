@@ -48,11 +48,6 @@ def http(server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(server, omni_cache):
     from transformers import AutoTokenizer
 

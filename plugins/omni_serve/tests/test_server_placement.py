@@ -52,11 +52,6 @@ def server(omni_cache, tmp_path_factory):
         proc.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
 def _chat(client) -> str:
     out = client.chat.completions.create(model="ar_text", messages=[{"role": "user", "content": "hello"}],
                                          max_tokens=6, temperature=0)

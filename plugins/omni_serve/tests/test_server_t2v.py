@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from serving import running, video_done
@@ -23,12 +22,6 @@ def server(omni_cache, tmp_path_factory):
     with running(["--pipeline", "wan_t2v", "--pipeline", "wan_i2v", "--output-dir", str(tmp / "videos"),
                   "--shutdown-timeout", "5"], tmp / "server.log") as proc:
         yield proc
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def test_a_text_to_video_job_needs_no_input_reference(http):

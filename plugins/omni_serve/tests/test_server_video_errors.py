@@ -9,7 +9,6 @@ import struct
 import zlib
 from pathlib import Path
 
-import httpx
 import pytest
 from PIL import Image
 
@@ -37,12 +36,6 @@ def server(omni_cache, tmp_path_factory):
     with running(["--pipeline", "wan_i2v", "--output-dir", str(tmp / "videos")], tmp / "server.log") as proc:
         proc.videos = tmp / "videos"
         yield proc
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 BAD_FILES = {"a text file": ("notes.txt", b"just some text\n"), "a truncated PNG": ("t.png", _png()[:60]),

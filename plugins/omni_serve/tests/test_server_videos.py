@@ -7,7 +7,6 @@ import base64
 import io
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from PIL import Image
@@ -31,12 +30,6 @@ def server(omni_cache, tmp_path_factory):
                   "--allowed-origins", ORIGIN, "--shutdown-timeout", "5"], tmp / "server.log") as proc:
         proc.videos = tmp / "videos"
         yield proc
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def test_a_data_url_image_through_the_bridge_renders_and_expires_after_the_ttl(server, http, tmp_path):
