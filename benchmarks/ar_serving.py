@@ -58,8 +58,8 @@ import torch  # noqa: E402
 from transformers import DynamicCache, GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from omni_kernel import Omni, RequestFailed, RequestFinished, testing  # noqa: E402
-from omni_kernel.files import cache_dir  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
+from omni_kernel.util.files import cache_dir  # noqa: E402
 
 log = logging.getLogger("omni")
 

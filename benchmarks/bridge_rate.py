@@ -27,9 +27,9 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from omni_kernel import NodeSpec, PipelinePlan, Request, RequestFailed, RequestFinished  # noqa: E402
-from omni_kernel.planner import GraphBuilder  # noqa: E402
+from omni_kernel.core.planner import GraphBuilder  # noqa: E402
+from omni_kernel.core.stage_scheduler import StageScheduler  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
-from omni_kernel.stage_scheduler import StageScheduler  # noqa: E402
 
 PROMPTS = (
     "A lighthouse on a rocky coast at dusk, waves rolling in, the camera slowly pushing forward",

@@ -91,7 +91,7 @@ def ensure_checkpoint(arch: str = "qwen2", layers: int = 30, seed: int = 0) -> P
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from omni_kernel.files import cache_dir
+    from omni_kernel.util.files import cache_dir
     from omni_qwen.model import quiet_progress
 
     path = cache_dir() / "gpu-check" / f"smollm2-shape-{arch}-{layers}l-seed{seed}"

@@ -278,7 +278,7 @@ def video_time(video, steps: int, out: Path) -> float:
 def bench_ar_model() -> str:
     """A random-weight Qwen2 large enough that a token costs milliseconds (the demo's costs ~1 ms, all
     overhead): hidden 512, 8 layers, the demo's tokenizer; built once under the omni cache."""
-    from omni_kernel.files import cache_dir
+    from omni_kernel.util.files import cache_dir
     from omni_qwen.demo import build_checkpoint
 
     path = cache_dir() / "bench" / "qwen2-overlap-512x8"

@@ -80,7 +80,7 @@ def ensure_checkpoint(layers: int) -> Path:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from omni_kernel.files import cache_dir
+    from omni_kernel.util.files import cache_dir
     from omni_qwen.demo import train_tokenizer
 
     path = cache_dir() / "bench" / f"qwen2.5-0.5b-shape-tokenizer-vocab-{layers}l"

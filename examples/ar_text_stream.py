@@ -9,7 +9,7 @@ import logging
 import sys
 
 from omni_kernel import Omni, RequestFailed, RequestFinished, TokenDelta
-from omni_kernel.trace import format_trace
+from omni_kernel.core.trace import format_trace
 
 
 def main() -> int:

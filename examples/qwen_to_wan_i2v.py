@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from omni_kernel import Omni, RequestFailed, RequestFinished, StageFinished, TokenDelta
-from omni_kernel.trace import format_trace
+from omni_kernel.core.trace import format_trace
 
 IMAGE = Path(__file__).resolve().parent / "assets" / "image.png"
 

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 
 from omni_kernel import Omni
-from omni_kernel.trace import format_trace
+from omni_kernel.core.trace import format_trace
 
 IMAGE = Path(__file__).resolve().parent / "assets" / "image.png"
 

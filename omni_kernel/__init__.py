@@ -1,16 +1,33 @@
 """omni_kernel: the torch-free core of the omni runtime."""
 
-from .api import Omni
-from .errors import (GraphError, InputError, InvalidParameter, ModelError, OmniError, RequestError, UserError)
-from .events import (STOP_REASONS, TRUNCATED_STOP_REASONS, RequestFailed, RequestFinished, StageFailed, StageFinished,
-                     StageProgress, StopReason, TokenDelta)
-from .graph import EdgeSpec, NodeSpec, PipelinePlan, StageGraph
-from .hookspecs import hookimpl
-from .params import ARParams, option
-from .registry import NodeType
-from .request import Request, RequestResult, StageInput, StageOutput, StageStats
-from .scheduler import RequestOutput
-from .stage import Stage
+from omni_kernel.api import Omni
+from omni_kernel.core.errors import (
+                                     GraphError,
+                                     InputError,
+                                     InvalidParameter,
+                                     ModelError,
+                                     OmniError,
+                                     RequestError,
+                                     UserError,
+)
+from omni_kernel.core.events import (
+                                     STOP_REASONS,
+                                     TRUNCATED_STOP_REASONS,
+                                     RequestFailed,
+                                     RequestFinished,
+                                     StageFailed,
+                                     StageFinished,
+                                     StageProgress,
+                                     StopReason,
+                                     TokenDelta,
+)
+from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan, StageGraph
+from omni_kernel.core.hookspecs import hookimpl
+from omni_kernel.core.params import ARParams, option
+from omni_kernel.core.registry import NodeType
+from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput, StageStats
+from omni_kernel.core.scheduler import RequestOutput
+from omni_kernel.core.stage import Stage
 
 __version__ = "0.1.0"
 

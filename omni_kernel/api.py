@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .graph import PipelinePlan
-from .planner import GraphBuilder, Planner
-from .plugins import PluginHost, load_host
-from .stage_scheduler import StageScheduler
-from .placement import RunSettings
+from omni_kernel.core.graph import PipelinePlan
+from omni_kernel.core.placement import RunSettings
+from omni_kernel.core.planner import GraphBuilder, Planner
+from omni_kernel.core.stage_scheduler import StageScheduler
+from omni_kernel.plugins import PluginHost, load_host
 
 
 class Omni(StageScheduler):

@@ -11,9 +11,9 @@ from typing import Any, Literal
 import attrs
 import pluggy
 
-from . import hookspecs
-from .errors import DuplicateRegistration, PluginError
-from .registry import Registry
+from omni_kernel.core import hookspecs
+from omni_kernel.core.errors import DuplicateRegistration, PluginError
+from omni_kernel.core.registry import Registry
 
 ENTRY_POINT_GROUP = "omni_kernel"
 ALLOWLIST_ENV = "OMNI_PLUGINS"
@@ -112,7 +112,7 @@ class PluginHost:
 
 def load_host(allowlist: str | None = None, reserved_commands: Iterable[str] = BUILTIN_COMMANDS) -> PluginHost:
     """A host with the kernel's own plugin and every installed plugin loaded."""
-    from .identity import KernelPlugin
+    from omni_kernel.builtin.echo import KernelPlugin
 
     host = PluginHost(reserved_commands)
     host.register(KernelPlugin(), "omni_kernel", _version("omni-kernel"))

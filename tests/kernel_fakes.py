@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import attrs
 
-from omni_kernel.engine import Engine
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.registry import NodeType, Registry
+from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.scheduler import StepScheduler
+from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
-from omni_kernel.graph import NodeSpec
-from omni_kernel.registry import NodeType, Registry
-from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Outputs, Stage
 
 
 def chunks(text: str, n: int) -> list[str]:

@@ -5,11 +5,11 @@ import random
 
 import pytest
 
-from omni_kernel.ar_scheduler import ARPrompt, ARScheduler
-from omni_kernel.engine import Engine
-from omni_kernel.errors import EngineDead
-from omni_kernel.kv_blocks import BlockManager
-from omni_kernel.request import StageInput
+from omni_kernel.core.ar_scheduler import ARPrompt, ARScheduler
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import EngineDead
+from omni_kernel.core.kv_blocks import BlockManager
+from omni_kernel.core.request import StageInput
 from omni_kernel.testing import drain
 
 

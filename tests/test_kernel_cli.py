@@ -11,12 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel import hookimpl, option
+from omni_kernel.builtin.echo import KernelPlugin, build_echo_stage
 from omni_kernel.cli import main
-from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
-from omni_kernel.identity import KernelPlugin, build_echo_stage
-from omni_kernel.params import ARParams, integer
+from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
+from omni_kernel.core.params import ARParams, integer
+from omni_kernel.core.registry import NodeType
 from omni_kernel.plugins import PluginHost
-from omni_kernel.registry import NodeType
 
 
 @attrs.frozen
@@ -69,7 +69,7 @@ class Relay:
     name, source_kind, target_kind = "relay", "ar", "ar"
 
     def convert(self, output, request):
-        from omni_kernel.request import StageInput
+        from omni_kernel.core.request import StageInput
         return StageInput(request.request_id, f"[{output.text}]", trace={"relay.chars": len(output.text)})
 
 

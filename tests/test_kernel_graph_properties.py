@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from omni_kernel.errors import GraphError, UserError
+from omni_kernel.core.errors import GraphError, UserError
+from omni_kernel.core.graph import RULES, EdgeSpec, NodeSpec, PipelinePlan, validate_plan
+from omni_kernel.core.planner import GraphBuilder
+from omni_kernel.core.request import Request
+from omni_kernel.core.stage_scheduler import StageScheduler
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
-from omni_kernel.graph import RULES, EdgeSpec, NodeSpec, PipelinePlan, validate_plan
-from omni_kernel.planner import GraphBuilder
-from omni_kernel.request import Request
-from omni_kernel.stage_scheduler import StageScheduler
 
 from kernel_fakes import TagConnector, registry_with, stage_text
 

@@ -7,9 +7,9 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel import Omni
+from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.cli import main
-from omni_kernel.errors import UserError
-from omni_kernel.identity import KernelPlugin
+from omni_kernel.core.errors import UserError
 from omni_kernel.plugins import PluginHost
 
 
@@ -40,8 +40,8 @@ def test_inproc_needs_no_plugin():
 
 
 def test_worker_threads_is_an_integer_or_shared():
-    from omni_kernel.errors import InvalidParameter
-    from omni_kernel.placement import RunSettings
+    from omni_kernel.core.errors import InvalidParameter
+    from omni_kernel.core.placement import RunSettings
 
     for good in (None, 1, 4, "shared"):
         RunSettings(worker_threads=good).check()

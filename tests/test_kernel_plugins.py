@@ -9,11 +9,11 @@ import types
 import pytest
 
 from omni_kernel import hookimpl
-from omni_kernel.errors import DuplicateRegistration
-from omni_kernel.graph import NodeSpec, PipelinePlan
-from omni_kernel.identity import ECHO_NODE, KernelPlugin
+from omni_kernel.builtin.echo import ECHO_NODE, KernelPlugin
+from omni_kernel.core.errors import DuplicateRegistration
+from omni_kernel.core.graph import NodeSpec, PipelinePlan
+from omni_kernel.core.registry import NodeType
 from omni_kernel.plugins import ENTRY_POINT_GROUP, PluginHost, load_host
-from omni_kernel.registry import NodeType
 
 
 class FakeEntryPoint:

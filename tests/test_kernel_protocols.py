@@ -10,19 +10,19 @@ import inspect
 
 import pytest
 
-from omni_kernel import protocols
+from omni_kernel.core import protocols
 
 # (protocol, kernel class that satisfies it as "module:Class"); update when a layer is added or renamed.
 IMPLEMENTATIONS = [
-    ("Stage", "omni_kernel.stage:Stage"),
-    ("Scheduler", "omni_kernel.scheduler:StepScheduler"),
-    ("Scheduler", "omni_kernel.scheduler:DiffusionScheduler"),
-    ("Scheduler", "omni_kernel.ar_scheduler:ARScheduler"),
-    ("ModelRunner", "omni_kernel.identity:IdentityRunner"),
-    ("InputProcessor", "omni_kernel.stage:Inputs"),
-    ("InputProcessor", "omni_kernel.identity:EchoInputs"),
-    ("OutputProcessor", "omni_kernel.stage:Outputs"),
-    ("OutputProcessor", "omni_kernel.identity:EchoOutputs"),
+    ("Stage", "omni_kernel.core.stage:Stage"),
+    ("Scheduler", "omni_kernel.core.scheduler:StepScheduler"),
+    ("Scheduler", "omni_kernel.core.scheduler:DiffusionScheduler"),
+    ("Scheduler", "omni_kernel.core.ar_scheduler:ARScheduler"),
+    ("ModelRunner", "omni_kernel.builtin.echo:IdentityRunner"),
+    ("InputProcessor", "omni_kernel.core.stage:Inputs"),
+    ("InputProcessor", "omni_kernel.builtin.echo:EchoInputs"),
+    ("OutputProcessor", "omni_kernel.core.stage:Outputs"),
+    ("OutputProcessor", "omni_kernel.builtin.echo:EchoOutputs"),
 ]
 PLUGIN_ONLY = {"Connector"}  # the kernel has no implementation; plugins bring them
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
+from omni_kernel.builtin.echo import KernelPlugin
+from omni_kernel.core.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
+from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
+from omni_kernel.core.planner import GraphBuilder
+from omni_kernel.core.request import Request
+from omni_kernel.core.stage import Inputs
+from omni_kernel.core.stage_scheduler import StageScheduler
 from omni_kernel.events import RequestFailed, RequestFinished, StageFinished, TokenDelta
-from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
-from omni_kernel.identity import KernelPlugin
-from omni_kernel.planner import GraphBuilder
 from omni_kernel.plugins import PluginHost
-from omni_kernel.request import Request
-from omni_kernel.stage import Inputs
-from omni_kernel.stage_scheduler import StageScheduler
 from omni_kernel.testing import drain
 
 from kernel_fakes import TagConnector, bad_prompt, holds, registry_with, stage_text

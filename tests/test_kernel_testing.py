@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from omni_kernel import Omni
+from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.events import RequestFinished, TokenDelta
-from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import drain, wait_until
 

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_kernel.errors import GraphError, InvalidParameter, UserError, classify, rebuild
-from omni_kernel.params import MAX_SEED, ARParams, option, parse, split
-from omni_kernel.request import Request, RequestResult, StageOutput
-from omni_kernel.trace import format_trace, jsonable, prefixed
+from omni_kernel.core.errors import GraphError, InvalidParameter, UserError, classify, rebuild
+from omni_kernel.core.params import MAX_SEED, ARParams, option, parse, split
+from omni_kernel.core.request import Request, RequestResult, StageOutput
+from omni_kernel.core.trace import format_trace, jsonable, prefixed
 
 AR_BAD = [("temperature", -0.1, "finite number >= 0"), ("temperature", "hot", "finite number >= 0"),
           ("temperature", float("nan"), "finite number"), ("temperature", float("inf"), "finite number"),

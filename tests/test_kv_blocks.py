@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from omni_kernel.kv_blocks import BlockManager
+from omni_kernel.core.kv_blocks import BlockManager
 
 
 def test_allocate_append_free_accounting():

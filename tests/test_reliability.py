@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.cli import main
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.files import atomic_path, check_output_path, write_json
-from omni_kernel.identity import KernelPlugin
-from omni_kernel.params import ARParams
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import ARParams
+from omni_kernel.core.request import Request
 from omni_kernel.plugins import PluginHost
-from omni_kernel.request import Request
+from omni_kernel.util.files import atomic_path, check_output_path, write_json
 
 
 def snapshot(root: Path) -> dict[str, tuple]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_kernel.request import StageInput
-from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.request import StageInput
+from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
 
 
 def item(rid: str, steps: int = 2, shape: str = "s") -> StageInput:

@@ -11,14 +11,14 @@ from __future__ import annotations
 import attrs
 
 from omni_kernel import option
-from omni_kernel.engine import Engine
-from omni_kernel.errors import InputError, InvalidParameter
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.params import boolean, integer
+from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.scheduler import SchedulerOutput, StepScheduler
+from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
-from omni_kernel.graph import NodeSpec
-from omni_kernel.params import boolean, integer
-from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.scheduler import SchedulerOutput, StepScheduler
-from omni_kernel.stage import Outputs, Stage
 
 
 @attrs.frozen

@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel import Omni, TokenDelta, UserError
+from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.cli import main
-from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
 from omni_plugin_example.plugin import ExamplePlugin
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+
 from omni_kernel import TRUNCATED_STOP_REASONS
 
 CONTRACT = "supplemental_guidance"  # the output contract of the node types this bridge reads (NodeType.output_contract)

@@ -10,11 +10,11 @@ import attrs
 
 from omni_bridge.plugin import BridgePlugin
 from omni_kernel import ARParams, NodeType, StageOutput, StageProgress, TokenDelta, hookimpl, option
-from omni_kernel.engine import Engine
-from omni_kernel.params import integer
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.params import integer
+from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.plugins import PluginHost
-from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
-from omni_kernel.stage import Outputs, Stage
 from omni_wan.params import WanConfig  # torch-free: the production defaults the fake Wan stage is sized from
 
 # What the fake AR stage "writes" for a prompt: (text, stop_reason).

@@ -8,9 +8,9 @@ import pytest
 from omni_bridge.guidance import GUIDANCE_MAX_CHARS
 from omni_bridge.pipeline import BRIDGE_POLICY, QWEN_TO_WAN_I2V
 from omni_kernel import InvalidParameter, NodeSpec, PipelinePlan, Request, RequestFinished
-from omni_kernel.planner import GraphBuilder
+from omni_kernel.core.planner import GraphBuilder
+from omni_kernel.core.stage_scheduler import StageScheduler
 from omni_kernel.plugins import load_host
-from omni_kernel.stage_scheduler import StageScheduler
 
 PROMPTS = ("a red fox trotting through fresh snow", "雨の東京", "a lighthouse at dusk", "x")
 

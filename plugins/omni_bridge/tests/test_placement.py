@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished
 from omni_workers.process_stage import ProcessStage
 

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
 import attrs
-from omni_kernel.errors import InvalidParameter, ModelError
+
+from omni_kernel.core.errors import InvalidParameter, ModelError
 
 log = logging.getLogger("omni")
 

@@ -7,7 +7,7 @@ import json
 import struct
 from pathlib import Path
 
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 
 
 def safetensors_shapes(folder: str | Path, label: str) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omni_hf import DTYPE_NAMES, ModelPool, quiet_hf_load, resolve_device, torch_dtype
 
-from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.core.errors import InvalidParameter, ModelError
 
 torch.set_num_threads(1)
 REAL_LOAD = torch.load

@@ -14,11 +14,11 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from omni_kernel.ar_scheduler import ARSchedulerOutput
+from omni_kernel.core.ar_scheduler import ARSchedulerOutput
 
 from .paged.batch import build_step
-from .paged.pool import KVPool
 from .paged.decoder import PagedDecoder
+from .paged.pool import KVPool
 
 
 class ARBackend(Protocol):

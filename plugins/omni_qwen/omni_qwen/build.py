@@ -1,7 +1,7 @@
 """build_stage: an AR node's Stage(ARInputProcessor, Engine(GrammarScheduler(BlockManager), ARModelRunner(backend,
 grammars)), AROutputProcessor). The engine (build_engine) is shared by every AR node of the plugin host with the
 same model and engine settings, whichever pipeline it is in: each stage gets a view of it
-(omni_kernel.engine.EngineView). Its Grammars (structured output) are shared with it.
+(omni_kernel.core.engine.EngineView). Its Grammars (structured output) are shared with it.
 
 Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
 (QwenConfig.kv_memory_for) and the model's K/V bytes per token.
@@ -16,22 +16,22 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from omni_kernel.engine import Engine, EngineView
-from omni_kernel.errors import InvalidParameter, ModelError
-from omni_kernel.graph import NodeSpec
-from omni_kernel.kv_blocks import BlockManager
-from omni_kernel.stage import Stage
+from omni_kernel.core.engine import Engine, EngineView
+from omni_kernel.core.errors import InvalidParameter, ModelError
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.kv_blocks import BlockManager
+from omni_kernel.core.stage import Stage
 
 from .backends import DynamicCacheBackend, PagedBackend
 from .config import BLOCK_SIZE, ARNodeSettings, QwenConfig
 from .grammar import Grammars
 from .grammar_scheduler import GrammarScheduler
 from .inputs import ARInputProcessor
-from .model import CausalLM
 from .logprobs import LogprobsOutput, TokenTexts
+from .model import CausalLM
 from .outputs import AROutputProcessor
-from .paged.pool import KVPool
 from .paged.decoder import PagedDecoder
+from .paged.pool import KVPool
 from .runner import ARModelRunner
 
 log = logging.getLogger("omni")

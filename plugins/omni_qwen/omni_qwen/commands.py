@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 
 
 class _ModelFailure(click.ClickException):

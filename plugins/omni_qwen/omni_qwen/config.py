@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 from omni_hf import DTYPE_NAMES
 
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.graph import NodeSpec
-from omni_kernel.params import ARParams, boolean, integer, option, text
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.params import ARParams, boolean, integer, option, text
 
 from . import structured
 

@@ -17,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 
 from . import registry_model
 

@@ -13,8 +13,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omni_kernel.errors import ModelError
-from omni_kernel.files import cache_dir
+from omni_kernel.core.errors import ModelError
+from omni_kernel.util.files import cache_dir
 
 from .bridge_prompt import bridge_prompt
 

@@ -18,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from omni_kernel.files import UMASK
+from omni_kernel.util.files import UMASK
 
 TOKENIZER_CLASS = "PreTrainedTokenizerFast"
 

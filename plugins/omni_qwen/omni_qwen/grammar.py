@@ -23,7 +23,7 @@ import attrs
 import torch
 import xgrammar as xgr
 
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 
 from .structured import Structure
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 from collections import deque
 
-from omni_kernel.ar_scheduler import ARScheduler, ARSchedulerOutput, ARSequence
-from omni_kernel.request import StageInput
+from omni_kernel.core.ar_scheduler import ARScheduler, ARSchedulerOutput, ARSequence
+from omni_kernel.core.request import StageInput
 
 from .grammar import Grammars
 

@@ -11,9 +11,9 @@ import secrets
 
 import attrs
 
-from omni_kernel.ar_scheduler import ARPrompt
-from omni_kernel.errors import InputError, InvalidParameter
-from omni_kernel.request import StageInput
+from omni_kernel.core.ar_scheduler import ARPrompt
+from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
 from .structured import PrefixedPrompt, Structure

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from omni_kernel.ar_scheduler import ARSchedulerOutput, ARSequence
+from omni_kernel.core.ar_scheduler import ARSchedulerOutput, ARSequence
 from omni_kernel.events import TokenDelta
 
 

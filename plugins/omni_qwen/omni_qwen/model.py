@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import omni_hf
 import torch
+from omni_hf.weights import check_safetensors_index, safetensors_shapes
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-import omni_hf
-from omni_kernel.errors import ModelError
-from omni_hf.weights import check_safetensors_index, safetensors_shapes
+from omni_kernel.core.errors import ModelError
 
 log = logging.getLogger("omni")
 

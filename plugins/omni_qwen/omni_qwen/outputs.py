@@ -14,11 +14,11 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.ar_scheduler import ARSequence
+from omni_kernel.core.ar_scheduler import ARSequence
+from omni_kernel.core.request import StageOutput
+from omni_kernel.core.scheduler import RequestOutput
+from omni_kernel.core.trace import prefixed
 from omni_kernel.events import StageFailed, StageFinished, TokenDelta
-from omni_kernel.request import StageOutput
-from omni_kernel.scheduler import RequestOutput
-from omni_kernel.trace import prefixed
 
 from .config import ARNodeSettings
 from .detokenize import IncrementalDetokenizer

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
-from omni_kernel.stage import Stage
+from omni_kernel.core.stage import Stage
 
 from .bridge_prompt import ANSWER_PREFIX, CONTRACT, bridge_messages, bridge_prompt
 from .config import PROMPT_BRIDGE_POLICY, TEXT_GENERATION_POLICY, ARNodeSettings, QwenConfig, QwenParams, node_policy
@@ -132,7 +132,7 @@ def node_schema(node: NodeSpec, value) -> str | None:
     """A node policy's json_schema, checked when the stage is built (one line naming the policy key)."""
     if value is None:
         return None
-    from omni_kernel.errors import InvalidParameter
+    from omni_kernel.core.errors import InvalidParameter
 
     from .grammar import grammar_of
     from .structured import Structure, json_schema

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import attrs
 
-from omni_kernel.files import cache_dir
+from omni_kernel.util.files import cache_dir
 
 from .registry_model import sha256_of  # one way of hashing a pinned download
 

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import attrs
 
-from omni_kernel.errors import ModelError
-from omni_kernel.files import cache_dir
+from omni_kernel.core.errors import ModelError
+from omni_kernel.util.files import cache_dir
 
 MARKER = "omni-source.json"  # written last into the temporary directory: what the directory was made from
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from omni_kernel.ar_scheduler import ARSchedulerOutput, ARSequence
-from omni_kernel.params import ARParams
+from omni_kernel.core.ar_scheduler import ARSchedulerOutput, ARSequence
+from omni_kernel.core.params import ARParams
 
 from .backends import ARBackend
 from .grammar import Grammars

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.params import ARParams
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import ARParams
 
 
 @attrs.frozen(eq=False)

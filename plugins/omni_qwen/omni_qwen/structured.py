@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.ar_scheduler import ARPrompt
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.ar_scheduler import ARPrompt
+from omni_kernel.core.errors import InvalidParameter
 
 STRUCTURE_FIELDS = ("json_schema", "json_object", "regex", "choice")
 MAX_SOURCE_CHARS = 100_000  # a schema or regex longer than this is refused: compiling it could take minutes

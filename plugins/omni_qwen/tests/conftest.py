@@ -150,8 +150,8 @@ def host():
 def run_plan(host):
     """Build a one-node plan of an omni_qwen node type (on CPU) and run a request through the StageScheduler."""
     from omni_kernel import NodeSpec, PipelinePlan, Request
-    from omni_kernel.planner import GraphBuilder
-    from omni_kernel.stage_scheduler import StageScheduler
+    from omni_kernel.core.planner import GraphBuilder
+    from omni_kernel.core.stage_scheduler import StageScheduler
 
     def run(node_type: str, prompt: str, config: dict, policy=None, events=None, **params):
         plan = PipelinePlan("test_" + node_type, [NodeSpec("n", node_type, policy=policy or {}, final=True)])

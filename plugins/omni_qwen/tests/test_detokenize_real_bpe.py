@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_kernel.ar_scheduler import ARScheduler
-from omni_kernel.kv_blocks import BlockManager
-from omni_kernel.request import StageInput
+from omni_kernel.core.ar_scheduler import ARScheduler
+from omni_kernel.core.kv_blocks import BlockManager
+from omni_kernel.core.request import StageInput
 from omni_qwen.config import ARNodeSettings, QwenParams
 from omni_qwen.detokenize import REPLACEMENT, IncrementalDetokenizer
 from omni_qwen.inputs import ARInputProcessor

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omni_kernel import Omni, RequestFinished
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 
 VOCAB = 1024
 

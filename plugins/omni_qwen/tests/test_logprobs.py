@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from omni_kernel import Omni, RequestFinished, testing
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 from omni_qwen.logprobs import ARTokenDelta, TokenTexts
 
 transformers = pytest.importorskip("transformers")

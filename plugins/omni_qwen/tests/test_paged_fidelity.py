@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from omni_kernel import Omni, RequestFailed, RequestFinished, StageFailed, testing
-from omni_kernel.ar_scheduler import ARPrompt
-from omni_kernel.errors import InputError, InvalidParameter
-from omni_kernel.request import StageInput
+from omni_kernel.core.ar_scheduler import ARPrompt
+from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.request import StageInput
 from omni_qwen.config import QwenParams
 
 transformers = pytest.importorskip("transformers")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from omni_kernel.errors import InputError
-from omni_kernel.request import StageInput
+from omni_kernel.core.errors import InputError
+from omni_kernel.core.request import StageInput
 from omni_qwen import qwen25_tokenizer as fixture
 from omni_qwen.config import ARNodeSettings, QwenParams
 from omni_qwen.inputs import ARInputProcessor

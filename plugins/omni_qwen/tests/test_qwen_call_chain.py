@@ -18,7 +18,7 @@ def chain_to(cls, method: str, run) -> list[str]:
         if not seen:
             names = [f"{f.frame.f_globals['__name__']}.{f.function}" for f in inspect.stack()[1:]]
             names = [n for n in names if not n.startswith("torch.")]
-            seen.extend(reversed(names[:names.index("omni_kernel.stage_scheduler.generate") + 1]))
+            seen.extend(reversed(names[:names.index("omni_kernel.core.stage_scheduler.generate") + 1]))
         return real(self, *args, **kwargs)
 
     setattr(cls, method, spy)
@@ -32,6 +32,6 @@ def chain_to(cls, method: str, run) -> list[str]:
 def test_ar_text_reaches_the_forward_in_seven_frames(host):
     omni = Omni("ar_text", host=host, ar_device="cpu")
     chain = chain_to(PagedDecoder, "forward", lambda: omni.generate("hi", max_tokens=2))
-    assert chain == ["omni_kernel.stage_scheduler.generate", "omni_kernel.stage_scheduler.step",
-                     "omni_kernel.stage.step", "omni_kernel.engine.step", "omni_qwen.runner.run",
+    assert chain == ["omni_kernel.core.stage_scheduler.generate", "omni_kernel.core.stage_scheduler.step",
+                     "omni_kernel.core.stage.step", "omni_kernel.core.engine.step", "omni_qwen.runner.run",
                      "omni_qwen.backends.forward", "PagedDecoder.forward"]

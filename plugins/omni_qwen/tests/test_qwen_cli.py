@@ -116,7 +116,7 @@ def test_bad_request_is_one_line_exit_2(tiny_ckpt, args, message):
 
 def test_bad_dtype_is_refused(tiny_ckpt, host):
     from omni_kernel import Omni
-    from omni_kernel.errors import InvalidParameter
+    from omni_kernel.core.errors import InvalidParameter
 
     with pytest.raises(InvalidParameter, match="ar_dtype"):
         Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="int3")

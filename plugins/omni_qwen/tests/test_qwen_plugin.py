@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from omni_kernel import NodeSpec, PipelinePlan
-from omni_kernel.params import options_of
-from omni_kernel.planner import GraphBuilder
+from omni_kernel.core.params import options_of
+from omni_kernel.core.planner import GraphBuilder
 from omni_qwen.config import QwenConfig, QwenParams
 
 

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from omni_kernel import Omni
 from omni_kernel.cli import main
-from omni_kernel.errors import InputError, InvalidParameter, ModelError
-from omni_kernel.params import MAX_SEED, ARParams
-from omni_kernel.request import Request
+from omni_kernel.core.errors import InputError, InvalidParameter, ModelError
+from omni_kernel.core.params import MAX_SEED, ARParams
+from omni_kernel.core.request import Request
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from omni_kernel import Omni, RequestFailed, RequestFinished, StageFinished, TokenDelta
-from omni_kernel.errors import InputError, InvalidParameter
+from omni_kernel.core.errors import InputError, InvalidParameter
 
 PROMPTS = ["Tell me about the school by the river.", "生成一段文字，描述一所学校的春天", "emoji 🦊🎉 and café ñ",
            "x"]

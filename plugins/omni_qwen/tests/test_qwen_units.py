@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_kernel import ARParams
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 from omni_qwen.config import QwenConfig
 from omni_qwen.detokenize import IncrementalDetokenizer
 from omni_qwen.sampling import Sampler, Sampling, probabilities
@@ -134,7 +134,7 @@ def test_request_params_declare_prompt_token_ids():
 def test_backend_choice_falls_back_for_models_the_paged_forward_lacks():
     from types import SimpleNamespace
 
-    from omni_kernel.errors import ModelError
+    from omni_kernel.core.errors import ModelError
     from omni_qwen.build import choose_backend
 
     def model(**config):

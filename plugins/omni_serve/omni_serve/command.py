@@ -8,18 +8,18 @@ import contextlib
 import logging
 import shutil
 import signal
-import threading
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 import attrs
 import click
 
-from omni_kernel.cli_options import placement_options
-from omni_kernel.placement import RUN_KEYS
-from omni_kernel.errors import GraphError, OmniError, UserError
-from omni_kernel.flags import Flag, collect, declared, values
+from omni_kernel.cli.flags import Flag, collect, declared, values
+from omni_kernel.cli.options import placement_options
+from omni_kernel.core.errors import GraphError, OmniError, UserError
+from omni_kernel.core.placement import RUN_KEYS
 from omni_kernel.plugins import load_host
 
 log = logging.getLogger("omni")
@@ -143,7 +143,7 @@ def timeout_options() -> list[click.Option]:
 def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dict[str, tuple[str, dict]]:
     """name -> (pipeline, config) for each pipeline to serve; a flag or -c key that no served pipeline uses is
     refused. With no --pipeline: every registered pipeline whose graph validates."""
-    from omni_kernel.planner import GraphBuilder, Planner
+    from omni_kernel.core.planner import GraphBuilder, Planner
 
     registry = host.registry
     builder = GraphBuilder(registry)
@@ -186,11 +186,10 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
                timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0) -> None:
     import uvicorn
 
-    from .timeouts import TimedH11Protocol
-
     from .engine import AsyncOmni
     from .guards import ServeSettings
     from .server import create_app
+    from .timeouts import TimedH11Protocol
 
     if max_body_mb <= 0:
         raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")

@@ -26,10 +26,10 @@ from typing import Any
 import attrs
 
 from omni_kernel.api import Omni
-from omni_kernel.errors import EngineDead, InvalidParameter, RequestError
+from omni_kernel.core.errors import EngineDead, InvalidParameter, RequestError
+from omni_kernel.core.request import Request
 from omni_kernel.events import RequestFailed, RequestFinished, StageFailed
 from omni_kernel.plugins import PluginHost
-from omni_kernel.request import Request
 
 from .snapshot import Snapshot, StageSnapshot
 from .stream import EventStream

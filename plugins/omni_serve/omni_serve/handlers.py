@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from omni_kernel.errors import EngineDead, OmniError, RequestError, StageUnavailable, UserError, classify
+from omni_kernel.core.errors import EngineDead, OmniError, RequestError, StageUnavailable, UserError, classify
 
 from .engine import Overloaded, ShuttingDown
 from .protocol import APIError

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 from starlette.datastructures import FormData, UploadFile  # what request.form() holds (not fastapi's)
 
-from omni_kernel.params import OptionInfo, parse
+from omni_kernel.core.params import OptionInfo, parse
 
 from .handlers import api_error
 from .protocol import SERVER_OWNED, APIError, VideoJob

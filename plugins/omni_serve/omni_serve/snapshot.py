@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from omni_kernel.request import StageStats
+from omni_kernel.core.request import StageStats
 
 
 @attrs.frozen

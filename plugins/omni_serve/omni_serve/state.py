@@ -10,7 +10,7 @@ from typing import Annotated
 import attrs
 from fastapi import Depends, Request
 
-from omni_kernel.params import OptionInfo, options_of
+from omni_kernel.core.params import OptionInfo, options_of
 
 from .engine import AsyncOmni
 from .guards import ServeSettings

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from omni_kernel.events import RequestFailed, RequestFinished, StageProgress
-from omni_kernel.files import remove_atomic_leftovers
+from omni_kernel.util.files import remove_atomic_leftovers
 
 from .engine import AsyncOmni
 from .protocol import APIError

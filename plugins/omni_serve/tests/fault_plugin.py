@@ -2,11 +2,11 @@
 "explode" makes the scheduler raise on its second step (the stage's engine is then dead)."""
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
-from omni_kernel.engine import Engine
-from omni_kernel.identity import EchoInputs, EchoOutputs, IdentityRunner
-from omni_kernel.params import ARParams
-from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.builtin.echo import EchoInputs, EchoOutputs, IdentityRunner
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.params import ARParams
+from omni_kernel.core.scheduler import StepScheduler
+from omni_kernel.core.stage import Stage
 
 
 class ExplodingScheduler(StepScheduler):

@@ -10,11 +10,11 @@ import time
 import attrs
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
-from omni_kernel.engine import Engine
-from omni_kernel.identity import EchoInputs, EchoOutputs, IdentityRunner
-from omni_kernel.params import ARParams, option
-from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.builtin.echo import EchoInputs, EchoOutputs, IdentityRunner
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.params import ARParams, option
+from omni_kernel.core.scheduler import StepScheduler
+from omni_kernel.core.stage import Stage
 from omni_kernel.testing import wait_until
 
 log = logging.getLogger("omni")

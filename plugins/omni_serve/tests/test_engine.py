@@ -9,9 +9,9 @@ import time
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import EngineDead, InvalidParameter
+from omni_kernel.builtin.echo import KernelPlugin
+from omni_kernel.core.errors import EngineDead, InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
-from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
 from omni_serve.engine import AsyncOmni, Overloaded, ShuttingDown

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 from omni_kernel import Omni
+from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.events import RequestFailed
-from omni_kernel.identity import KernelPlugin
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
 from omni_serve.engine import AsyncOmni, Overloaded

@@ -2,7 +2,7 @@
 
 import pytest
 
-from omni_kernel.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 
 config = pytest.importorskip("omni_qwen.config")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_kernel.request import StageStats
+from omni_kernel.core.request import StageStats
 from omni_serve.metrics import Metrics
 from omni_serve.snapshot import Snapshot, StageSnapshot
 

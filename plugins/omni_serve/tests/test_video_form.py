@@ -3,8 +3,8 @@
 import pytest
 from starlette.datastructures import FormData
 
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.params import ARParams, options_of
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import ARParams, options_of
 from omni_serve.protocol import APIError
 from omni_serve.routes_videos import declared_fields
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 
-from omni_kernel.engine import Engine, EngineView
-from omni_kernel.errors import GraphError, ModelError, UserError
-from omni_kernel.graph import NodeSpec
-from omni_kernel.scheduler import DiffusionScheduler
-from omni_kernel.stage import Stage
+from omni_kernel.core.engine import Engine, EngineView
+from omni_kernel.core.errors import GraphError, ModelError, UserError
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.scheduler import DiffusionScheduler
+from omni_kernel.core.stage import Stage
 
 from .demo import ensure_demo_model
 from .device import WanDevice, place

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from omni_kernel.files import cache_dir
+from omni_kernel.util.files import cache_dir
 
 log = logging.getLogger("omni")
 

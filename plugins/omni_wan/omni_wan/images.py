@@ -12,7 +12,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
-from omni_kernel.errors import InputError
+from omni_kernel.core.errors import InputError
 
 log = logging.getLogger("omni")
 

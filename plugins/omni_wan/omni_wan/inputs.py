@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-from omni_kernel.errors import InputError, InvalidParameter
-from omni_kernel.files import check_output_path
-from omni_kernel.request import StageInput
+
+from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.request import StageInput
+from omni_kernel.util.files import check_output_path
 
 from .images import image_digest, image_size, open_image
 from .layout import ModelLayout
@@ -41,7 +42,7 @@ class WanInput:
 
 def check_request(prompt: str, output: str | None, request_id: str, profile: bool = False) -> Path:
     """The request's output path; InputError for an empty prompt, InvalidParameter("output") for a path that
-    cannot be written (see omni_kernel.files.check_output_path)."""
+    cannot be written (see omni_kernel.util.files.check_output_path)."""
     if not prompt.strip():
         raise InputError("the prompt is empty")
     if output is not None and not output.strip():

@@ -10,8 +10,9 @@ import math
 from pathlib import Path
 
 import attrs
-from omni_kernel.errors import ModelError
 from omni_hf.weights import check_safetensors_index
+
+from omni_kernel.core.errors import ModelError
 
 COMPONENTS = ("scheduler", "text_encoder", "tokenizer", "transformer", "vae")
 # Wan2.2 TI2V-5B renders at 24 fps (the model card exports its examples with fps=24).

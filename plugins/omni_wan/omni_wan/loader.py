@@ -7,8 +7,9 @@ import logging
 from pathlib import Path
 
 import omni_hf
-from omni_kernel.errors import ModelError
 from omni_hf.weights import safetensors_shapes
+
+from omni_kernel.core.errors import ModelError
 
 from .device import WanDevice
 from .layout import WEIGHTS

@@ -8,9 +8,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
+
+from omni_kernel.core.request import StageOutput
+from omni_kernel.core.scheduler import RequestOutput, StepJob
 from omni_kernel.events import StageFailed, StageFinished, StageProgress
-from omni_kernel.request import StageOutput
-from omni_kernel.scheduler import RequestOutput, StepJob
 
 from .presets import DEFAULT_NEGATIVE_PROMPT
 

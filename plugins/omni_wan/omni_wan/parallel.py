@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import attrs
 import torch
-from omni_kernel.errors import InvalidParameter, UserError
+
+from omni_kernel.core.errors import InvalidParameter, UserError
 
 from .comm import Mesh, gather_branches
 from .inputs import check_guidance

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import attrs
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.params import MAX_SEED, boolean, integer, number, option, text
+
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import MAX_SEED, boolean, integer, number, option, text
 
 from .presets import MAX_GUIDANCE, PRESETS
 

@@ -4,9 +4,9 @@ models. Imports no torch: models load when a stage is built (build.py)."""
 from __future__ import annotations
 
 from omni_kernel import hookimpl
-from omni_kernel.graph import NodeSpec, PipelinePlan
-from omni_kernel.registry import NodeType
-from omni_kernel.stage import Stage
+from omni_kernel.core.graph import NodeSpec, PipelinePlan
+from omni_kernel.core.registry import NodeType
+from omni_kernel.core.stage import Stage
 
 from .params import WanConfig, WanParams
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
-from omni_kernel.errors import InvalidParameter
+
+from omni_kernel.core.errors import InvalidParameter
 
 from .layout import ModelLayout
 

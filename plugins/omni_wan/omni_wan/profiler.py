@@ -7,7 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
-from omni_kernel.files import write_json
+
+from omni_kernel.util.files import write_json
 
 PHASES = ("load", "text_encode", "image_prepare", "latents", "denoise", "vae_decode", "export")
 

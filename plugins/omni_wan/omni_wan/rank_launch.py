@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 
-from omni_kernel.errors import UserError
+from omni_kernel.core.errors import UserError
 
 LOOPBACK = "127.0.0.1"
 PLACE_TIMEOUT_S = 300.0  # a placement group no node can hold fails the start after this

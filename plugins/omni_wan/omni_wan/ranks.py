@@ -27,7 +27,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from omni_kernel.errors import ModelError, RequestError
+from omni_kernel.core.errors import ModelError, RequestError
 
 from .comm import Mesh, init_ranks
 from .rank_launch import launcher

@@ -22,9 +22,9 @@ from typing import Any
 import attrs
 from omni_hf import Loaded
 
-from omni_kernel.errors import RequestError
-from omni_kernel.request import StageInput
-from omni_kernel.scheduler import DiffusionSchedulerOutput, StepJob
+from omni_kernel.core.errors import RequestError
+from omni_kernel.core.request import StageInput
+from omni_kernel.core.scheduler import DiffusionSchedulerOutput, StepJob
 
 from . import prepare_cache
 from .device import WanDevice

@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from omni_kernel.errors import RequestError
-from omni_kernel.files import atomic_path
+
+from omni_kernel.core.errors import RequestError
+from omni_kernel.util.files import atomic_path
 
 log = logging.getLogger("omni")
 

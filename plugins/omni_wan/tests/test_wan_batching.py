@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 from omni_kernel import InvalidParameter, Omni, RequestFailed, RequestFinished, StageProgress
-from omni_kernel.request import StageInput
-from omni_kernel.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.request import StageInput
+from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
 
 SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 5}
 # different prompts, images, seeds and guidance scales (all with CFG: one batch key)

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel.cli import main
-from omni_kernel.errors import classify
+from omni_kernel.core.errors import classify
 
 
 def test_an_empty_output_is_refused_before_anything_runs(tiny_model, image_path, tmp_path, monkeypatch):
@@ -44,7 +44,7 @@ def test_a_profile_trace_that_cannot_be_written_fails_and_keeps_no_mp4(tiny_mode
 
 
 def test_runtime_failures_are_plain_words():
-    from omni_kernel.errors import RequestError
+    from omni_kernel.core.errors import RequestError
 
     assert classify(RequestError("the latents are NaN")) == ("runtime", "the latents are NaN", None)
     assert classify(OSError(30, "Read-only file system", "/ro/out.mp4"))[1] == "read-only file system: /ro/out.mp4"
@@ -57,8 +57,8 @@ class _TTY(io.StringIO):
 
 
 def test_a_progress_bar_cut_short_ends_its_line_before_the_error(monkeypatch):
-    from omni_kernel import cli_run
-    from omni_kernel.errors import RequestError
+    from omni_kernel.cli import run as cli_run
+    from omni_kernel.core.errors import RequestError
     from omni_kernel.events import RequestFailed, StageProgress
 
     class Fake:

@@ -16,7 +16,7 @@ from PIL import Image
 
 from omni_kernel import InvalidParameter, Omni, UserError
 from omni_kernel.cli import main
-from omni_kernel.request import StageInput
+from omni_kernel.core.request import StageInput
 from omni_wan import comm
 from omni_wan.comm import Mesh
 from omni_wan.device import WanDevice

@@ -129,7 +129,7 @@ def test_a_rank_that_cannot_start_fails_the_build_in_one_line(tiny_model, monkey
     once, naming the rank, instead of leaving rank 0 waiting for the collective timeout."""
     import time
 
-    from omni_kernel.errors import ModelError
+    from omni_kernel.core.errors import ModelError
     from omni_wan import rank_launch
 
     monkeypatch.setattr(rank_launch.sys, "executable", "/bin/false")

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel.cli import main
-from omni_kernel.errors import ModelError
+from omni_kernel.core.errors import ModelError
 
 
 def snapshot(root: Path) -> dict[str, tuple]:
@@ -128,7 +128,7 @@ def test_full_disk_is_one_line_and_no_file(tiny_model, image_path, small_fs):
 
 
 def test_failed_trace_write_removes_the_video(tiny_model, image_path, tmp_path, monkeypatch):
-    import omni_kernel.cli_run as cli_run
+    import omni_kernel.cli.run as cli_run
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -144,7 +144,7 @@ def test_good_run_after_refusals_in_the_same_process(tiny_model, image_path, san
     """After refusals of each sort the corpus covers (a bad value, a bad output path, a refused trace path, a
     trace write that failed after the render), the same process still renders: nothing was left half-done.
     Self-contained: it makes its own refusals rather than counting on the tests above having run first."""
-    import omni_kernel.cli_run as cli_run
+    import omni_kernel.cli.run as cli_run
 
     for case in ("guidance nan", "output a FIFO", "trace-json a directory"):
         build, code, expected = CLI_CASES[case]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from omni_hf import DTYPE_NAMES
 
-from omni_kernel.errors import InvalidParameter
-from omni_kernel.params import ARParams, options_of
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import ARParams, options_of
 from omni_wan.device import place
 from omni_wan.layout import ModelLayout
 from omni_wan.params import VAE_DTYPES, WanConfig, WanParams

@@ -6,12 +6,12 @@ from typing import Any
 import attrs
 
 from omni_kernel import hookimpl
-from omni_kernel.placement import RunSettings
+from omni_kernel.core.placement import RunSettings
 
-from .stage_host import WorkerSpec, default_host_factory
 from .process_stage import ProcessStage
 from .proxy import WorkerGroup
 from .replicas import ReplicaStage
+from .stage_host import WorkerSpec, default_host_factory
 from .worker_process import WorkerProcess
 
 

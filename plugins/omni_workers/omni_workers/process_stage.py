@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import time
 
-from omni_kernel.errors import EngineDead, OmniError, RequestError
-from omni_kernel.request import StageInput
+from omni_kernel.core.errors import EngineDead, OmniError, RequestError
+from omni_kernel.core.request import StageInput
 
 from .proxy import StageProxy, WorkerDied, WorkerGroup
 from .stage_host import WorkerSpec

@@ -15,10 +15,10 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.errors import EngineDead, PluginError, RequestError, StageUnavailable, rebuild
+from omni_kernel.core.errors import EngineDead, PluginError, RequestError, StageUnavailable, rebuild
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
-from omni_kernel.graph import NodeSpec
-from omni_kernel.request import StageInput, StageStats
 
 from .stage_host import WorkerSpec
 from .transport import dumps

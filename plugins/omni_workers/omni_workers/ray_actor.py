@@ -13,7 +13,7 @@ import sys
 import threading
 from typing import Any
 
-from omni_kernel.errors import PluginError, classify
+from omni_kernel.core.errors import PluginError, classify
 from omni_kernel.events import StageFailed
 
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker

@@ -28,9 +28,9 @@ import time
 
 import attrs
 
-from omni_kernel.errors import EngineDead, RequestError, rebuild
-from omni_kernel.placement import RunSettings
-from omni_kernel.request import StageInput
+from omni_kernel.core.errors import EngineDead, RequestError, rebuild
+from omni_kernel.core.placement import RunSettings
+from omni_kernel.core.request import StageInput
 
 from .cores import SHARED
 from .proxy import StageProxy, WorkerDied

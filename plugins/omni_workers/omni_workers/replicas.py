@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import collections
 
-from omni_kernel.errors import EngineDead
+from omni_kernel.core.errors import EngineDead
+from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
-from omni_kernel.request import StageInput, StageStats
 
 ROUTE_LIMIT = 4096  # processed inputs whose add is still to come (a submit that failed later never adds)
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.errors import PluginError
+from omni_kernel.core.errors import PluginError
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.stage_scheduler import fail_stage
 from omni_kernel.events import StageFailed
-from omni_kernel.graph import NodeSpec
-from omni_kernel.request import StageInput, StageStats
-from omni_kernel.stage_scheduler import fail_stage
 
 from .cores import SHARED, set_threads
 

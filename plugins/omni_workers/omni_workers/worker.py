@@ -26,12 +26,11 @@ import threading
 import time
 from multiprocessing.reduction import ForkingPickler
 
-from omni_kernel.errors import classify
-from omni_kernel.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
+from omni_kernel.core.errors import classify
+from omni_kernel.core.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 
 from .cores import CoreShare
-from .stage_host import (WAIT_S, StageHost, WorkerSpec, build_stage, load_plugins, set_torch_threads,
-                         setup_worker)
+from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, load_plugins, set_torch_threads, setup_worker
 from .transport import pack, spill
 
 log = logging.getLogger("omni")

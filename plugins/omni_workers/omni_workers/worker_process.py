@@ -21,7 +21,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import attrs
 
-from omni_kernel.errors import rebuild
+from omni_kernel.core.errors import rebuild
 
 from .cores import SHARED, board
 from .spawn import start_worker

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.errors import InvalidParameter, ModelError, RequestError, StageUnavailable
+from omni_kernel.core.errors import InvalidParameter, ModelError, RequestError, StageUnavailable
 from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.testing import drain
 

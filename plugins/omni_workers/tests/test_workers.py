@@ -20,9 +20,9 @@ from click.testing import CliRunner
 
 from omni_kernel import Omni
 from omni_kernel.cli import main
-from omni_kernel.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
+from omni_kernel.core.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
+from omni_kernel.core.placement import RunSettings, parse_placement
 from omni_kernel.events import RequestFailed, RequestFinished, StageFailed, TokenDelta
-from omni_kernel.placement import RunSettings, parse_placement
 from omni_kernel.testing import drain, wait_until
 from omni_workers.cores import host_cores
 from omni_workers.process_stage import ProcessStage
@@ -318,8 +318,8 @@ def test_worker_load_lines_are_printed_once_with_the_stage_prefix(tmp_path):
 
 
 def test_plan_with_an_unknown_placement_is_a_plugin_error():
-    from omni_kernel.graph import NodeSpec, PipelinePlan
-    from omni_kernel.placement import check_placement_nodes
+    from omni_kernel.core.graph import NodeSpec, PipelinePlan
+    from omni_kernel.core.placement import check_placement_nodes
 
     plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
     with pytest.raises(PluginError, match="placement 'gpu'"):
@@ -481,7 +481,7 @@ def test_close_fails_the_requests_its_workers_held_and_a_later_submit_says_it_wa
 
 
 def test_close_while_a_process_call_waits_on_a_busy_worker_fails_that_call_as_stopped(tmp_path, monkeypatch):
-    from omni_kernel.request import StageInput
+    from omni_kernel.core.request import StageInput
 
     gate = tmp_path / "gate"
     o = Omni("fake_slow", host=make_host(), placement="process")
@@ -566,7 +566,7 @@ def test_a_restarting_worker_fails_calls_at_once_when_the_front_must_not_wait(tm
     """With `wait_for_restarts` off (omni serve's engine thread), a submit that needs a stage whose worker is
     restarting fails at once, naming it (StageUnavailable), instead of waiting for its model load; requests in
     the other stages go on meanwhile, and once the worker is ready requests are served again."""
-    from omni_kernel.errors import StageUnavailable
+    from omni_kernel.core.errors import StageUnavailable
 
     gate = tmp_path / "gate"
     with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process", fake_build_gate=str(gate)) as o:
@@ -612,7 +612,7 @@ def test_a_script_waits_for_a_restarting_worker(tmp_path):
 
 def retry(fn, timeout: float = 30.0):
     """fn() again while it raises StageUnavailable (a worker still restarting), as a client would."""
-    from omni_kernel.errors import StageUnavailable
+    from omni_kernel.core.errors import StageUnavailable
 
     def attempt() -> tuple | None:
         try:
@@ -715,7 +715,7 @@ def test_the_proxies_keep_the_closed_stage_contract():
     `wait_ready` and the StageScheduler `hand_off` on any stage)."""
     import inspect
 
-    from omni_kernel import protocols
+    from omni_kernel.core import protocols
     from omni_workers.ray_stage import RayStage
 
     def params(function):

@@ -28,17 +28,17 @@ from pathlib import Path
 import attrs
 
 from omni_kernel import hookimpl
-from omni_kernel.engine import Engine
-from omni_kernel.errors import InvalidParameter, ModelError
+from omni_kernel.builtin.echo import KernelPlugin
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import InvalidParameter, ModelError
+from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
+from omni_kernel.core.params import option
+from omni_kernel.core.registry import NodeType
+from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.scheduler import StepScheduler
+from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
-from omni_kernel.graph import EdgeSpec, NodeSpec, PipelinePlan
-from omni_kernel.identity import KernelPlugin
-from omni_kernel.params import option
 from omni_kernel.plugins import PluginHost
-from omni_kernel.registry import NodeType
-from omni_kernel.request import StageInput, StageOutput
-from omni_kernel.scheduler import StepScheduler
-from omni_kernel.stage import Outputs, Stage
 from omni_kernel.testing import wait_until
 from omni_workers import WorkersPlugin
 from omni_workers.cores import step_threads

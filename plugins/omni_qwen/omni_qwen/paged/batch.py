@@ -9,7 +9,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from omni_kernel.ar_scheduler import ScheduledChunk
+from omni_kernel.core.ar_scheduler import ScheduledChunk
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 
 # Room kept in a file name for the temporary name an atomic write uses (".NAME.XXXXXXXX.tmp.mp4") and for
 # names derived from it (out.mp4 -> out.trace.json).

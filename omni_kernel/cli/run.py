@@ -12,16 +12,16 @@ from pathlib import Path
 
 import click
 
-from .api import Omni
-from .cli_options import placement_options
-from .errors import InvalidParameter, OmniError, UserError
-from .events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
-from .files import check_output_path, remove_outputs, write_json
-from .placement import RUN_KEYS
-from .flags import Flag, collect, values
-from .planner import GraphBuilder, Planner
-from .plugins import load_host
-from .trace import format_trace, jsonable
+from omni_kernel.api import Omni
+from omni_kernel.cli.flags import Flag, collect, values
+from omni_kernel.cli.options import placement_options
+from omni_kernel.core.errors import InvalidParameter, OmniError, UserError
+from omni_kernel.core.events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
+from omni_kernel.core.placement import RUN_KEYS
+from omni_kernel.core.planner import GraphBuilder, Planner
+from omni_kernel.core.trace import format_trace, jsonable
+from omni_kernel.plugins import load_host
+from omni_kernel.util.files import check_output_path, remove_outputs, write_json
 
 
 class UserFacingError(click.ClickException):

@@ -10,16 +10,16 @@ import re
 
 import attrs
 
-from .engine import Engine
-from .errors import InvalidParameter
-from .events import StageFinished, TokenDelta
-from .graph import NodeSpec, PipelinePlan
-from .hookspecs import hookimpl
-from .params import ARParams
-from .registry import NodeType
-from .request import StageInput, StageOutput
-from .scheduler import SchedulerOutput, StepScheduler
-from .stage import Inputs, Outputs, Stage
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.events import StageFinished, TokenDelta
+from omni_kernel.core.graph import NodeSpec, PipelinePlan
+from omni_kernel.core.hookspecs import hookimpl
+from omni_kernel.core.params import ARParams
+from omni_kernel.core.registry import NodeType
+from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.scheduler import SchedulerOutput, StepScheduler
+from omni_kernel.core.stage import Inputs, Outputs, Stage
 
 _WORD = re.compile(r"\s*\S+|\s+")
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 
-from .engine import Engine
-from .events import StageFailed, StageFinished
-from .graph import NodeSpec
-from .protocols import InputProcessor, OutputProcessor
-from .request import StageInput, StageOutput, StageStats
-from .scheduler import RequestOutput
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.events import StageFailed, StageFinished
+from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.protocols import InputProcessor, OutputProcessor
+from omni_kernel.core.request import StageInput, StageOutput, StageStats
+from omni_kernel.core.scheduler import RequestOutput
 
 log = logging.getLogger("omni")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from .request import Request, StageInput, StageOutput, StageStats
+from omni_kernel.core.request import Request, StageInput, StageOutput, StageStats
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter, PluginError, UserError
+from omni_kernel.core.errors import InvalidParameter, PluginError, UserError
 
 PLACEMENTS = ("inproc", "process", "ray")
 PROVIDERS = {"process": "omni-workers", "ray": "omni-workers"}  # for the "install X" message

@@ -8,10 +8,10 @@ import sys
 
 import click
 
-from . import __version__
-from .cli_options import placement_options  # noqa: F401 - plugins import it from here
-from .cli_run import run_command
-from .plugins import load_host
+from omni_kernel import __version__
+from omni_kernel.cli.options import placement_options  # noqa: F401 - plugins import it from here
+from omni_kernel.cli.run import run_command
+from omni_kernel.plugins import load_host
 
 
 class OmniGroup(click.Group):

@@ -19,10 +19,10 @@ from typing import Any
 
 import attrs
 
-from .errors import InputError
-from .kv_blocks import BlockManager
-from .request import StageInput, StageStats
-from .scheduler import RequestOutput, SchedulerOutput
+from omni_kernel.core.errors import InputError
+from omni_kernel.core.kv_blocks import BlockManager
+from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.scheduler import RequestOutput, SchedulerOutput
 
 
 @attrs.frozen

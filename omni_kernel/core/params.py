@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import attrs
 
-from .errors import DuplicateRegistration
-from .graph import PipelinePlan
+from omni_kernel.core.errors import DuplicateRegistration
+from omni_kernel.core.graph import PipelinePlan
 
 
 @attrs.frozen

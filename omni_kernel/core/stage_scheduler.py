@@ -13,11 +13,11 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter
-from .events import RequestFailed, RequestFinished, StageFailed, StageFinished
-from .graph import StageGraph
-from .params import split
-from .request import Request, RequestResult, StageInput, StageOutput
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.events import RequestFailed, RequestFinished, StageFailed, StageFinished
+from omni_kernel.core.graph import StageGraph
+from omni_kernel.core.params import split
+from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput
 
 log = logging.getLogger("omni")
 

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import attrs
 
-from .errors import InvalidParameter, UserError
-from .graph import PipelinePlan
-from .params import OptionInfo, options_of, parse
-from .registry import Registry
+from omni_kernel.core.errors import InvalidParameter, UserError
+from omni_kernel.core.graph import PipelinePlan
+from omni_kernel.core.params import OptionInfo, options_of, parse
+from omni_kernel.core.registry import Registry
 
 log = logging.getLogger("omni")
 Where = Literal["config", "params"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .errors import GraphError, PluginError, UnknownPipeline
-from .graph import PipelinePlan, StageGraph, validate_plan
-from .params import split
-from .registry import Registry
-from .placement import RunSettings, check_placement_nodes
+from omni_kernel.core.errors import GraphError, PluginError, UnknownPipeline
+from omni_kernel.core.graph import PipelinePlan, StageGraph, validate_plan
+from omni_kernel.core.params import split
+from omni_kernel.core.placement import RunSettings, check_placement_nodes
+from omni_kernel.core.registry import Registry
 
 
 class Planner:

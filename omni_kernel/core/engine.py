@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Any
 
-from .errors import EngineDead, InvalidParameter
-from .protocols import ModelRunner, Scheduler
-from .request import StageInput, StageStats
-from .scheduler import RequestOutput
+from omni_kernel.core.errors import EngineDead, InvalidParameter
+from omni_kernel.core.protocols import ModelRunner, Scheduler
+from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.scheduler import RequestOutput
 
 log = logging.getLogger("omni")
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from .errors import GraphError
+from omni_kernel.core.errors import GraphError
 
 
 @attrs.frozen

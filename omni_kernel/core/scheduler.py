@@ -23,7 +23,7 @@ from typing import Any
 
 import attrs
 
-from .request import StageInput, StageStats
+from omni_kernel.core.request import StageInput, StageStats
 
 
 @attrs.frozen

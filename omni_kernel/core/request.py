@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
 
 
 def _new_id() -> str:
@@ -89,7 +89,7 @@ class RequestResult:
         return self.output.path
 
     def to_json(self) -> dict[str, Any]:
-        from .trace import jsonable
+        from omni_kernel.core.trace import jsonable
 
         output = {"path": self.output.path} if self.output.path is not None else {"text": self.output.text}
         body: dict[str, Any] = {"request_id": self.request_id, "pipeline": self.pipeline, "output": output}

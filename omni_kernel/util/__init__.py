@@ -1,0 +1,1 @@
+"""Utilities for plugins (output files), over the request path only."""
