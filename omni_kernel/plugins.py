@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import attrs
@@ -13,7 +13,9 @@ import pluggy
 
 from omni_kernel.core import hookspecs
 from omni_kernel.core.errors import DuplicateRegistration, PluginError
+from omni_kernel.core.planner import GraphBuilder
 from omni_kernel.core.registry import Registry
+from omni_kernel.core.stage_scheduler import StageScheduler
 
 ENTRY_POINT_GROUP = "omni_kernel"
 ALLOWLIST_ENV = "OMNI_PLUGINS"
@@ -39,12 +41,29 @@ class PluginInfo:
 
 
 class PluginHost:
-    def __init__(self, reserved_commands: Iterable[str] = BUILTIN_COMMANDS):
+    """The loaded plugins and what they registered, plus the one GraphBuilder (and so the one set of engines) and
+    the one StageScheduler that every Omni of this host uses. `rebuild`, where set, is a picklable callable that
+    builds an equal host in another process (a placement's worker); None: the placement's default."""
+
+    def __init__(self, reserved_commands: Iterable[str] = BUILTIN_COMMANDS, rebuild: Callable[[], Any] | None = None):
         self.pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
         self.pm.add_hookspecs(hookspecs)
-        self.registry = Registry()
+        self._registry = Registry()
         self.plugins: list[PluginInfo] = []
         self.reserved_commands = frozenset(reserved_commands)
+        self.rebuild = rebuild
+        self.builder = GraphBuilder(self._registry)
+        self.scheduler = StageScheduler()
+
+    @property
+    def registry(self) -> Registry:
+        return self._registry
+
+    @registry.setter
+    def registry(self, registry: Registry) -> None:
+        """Plugins register into a copy (all or nothing); the builder sees the registry that was kept."""
+        self._registry = registry
+        self.builder.registry = registry
 
     def register(self, plugin: Any, name: str, version: str = "unknown") -> None:
         """Register a plugin object and everything its hooks register; all or nothing."""

@@ -6,7 +6,6 @@ import attrs
 
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.errors import InvalidParameter
-from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.registry import NodeType, Registry
 from omni_kernel.core.request import StageInput, StageOutput
 from omni_kernel.core.scheduler import StepScheduler
@@ -89,16 +88,33 @@ class ScriptedOutputs(Outputs):
         return events, []
 
 
-def fake_stage(node: NodeSpec, kind: str, log: list, max_batch: int = 2, steps=default_steps,
-               **runner_kwargs) -> Stage:
-    runner = ScriptedRunner(node.id, log, steps, **runner_kwargs)
-    scheduler = StepScheduler(max_batch=max_batch, num_steps=lambda item: steps(node.id, item))
-    return Stage(node, kind, None, Engine(scheduler, runner), ScriptedOutputs(node.id, log))
+@attrs.frozen(eq=False)
+class FakeEngineSettings:
+    """A fake node's engine settings. Compared by identity: every node gets an engine of its own."""
+
+    node_id: str
+    log: list
+    options: dict
+
+
+def fake_engine(node_id: str, log: list, max_batch: int = 2, steps=default_steps, **runner_kwargs) -> Engine:
+    runner = ScriptedRunner(node_id, log, steps, **runner_kwargs)
+    scheduler = StepScheduler(max_batch=max_batch, num_steps=lambda item: steps(node_id, item))
+    return Engine(scheduler, runner)
+
+
+def fake_node_type(name: str, kind: str, log: list, **options) -> NodeType:
+    """A node type whose stages run `fake_engine(node id, log, **options)`, one engine per node."""
+    return NodeType(name, kind, inputs={"image"},
+                    engine_settings=lambda node, config, policy: FakeEngineSettings(node.id, log, options),
+                    engine=lambda s: fake_engine(s.node_id, s.log, **s.options),
+                    stage=lambda node, config, policy, engine: Stage(node, kind, None, engine,
+                                                                     ScriptedOutputs(node.id, log)))
 
 
 def holds(stage: Stage, request_id: str) -> bool:
     """Whether the stage (its engine or its runner) still keeps the request."""
-    return request_id in stage.request_ids() or request_id in stage.engine.runner.live
+    return request_id in stage.engine.request_ids() or request_id in stage.engine.runner.live
 
 
 @attrs.frozen
@@ -121,9 +137,7 @@ def registry_with(node_kinds: dict[str, str], connectors, log: list, **stage_kwa
     """A registry of fake node types (name -> kind) and the given connectors."""
     registry = Registry()
     for name, kind in node_kinds.items():
-        registry.add_node_type(NodeType(name, kind, lambda node, config, k=kind: fake_stage(node, k, log,
-                                                                                              **stage_kwargs),
-                                        inputs={"image"}), "tests")
+        registry.add_node_type(fake_node_type(name, kind, log, **stage_kwargs), "tests")
     for connector in connectors:
         registry.add_connector(connector, "tests")
     return registry

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel import hookimpl, option
-from omni_kernel.builtin.echo import KernelPlugin, build_echo_stage
+from omni_kernel.builtin.echo import KernelPlugin, build_echo_engine, build_echo_stage, echo_engine_settings
 from omni_kernel.cli import main
 from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
 from omni_kernel.core.params import ARParams, integer
@@ -29,9 +29,9 @@ class ShoutParams(ARParams):
     volume: int = option(1, help="exclamation marks", type=int, flag="--volume", validator=integer(1, 9))
 
 
-def build_shout_stage(node, config):
+def build_shout_stage(node, config, policy, engine):
     assert isinstance(config, ShoutConfig)
-    return build_echo_stage(node, None)
+    return build_echo_stage(node, None, None, engine)
 
 
 class ExtrasPlugin:
@@ -49,7 +49,8 @@ class ExtrasPlugin:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("extras.shout", "ar", build_shout_stage, config=ShoutConfig, params=ShoutParams))
+        register(NodeType("extras.shout", "ar", engine_settings=echo_engine_settings, engine=build_echo_engine,
+                          stage=build_shout_stage, config=ShoutConfig, params=ShoutParams))
 
     @hookimpl
     def omni_register_connectors(self, register):
@@ -234,12 +235,12 @@ def test_ctrl_c_aborts_the_request_and_exits_1(host):
     freed: list[str] = []
     echo = stage_types["kernel.echo"].item
 
-    def build(node, config):
-        stage = echo.factory(node, config)
-        stage.engine.runner = Interrupting()
-        return stage
+    def build(settings):
+        engine = echo.engine(settings)
+        engine.runner = Interrupting()
+        return engine
 
-    stage_types["kernel.echo"] = attrs.evolve(stage_types["kernel.echo"], item=attrs.evolve(echo, factory=build))
+    stage_types["kernel.echo"] = attrs.evolve(stage_types["kernel.echo"], item=attrs.evolve(echo, engine=build))
     line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", "a b"), code=1)
     assert line == "Error: interrupted; the request was aborted and no partial output was kept"
     assert len(freed) == 1

@@ -1,15 +1,18 @@
-"""Placements other than inproc come from plugins (omni-workers): without one, a run that asks for one is
-refused in one line naming the plugin to install; inproc needs none."""
+"""Placements other than inproc come from plugins: without one, a run that asks for one is refused in one line
+naming the installed placements; inproc needs none. A placement declares its own settings: the kernel takes their
+keys out of a run's keywords and makes flags of them without knowing what they mean."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
-from omni_kernel import Omni
+from omni_kernel import Omni, hookimpl
 from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.cli import main
-from omni_kernel.core.errors import UserError
+from omni_kernel.core.errors import InvalidParameter, UserError
+from omni_kernel.core.params import integer, option
 from omni_kernel.plugins import PluginHost
 
 
@@ -21,7 +24,7 @@ def kernel_only() -> PluginHost:
 
 @pytest.mark.parametrize("placement", ["process", "ray", "echo=process"])
 def test_a_placement_no_plugin_provides_is_refused(placement):
-    with pytest.raises(UserError, match="placement '(process|ray)' needs the omni-workers plugin"):
+    with pytest.raises(UserError, match="placement '(process|ray)' is not installed; installed placements: inproc"):
         Omni("echo", host=kernel_only(), placement=placement)
 
 
@@ -29,38 +32,74 @@ def test_the_cli_refuses_it_in_one_line_exit_2():
     result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", "--placement", "process"],
                                 obj={"host": kernel_only()})
     assert result.exit_code == 2
-    assert "placement 'process' needs the omni-workers plugin" in result.output
+    assert "placement 'process' is not installed" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
 def test_inproc_needs_no_plugin():
     with Omni("echo", host=kernel_only(), placement="inproc") as omni:
         assert omni.generate("a b c").text == "a b c"
-        assert omni.graph.workers is None
+        assert omni.graph.placed == []
 
 
-def test_worker_threads_is_an_integer_or_shared():
-    from omni_kernel.core.errors import InvalidParameter
-    from omni_kernel.core.placement import RunSettings
-
-    for good in (None, 1, 4, "shared"):
-        RunSettings(worker_threads=good).check()
-    for bad in (0, -1, True, "2", "all"):
-        with pytest.raises(InvalidParameter, match="is not an integer >= 1 or 'shared'"):
-            RunSettings(worker_threads=bad).check()
+@attrs.frozen
+class CopiesSettings:
+    copies: int = option(1, help="copies of each placed stage", type=int, flag="--copies", validator=integer(1))
 
 
-@pytest.mark.parametrize(("args", "says"), [(["--worker-threads", "all"], "'all' is not an integer >= 1 or 'shared'"),
-                                            (["--max-restarts", "x"], "'x' is not a valid integer")])
-def test_bad_worker_flags_are_refused_in_one_line_exit_2(args, says):
-    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "hi", *args],
-                                obj={"host": kernel_only()})
-    assert result.exit_code == 2
-    assert says in result.output and len(result.output.strip().splitlines()) == 1
+@attrs.define
+class CopiesPlacement:
+    """A third-party placement that builds its stages in this process, counting what it was given."""
+
+    name: str = "copies"
+    settings: type = CopiesSettings
+    checked: list = attrs.Factory(list)
+    built: list = attrs.Factory(list)
+    builder: object = None  # the host's GraphBuilder, which builds the stages here
+
+    def check(self, settings: CopiesSettings, plan, placement_of) -> None:
+        self.checked.append(settings.copies)
+
+    def build(self, nodes, settings: CopiesSettings, host_factory, handle):
+        self.built.append((settings.copies, [b.node.id for b in nodes]))
+        return {b.node.id: self.builder.stage(b) for b in nodes}, None
 
 
-def test_worker_flags_are_run_settings_inproc_ignores():
-    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "a b", "--worker-threads", "shared",
-                                       "--max-restarts", "0"], obj={"host": kernel_only()})
+def host_with_copies() -> tuple[PluginHost, CopiesPlacement]:
+    host = kernel_only()
+    placement = CopiesPlacement()
+    placement.builder = host.builder
+
+    class Plugin:
+        @hookimpl
+        def omni_register_placements(self, register):
+            register(placement)
+
+    host.register(Plugin(), "copies")
+    return host, placement
+
+
+def test_a_placement_declares_its_settings_and_gets_its_own_instance():
+    host, placement = host_with_copies()
+    omni = Omni("echo", host=host, placement="copies", copies=3)
+    assert omni.generate("a b").text == "a b"
+    assert placement.built == [(3, ["echo"])] and placement.checked == [3]
+
+
+def test_a_declared_setting_is_validated_and_an_undeclared_key_refused():
+    host, _ = host_with_copies()
+    with pytest.raises(InvalidParameter, match="copies"):
+        Omni("echo", host=host, copies=0)
+    with pytest.raises(UserError, match="no config key 'replicas'"):
+        Omni("echo", host=kernel_only(), replicas=2)
+
+
+def test_the_cli_makes_flags_of_the_declared_settings():
+    host, placement = host_with_copies()
+    result = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "a b", "--placement", "copies",
+                                       "--copies", "2"], obj={"host": host})
     assert result.exit_code == 0, result.output
-    assert "a b" in result.output
+    assert placement.built == [(2, ["echo"])]
+    bad = CliRunner().invoke(main, ["run", "--pipeline", "echo", "--prompt", "a", "--copies", "x"], obj={"host": host})
+    assert bad.exit_code == 2 and "'x' is not a valid int" in bad.output
+    assert len(bad.output.strip().splitlines()) == 1

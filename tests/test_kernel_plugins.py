@@ -80,11 +80,31 @@ def test_broken_plugin_warns_once_with_name_and_version_and_the_others_load(entr
                       "broken": ("0.9.1", "failed"), "b_good": ("unknown", "loaded")}
 
 
+def unbuilt_node(name: str) -> NodeType:
+    """A node type whose parts are never called (these tests only register it)."""
+    return NodeType(name, "ar", engine_settings=lambda node, config, policy: None, engine=lambda settings: None,
+                    stage=lambda node, config, policy, engine: None)
+
+
+def test_a_plugin_written_for_the_old_node_type_form_is_refused_at_load_in_one_line(entry_points, warnings):
+    class OldForm:
+        @hookimpl
+        def omni_register_node_types(self, register):
+            register(NodeType("old.node", "ar", lambda node, config: None))
+
+    entry_points += [FakeEntryPoint("old", OldForm, version="0.3.0")]
+    host = load_host()
+    assert "old.node" not in host.registry.node_types
+    message = warnings[0].getMessage()
+    assert "old 0.3.0" in message and "NodeType(factory=...) is the old form" in message
+    assert "engine_settings=, engine= and stage=" in message and "\n" not in message
+
+
 def test_plugin_whose_hook_raises_is_skipped_whole(entry_points, warnings):
     class HalfBroken:
         @hookimpl
         def omni_register_node_types(self, register):
-            register(NodeType("half.node", "ar", lambda node, config: None))
+            register(unbuilt_node("half.node"))
 
         @hookimpl
         def omni_register_pipelines(self, register):
@@ -128,8 +148,8 @@ def test_inline_plugins_register_directly_and_duplicates_raise():
     class Clash:
         @hookimpl
         def omni_register_node_types(self, register):
-            register(NodeType("mine.node", "ar", lambda node, config: None))
-            register(NodeType("kernel.echo", "ar", lambda node, config: None))
+            register(unbuilt_node("mine.node"))
+            register(unbuilt_node("kernel.echo"))
 
     with pytest.raises(DuplicateRegistration, match="node type 'kernel.echo'.*'omni_kernel'.*'clash'"):
         host.register(Clash(), "clash")
@@ -175,7 +195,7 @@ def test_misspelled_hook_fails_that_plugin_only(entry_points, warnings):
     class Misspelled:
         @hookimpl
         def omni_register_node_type(self, register):  # singular: not a hook
-            register(NodeType("typo.node", "ar", lambda node, config: None))
+            register(unbuilt_node("typo.node"))
 
         @hookimpl
         def omni_register_pipelines(self, register):

@@ -16,8 +16,9 @@ from omni_kernel.core import protocols
 IMPLEMENTATIONS = [
     ("Stage", "omni_kernel.core.stage:Stage"),
     ("Scheduler", "omni_kernel.core.scheduler:StepScheduler"),
-    ("Scheduler", "omni_kernel.core.scheduler:DiffusionScheduler"),
+    ("Scheduler", "omni_kernel.core.scheduler:PhaseScheduler"),
     ("Scheduler", "omni_kernel.core.ar_scheduler:ARScheduler"),
+    ("Stepped", "omni_kernel.core.engine:Engine"),
     ("ModelRunner", "omni_kernel.builtin.echo:IdentityRunner"),
     ("InputProcessor", "omni_kernel.core.stage:Inputs"),
     ("InputProcessor", "omni_kernel.builtin.echo:EchoInputs"),

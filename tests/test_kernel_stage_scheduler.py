@@ -8,7 +8,6 @@ from omni_kernel import Omni
 from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.core.errors import EngineDead, InputError, InvalidParameter, RequestAborted, RequestError, UserError
 from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
-from omni_kernel.core.planner import GraphBuilder
 from omni_kernel.core.request import Request
 from omni_kernel.core.stage import Inputs
 from omni_kernel.core.stage_scheduler import StageScheduler
@@ -28,10 +27,12 @@ def kernel_host() -> PluginHost:
     return host
 
 
-def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> StageScheduler:
-    registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
-                             [] if log is None else log, **stage_kwargs)
-    return StageScheduler(GraphBuilder(registry).build(TWO_NODES))
+def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> Omni:
+    """An Omni of the two-node pipeline over fake stages, on a host of its own."""
+    host = PluginHost()
+    host.registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
+                                  [] if log is None else log, **stage_kwargs)
+    return Omni(TWO_NODES, host=host)
 
 
 def texts(events, request_id: str, node_id: str | None = None) -> str:
@@ -112,7 +113,7 @@ def test_abort_at_any_step_frees_the_request_in_every_stage(abort_after, victim)
     for rid in set(prompts) - {victim}:
         result = outcome(before + after, rid).result
         assert result.text == stage_text("b", f"to_text[{stage_text('a', prompts[rid])}]")
-    assert not scheduler.in_flight and not scheduler.has_unfinished()
+    assert not scheduler.scheduler.in_flight and not scheduler.has_unfinished()
 
 
 def test_closing_a_stream_early_aborts_its_request():
@@ -123,7 +124,7 @@ def test_closing_a_stream_early_aborts_its_request():
     rid = first.request_id
     stream.close()
     stage = omni.graph.stages["echo"]
-    assert rid not in omni.scheduler.in_flight and rid not in stage.request_ids()
+    assert rid not in omni.scheduler.in_flight and rid not in stage.engine.request_ids()
     assert not omni.has_unfinished()
 
 
@@ -212,7 +213,7 @@ def test_process_and_check_errors_are_synchronous_at_submit():
         scheduler.submit(Request("two", "explode now"))
     with pytest.raises(InputError, match="can never serve"):  # node b's check, before node a runs
         scheduler.submit(Request("two", "never mind"))
-    assert not scheduler.in_flight and not scheduler.has_unfinished()
+    assert not scheduler.scheduler.in_flight and not scheduler.has_unfinished()
 
 
 def test_a_failed_hand_off_fails_that_request_only():
@@ -260,7 +261,7 @@ def test_a_scheduler_exception_marks_the_engine_dead_and_fails_what_it_holds():
     for rid in ("r1", "r2"):
         scheduler.submit(Request("two", "some words", request_id=rid))
     events = []
-    while not stage_b.request_ids():
+    while not stage_b.engine.request_ids():
         events += scheduler.step()
     stage_b.engine.scheduler.broken = True
     events += drain(scheduler)

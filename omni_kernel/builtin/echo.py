@@ -58,8 +58,11 @@ class EchoOutputs(Outputs):
     """Each step's word as a TokenDelta; the whole text when the request is finished."""
 
     def process(self, outputs) -> tuple[list, list[str]]:
-        events, _ = super().process([o for o in outputs if o.error is not None])
-        for out in (o for o in outputs if o.error is None):
+        failed = [o for o in outputs if o.error is not None]
+        events, _ = super().process(failed)
+        for out in outputs:
+            if out.error is not None:
+                continue
             events.append(TokenDelta(out.request_id, self.node_id, out.result))
             if out.finished:
                 events.append(StageFinished(out.request_id, self.node_id, self._output(out.item)))
@@ -74,12 +77,28 @@ class EchoOutputs(Outputs):
         return StageOutput(item.request_id, self.node_id, text="".join(words[:num]), stop_reason=stop, trace=trace)
 
 
-def build_echo_stage(node: NodeSpec, config) -> Stage:
-    scheduler = StepScheduler(max_batch=16, num_steps=lambda item: item.processed.num_steps)
-    return Stage(node, "ar", EchoInputs(), Engine(scheduler, IdentityRunner()), EchoOutputs(node.id))
+@attrs.frozen
+class EchoEngineSettings:
+    """The echo engine's one setting: how many requests share a step."""
+
+    max_batch: int = 16
 
 
-ECHO_NODE = NodeType("kernel.echo", "ar", build_echo_stage, params=ARParams,
+def echo_engine_settings(node: NodeSpec, config, policy) -> EchoEngineSettings:
+    return EchoEngineSettings()
+
+
+def build_echo_engine(settings: EchoEngineSettings) -> Engine:
+    scheduler = StepScheduler(max_batch=settings.max_batch, num_steps=lambda item: item.processed.num_steps)
+    return Engine(scheduler, IdentityRunner())
+
+
+def build_echo_stage(node: NodeSpec, config, policy, engine: Engine) -> Stage:
+    return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
+
+
+ECHO_NODE = NodeType("kernel.echo", "ar", engine_settings=echo_engine_settings, engine=build_echo_engine,
+                     stage=build_echo_stage, params=ARParams,
                      description="streams the prompt back word by word (no model)")
 ECHO_PIPELINE = PipelinePlan("echo", [NodeSpec("echo", "kernel.echo", final=True)],
                              description="the prompt, streamed back by the identity AR stage")

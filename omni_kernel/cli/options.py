@@ -1,37 +1,56 @@
-"""Flags and parameter types that more than one command uses: the run settings (`omni run`, `omni serve`)."""
+"""The run settings as flags, for every command that builds pipelines (`omni run`, `omni serve`): `--placement`,
+and one flag per option that a registered placement declares with `flag=` (its settings class)."""
 
 from __future__ import annotations
 
 import click
 
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import options_of, parse
+from omni_kernel.core.placement import settings_class
+from omni_kernel.core.registry import Registry
 
-class WorkerThreads(click.ParamType):
-    """--worker-threads: an integer >= 1 or `shared`."""
 
-    name = "N|shared"
+class Declared(click.ParamType):
+    """A flag's text parsed as the declared option parses `key=value` text (its validation runs when the settings
+    are built, so the error names the setting)."""
+
+    def __init__(self, name: str, info):
+        self.key = name
+        self.info = info
+        self.name = info.type.__name__
 
     def convert(self, value, param, ctx):
-        if value == "shared" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        if not isinstance(value, str):
             return value
-        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
-            return int(value)
-        self.fail(f"{value!r} is not an integer >= 1 or 'shared'", param, ctx)
+        try:
+            return parse(self.key, self.info, value)
+        except InvalidParameter as exc:
+            self.fail(str(exc).split(": ", 1)[-1], param, ctx)
 
 
-def placement_options() -> list[click.Option]:
-    """The run settings as flags (`omni run`, `omni serve`): where stages run and how their workers behave."""
-    return [
-        click.Option(["--placement"], metavar="MODE|NODE=MODE,...",
-                     help="Where stages run: inproc (default), process (each stage in its own worker process) or "
-                          "ray; per node as video=process,bridge=inproc (docs/distributed.md)."),
-        click.Option(["--replicas"], metavar="N|NODE=N,...",
-                     help="Independent copies of a worker-placed stage, each request to the least loaded: N for "
-                          "every node, or per node as video=2 (docs/distributed.md)."),
-        click.Option(["--ray-address"], metavar="ADDRESS",
-                     help="The Ray cluster for --placement ray, e.g. HEAD_IP:6379 (default: a local Ray)."),
-        click.Option(["--worker-threads"], type=WorkerThreads(), metavar="N|shared",
-                     help="Torch threads in each stage worker: N, or shared (the worker processes lend each other "
-                          "their cores: one busy alone uses all of them). Default: the library's."),
-        click.Option(["--max-restarts"], type=click.IntRange(min=0), metavar="N",
-                     help="Restarts of a stage worker that died, before its stage fails (default: 1)."),
-    ]
+def placement_flags(registry: Registry) -> dict[str, object]:
+    """Setting name -> OptionInfo of every option with a flag that a registered placement declares."""
+    found = {}
+    for registered in registry.placements.values():
+        for name, info in options_of(settings_class(registered.item)).items():
+            if info.flag is not None:
+                found.setdefault(name, info)
+    return found
+
+
+def placement_options(registry: Registry) -> list[click.Option]:
+    """`--placement` plus the placements' declared flags; each flag's destination is its setting's name."""
+    installed = ", ".join(["inproc", *sorted(registry.placements)])
+    options = [click.Option(["--placement"], metavar="NAME|NODE=NAME,...",
+                            help=f"Where stages run: {installed}; run-wide, or per node as "
+                                 "video=process,bridge=inproc (docs/distributed.md).")]
+    for name, info in placement_flags(registry).items():
+        options.append(click.Option([info.flag, name], type=Declared(name, info), metavar=info.metavar or None,
+                                    help=info.help[:1].upper() + info.help[1:]))
+    return options
+
+
+def run_setting_names(registry: Registry) -> list[str]:
+    """The destinations of `placement_options`: `placement` and the placements' flagged settings."""
+    return ["placement", *placement_flags(registry)]

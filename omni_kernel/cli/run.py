@@ -14,11 +14,12 @@ import click
 
 from omni_kernel.api import Omni
 from omni_kernel.cli.flags import Flag, collect, values
-from omni_kernel.cli.options import placement_options
+from omni_kernel.cli.options import placement_options, run_setting_names
 from omni_kernel.core.errors import InvalidParameter, OmniError, UserError
 from omni_kernel.core.events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
-from omni_kernel.core.placement import RUN_KEYS
-from omni_kernel.core.planner import GraphBuilder, Planner
+from omni_kernel.core.placement import RunSettings
+from omni_kernel.core.planner import Planner
+from omni_kernel.core.request import Request
 from omni_kernel.core.trace import format_trace, jsonable
 from omni_kernel.plugins import load_host
 from omni_kernel.util.files import check_output_path, remove_outputs, write_json
@@ -50,13 +51,14 @@ def run_command(registry) -> click.Command:
                      help="A model-level setting of the pipeline's nodes (repeatable), e.g. -c ar_dtype=bf16."),
         click.Option(["--trace-json"], type=click.Path(), help="Write the finished request's trace to PATH as JSON."),
         click.Option(["--json", "as_json"], is_flag=True, help="Print the finished request as one JSON object."),
-        *placement_options(),
+        *placement_options(registry),
     ]
     by_dest = {f.dest: f for f in flags}
+    setting_names = run_setting_names(registry)
 
     @click.pass_context
     def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, **given):
-        settings = {key: given.pop(key) for key in RUN_KEYS}
+        settings = {key: given.pop(key) for key in setting_names}
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
         _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
 
@@ -78,7 +80,7 @@ class RunCommand(click.Command):
             registry = ctx.find_object(dict)["host"].registry  # OmniGroup loaded the host to build this command
             if name in registry.pipelines:
                 try:
-                    GraphBuilder(registry).validate(registry.pipelines[name].item)
+                    ctx.find_object(dict)["host"].builder.validate(registry.pipelines[name].item)
                 except UserError as exc:
                     raise UserFacingError(_one_line(exc)) from None
             raise
@@ -90,15 +92,14 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     omni = None
     try:
         plan = Planner(host.registry).plan(pipeline)
-        types = host.registry.node_types_of(plan)
-        # Before any model loads; with a node type missing, Omni's validation says which plugin to install.
-        if image is not None and len(types) == len(plan.nodes) and not any("image" in t.inputs for t in types.values()):
-            raise UserError(f"pipeline {pipeline!r} does not use --image")
         given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
+        settings = {k: v for k, v in (settings or {}).items() if v is not None}
+        _check_before_loading(host, plan, given, dict(settings), Request(plan.name, prompt, image=image,
+                                                                         params=given["params"]))
         if trace_json:  # before any model loads: a bad trace path must not cost the run
             _check_trace_json(trace_json, given["params"].get("output"))
         with _signals_interrupt():
-            omni = Omni(plan, host=host, **given["config"], **(settings or {}))
+            omni = Omni(plan, host=host, **given["config"], **settings)
             stream = bool(given["params"].get("stream")) and not as_json
             result, streamed = _drive(omni, omni.request(prompt, image=image, **given["params"]), stream)
             if trace_json:
@@ -120,6 +121,19 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     elif not streamed and result.text is not None:
         click.echo(result.text)
     click.echo(format_trace(result.trace), err=True)
+
+
+def _check_before_loading(host, plan, given: dict, settings: dict, request: Request) -> None:
+    """The plan, config, run settings and the request's inputs and parameters, before any model loads or worker
+    starts (Omni checks them again as it builds): a typo costs no load."""
+    run_settings = RunSettings.pop(settings, host.builder.placements())
+    builds = host.builder.prepare(plan, given["config"], run_settings)
+    try:
+        host.builder.check_request(plan, builds, request)
+    except InvalidParameter as exc:
+        if exc.field == "image":
+            raise InvalidParameter("--image", str(exc).split(": ", 1)[-1]) from None
+        raise
 
 
 def _check_trace_json(trace_json, output) -> None:
@@ -170,7 +184,7 @@ def _drive(omni: Omni, request, stream: bool):
 def _events(omni: Omni, request, stream: bool, progress):
     final = omni.graph.final
     streamed: set[str] = set()
-    for event in omni.scheduler.generate_stream(request):
+    for event in omni.generate_stream(request):
         if isinstance(event, TokenDelta) and stream:
             # stdout carries the final node's text only; upstream stages stream to stderr as they go
             upstream = event.node_id != final

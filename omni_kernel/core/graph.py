@@ -54,7 +54,8 @@ class PipelinePlan:
 
 
 RULES = ("duplicate_node", "unknown_edge_node", "self_loop", "cycle", "multiple_inputs", "no_entry",
-         "final_output", "unknown_node_type", "unknown_connector", "connector_kind_mismatch")
+         "final_output", "unknown_node_type", "unknown_connector", "connector_kind_mismatch", "contract",
+         "node_policy")  # the last two are checked against the registry (planner.GraphBuilder.validate)
 
 
 def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors: Mapping[str, Any]) -> list[str]:
@@ -64,47 +65,80 @@ def validate_plan(plan: PipelinePlan, node_kinds: Mapping[str, str], connectors:
     `source_kind` and `target_kind`. Returns the node ids in topological order.
     """
     ids = [n.id for n in plan.nodes]
-    seen: set[str] = set()
-    if dups := sorted({i for i in ids if i in seen or seen.add(i)}):
-        raise GraphError("duplicate_node", dups, f"node ids must be unique: {', '.join(dups)}")
-    for e in plan.edges:
-        if missing := [n for n in (e.source, e.target) if n not in seen]:
-            raise GraphError("unknown_edge_node", missing,
-                             f"edge {e.source} -> {e.target} names unknown node(s) {', '.join(missing)}")
-    for e in plan.edges:
-        if e.source == e.target:
-            raise GraphError("self_loop", [e.source], f"node {e.source} has an edge to itself")
+    _check_unique(ids)
+    _check_edges(plan.edges, set(ids))
     order = _kahn(ids, plan.edges)
     if len(order) != len(ids):
         stuck = sorted(_cycle_nodes(ids, plan.edges))
         raise GraphError("cycle", stuck, f"the graph has a cycle through {', '.join(stuck)}")
-    inputs = Counter(e.target for e in plan.edges)
-    if many := sorted(n for n, k in inputs.items() if k > 1):
-        raise GraphError("multiple_inputs", many, f"a node takes at most one input edge: {', '.join(many)}")
-    if all(i in inputs for i in ids):
-        raise GraphError("no_entry", [], "the graph has no entry node")
-    # With at most one input per node and no cycles, every node is reachable from an entry node.
-    finals = [n.id for n in plan.nodes if n.final]
-    if len(finals) != 1:
-        raise GraphError("final_output", finals,
-                         f"exactly one node must be the final output, found {len(finals)}"
-                         + (f" ({', '.join(finals)})" if finals else ""))
-    if unknown := [n for n in plan.nodes if n.type not in node_kinds]:
-        hints = sorted({n.plugin_hint for n in unknown if n.plugin_hint})
-        hint = (f"; install the plugin(s) that provide them ({', '.join(hints)}), or check `omni plugins` and "
-                f"OMNI_PLUGINS if installed") if hints else ""
-        names = ", ".join(f"{n.id} ({n.type!r})" for n in unknown)
-        raise GraphError("unknown_node_type", [n.id for n in unknown], f"unregistered node type(s): {names}{hint}")
+    _check_inputs(ids, plan.edges)
+    _check_final(plan.nodes)
+    _check_node_types(plan.nodes, node_kinds)
     kinds = {n.id: node_kinds[n.type] for n in plan.nodes}
     for e in plan.edges:
-        if (conn := connectors.get(e.connector)) is None:
-            raise GraphError("unknown_connector", [e.source, e.target],
-                             f"edge {e.source} -> {e.target} uses unregistered connector {e.connector!r}")
-        if (conn.source_kind, conn.target_kind) != (kinds[e.source], kinds[e.target]):
-            raise GraphError("connector_kind_mismatch", [e.source, e.target],
-                             f"connector {e.connector!r} joins {conn.source_kind} -> {conn.target_kind}, but edge "
-                             f"{e.source} -> {e.target} joins {kinds[e.source]} -> {kinds[e.target]}")
+        _check_connector(e, kinds, connectors)
     return order
+
+
+def _check_unique(ids: list[str]) -> None:
+    counts = Counter(ids)
+    duplicates = sorted(i for i, k in counts.items() if k > 1)
+    if duplicates:
+        raise GraphError("duplicate_node", duplicates, f"node ids must be unique: {', '.join(duplicates)}")
+
+
+def _check_edges(edges, ids: set[str]) -> None:
+    for e in edges:
+        missing = [n for n in (e.source, e.target) if n not in ids]
+        if missing:
+            raise GraphError("unknown_edge_node", missing,
+                             f"edge {e.source} -> {e.target} names unknown node(s) {', '.join(missing)}")
+    for e in edges:
+        if e.source == e.target:
+            raise GraphError("self_loop", [e.source], f"node {e.source} has an edge to itself")
+
+
+def _check_inputs(ids: list[str], edges) -> None:
+    inputs = Counter(e.target for e in edges)
+    many = sorted(n for n, k in inputs.items() if k > 1)
+    if many:
+        raise GraphError("multiple_inputs", many, f"a node takes at most one input edge: {', '.join(many)}")
+    # With at most one input per node and no cycles, every node is reachable from an entry node.
+    if all(i in inputs for i in ids):
+        raise GraphError("no_entry", [], "the graph has no entry node")
+
+
+def _check_final(nodes) -> None:
+    finals = [n.id for n in nodes if n.final]
+    if len(finals) != 1:
+        found = f" ({', '.join(finals)})" if finals else ""
+        raise GraphError("final_output", finals,
+                         f"exactly one node must be the final output, found {len(finals)}{found}")
+
+
+def _check_node_types(nodes, node_kinds: Mapping[str, str]) -> None:
+    unknown = [n for n in nodes if n.type not in node_kinds]
+    if not unknown:
+        return
+    hints = sorted({n.plugin_hint for n in unknown if n.plugin_hint})
+    hint = ""
+    if hints:
+        hint = (f"; install the plugin(s) that provide them ({', '.join(hints)}), or check `omni plugins` and "
+                f"OMNI_PLUGINS if installed")
+    names = ", ".join(f"{n.id} ({n.type!r})" for n in unknown)
+    raise GraphError("unknown_node_type", [n.id for n in unknown], f"unregistered node type(s): {names}{hint}")
+
+
+def _check_connector(edge, kinds: Mapping[str, str], connectors: Mapping[str, Any]) -> None:
+    connector = connectors.get(edge.connector)
+    if connector is None:
+        raise GraphError("unknown_connector", [edge.source, edge.target],
+                         f"edge {edge.source} -> {edge.target} uses unregistered connector {edge.connector!r}")
+    joins = (kinds[edge.source], kinds[edge.target])
+    if (connector.source_kind, connector.target_kind) != joins:
+        raise GraphError("connector_kind_mismatch", [edge.source, edge.target],
+                         f"connector {edge.connector!r} joins {connector.source_kind} -> {connector.target_kind}, "
+                         f"but edge {edge.source} -> {edge.target} joins {joins[0]} -> {joins[1]}")
 
 
 def _kahn(ids, edges) -> list[str]:
@@ -141,18 +175,20 @@ class StageGraph:
     connectors: dict[tuple[str, str], Any]
     order: list[str]
     node_types: dict[str, Any] = attrs.Factory(dict)
-    workers: Any = None  # its placed stages' workers (a placement plugin's, e.g. a WorkerGroup): close(), wait(t)
+    # What the placements of its placed stages returned (each with close() and watch(timeout)); none for inproc.
+    placed: list = attrs.Factory(list)
 
     def close(self) -> None:
-        """Stop the graph's stage workers (a no-op for in-process stages); the graph takes no requests after."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop the graph's placed stages (a no-op for in-process stages); the graph takes no requests after."""
+        for handle in self.placed:
+            handle.close()
 
     def watch(self, timeout: float = 0.0) -> None:
-        """With nothing to step: look at the stage workers (blocking up to `timeout`), so one that died while idle
-        is noticed, and restarted, before the next request instead of at it. A no-op for in-process stages."""
-        if self.workers is not None:
-            self.workers.wait(timeout)
+        """With nothing to step: let the placements look at their stages (blocking up to `timeout`), so one that
+        died while idle is noticed, and replaced, before the next request instead of at it."""
+        for handle in self.placed:
+            handle.watch(timeout)
+            timeout = 0
 
     @property
     def name(self) -> str:

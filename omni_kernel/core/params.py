@@ -25,13 +25,14 @@ class OptionInfo:
     flag: str | None = None  # e.g. "--steps"; None: reachable through -o / -c only
     choices: tuple[str, ...] | None = None
     multiple: bool = False  # a tuple of values; -o key=a -o key=b collects both
+    metavar: str | None = None  # how the flag's value is shown in --help (default: its type)
 
 
 def option(default: Any = None, *, help: str, type: type = str, flag: str | None = None,
            choices: tuple[str, ...] | None = None, multiple: bool = False,
-           validator: Callable | None = None, converter: Callable | None = None) -> Any:
+           validator: Callable | None = None, converter: Callable | None = None, metavar: str | None = None) -> Any:
     """An attrs field with the metadata the CLI, the Python API and the HTTP server read."""
-    info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple)
+    info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple, metavar)
     validators = [v for v in (_choice(info.choices) if info.choices else None, validator) if v]
     return attrs.field(default=default, validator=validators or None, converter=converter,
                        metadata={"omni": info}, kw_only=True)
@@ -76,6 +77,14 @@ def split(pipeline: str, what: str, classes: Mapping[str, type | None], values: 
                                            f"{', '.join(valid) or 'none'}")
     return {node: None if cls is None else make(cls, {k: v for k, v in given.items() if k in options_of(cls)})
             for node, cls in classes.items()}
+
+
+def resolve(pipeline: str, node_types: Mapping[str, Any], request) -> dict[str, Any]:
+    """Each node's params for a request (node id -> its params instance); refuses parameters no node of the
+    pipeline declares and an image when no node reads one."""
+    if request.image is not None and not any("image" in t.inputs for t in node_types.values()):
+        raise InvalidParameter("image", f"pipeline {pipeline!r} takes no input image")
+    return split(pipeline, "request parameter", {n: t.params for n, t in node_types.items()}, request.params)
 
 
 # Validators for option(validator=...). Each raises InvalidParameter naming the field.

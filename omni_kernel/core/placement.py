@@ -1,115 +1,133 @@
-"""Run settings: where each stage runs (`placement`) and how its workers behave (docs/distributed.md).
+"""Run settings: where each stage runs (`placement`), and the settings each placement declares for itself.
 
-The kernel builds `inproc` stages itself; any other placement is built by the plugin that registered it
-(`omni_register_placements`; `process` and `ray` come with the omni-workers plugin).
+The kernel builds `inproc` stages itself. Any other placement is registered by a plugin
+(`omni_register_placements`) as an object with a `name`, a `settings` class (attrs fields made with
+`params.option`, or None), `check(settings, plan, placement_of)` (refuse settings that do not fit the plan, before
+anything is built) and `build(nodes, settings, host_factory, handle)`. The kernel knows none of those settings: it
+takes their keys out of a run's keyword arguments by what the placements declare, builds flags from them, and hands
+each placement its own instance (docs/plugins.md, "Placements").
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
 from omni_kernel.core.errors import InvalidParameter, PluginError, UserError
+from omni_kernel.core.params import make, options_of
 
-PLACEMENTS = ("inproc", "process", "ray")
-PROVIDERS = {"process": "omni-workers", "ray": "omni-workers"}  # for the "install X" message
-RUN_KEYS = frozenset({"placement", "replicas", "max_restarts", "worker_threads", "ray_address"})
+INPROC = "inproc"
 
 
 @attrs.frozen
 class RunSettings:
-    """Kernel-level settings of one run (not a node type's config): where each stage runs and how workers behave.
+    """Kernel-level settings of one run (not a node type's config).
 
-    `placement`: None (each node's plan placement, else inproc), one mode for every node, or per node
-    ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide mode, which wins over
-    the plan's `NodeSpec.placement`. `max_restarts`: restarts of a worker that died. `worker_threads`: torch /
-    OpenMP threads in each worker (None: the library default), or "shared": the worker processes of one front
-    lend their cores to each other, so the only busy one uses all of them (Ray actors: their bundle's CPUs).
-    `ray_address`: the Ray cluster (None: a local Ray). `replicas`: independent copies of a stage in workers of
-    its own, run-wide or per node as `placement` ("video=2"), each new request routed to the least loaded.
+    `placement`: None (each node's plan placement, else inproc), one placement for every node, or per node
+    ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide one, which wins over the
+    plan's `NodeSpec.placement`. `placed`: each registered placement's settings instance, by placement name.
     """
 
     placement: Any = None
-    replicas: Any = None
-    max_restarts: int = 1
-    worker_threads: int | str | None = None
-    ray_address: str | None = None
+    placed: Mapping[str, Any] = attrs.field(factory=dict)
 
     @classmethod
-    def pop(cls, config: dict[str, Any]) -> RunSettings:
-        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives)."""
-        found = {k: config.pop(k) for k in list(config) if k in RUN_KEYS}
-        settings = cls(**{k: v for k, v in found.items() if v is not None})
+    def pop(cls, config: dict[str, Any], placements: Mapping[str, Any] | None = None) -> RunSettings:
+        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives): `placement`
+        and every key a registered placement declares. Keys no placement declares stay in `config`."""
+        placement = config.pop("placement", None)
+        placements = placements or {}
+        keys = {name for p in placements.values() for name in options_of(settings_class(p))}
+        given = {k: config.pop(k) for k in list(config) if k in keys}
+        given = {k: v for k, v in given.items() if v is not None}
+        placed = {}
+        for name, p in placements.items():
+            settings_cls = settings_class(p)
+            if settings_cls is not None:
+                placed[name] = make(settings_cls, {k: v for k, v in given.items() if k in options_of(settings_cls)})
+        settings = cls(placement, placed)
         settings.check()
         return settings
 
     def check(self) -> None:
-        if not isinstance(self.max_restarts, int) or isinstance(self.max_restarts, bool) or self.max_restarts < 0:
-            raise InvalidParameter("max_restarts", f"{self.max_restarts!r} is not an integer >= 0")
-        if (threads := self.worker_threads) not in (None, "shared") and not (type(threads) is int and threads >= 1):
-            raise InvalidParameter("worker_threads", f"{threads!r} is not an integer >= 1 or 'shared'")
         parse_placement(self.placement)
-        parse_replicas(self.replicas)
 
     def placement_of(self, node) -> str:
         run_wide, nodes = parse_placement(self.placement)
-        return nodes.get(node.id) or run_wide or node.placement or "inproc"
+        return nodes.get(node.id) or run_wide or node.placement or INPROC
 
-    def replicas_of(self, node) -> int:
-        run_wide, nodes = parse_replicas(self.replicas)
-        return nodes.get(node.id) or run_wide or 1
+    def settings_of(self, placement: str) -> Any:
+        """The settings instance of a placement (None when it declares none)."""
+        return self.placed.get(placement)
+
+
+def settings_class(placement: Any) -> type | None:
+    """The settings class a registered placement declares (None: it declares none)."""
+    return getattr(placement, "settings", None)
 
 
 def parse_placement(value: Any) -> tuple[str | None, dict[str, str]]:
-    """(run-wide mode, {node id: mode}) of a placement setting: "process", "video=process,bridge=inproc",
-    "process,video=ray", or a mapping of node id to mode."""
-    return per_node("placement", value, "MODE", lambda mode: mode in PLACEMENTS and mode,
-                    f"one of {', '.join(PLACEMENTS)}")
+    """(run-wide placement, {node id: placement}) of a placement setting: "process", "video=process,bridge=inproc",
+    "process,video=ray", or a mapping of node id to placement. Names are checked against the registered
+    placements when the graph is built (`check_placements`)."""
+    return per_node("placement", value, "NAME", _placement_name, "a placement name")
 
 
-def parse_replicas(value: Any) -> tuple[int | None, dict[str, int]]:
-    """(run-wide count, {node id: count}) of a replicas setting: 2, "video=2", "1,video=2", or a mapping."""
-    return per_node("replicas", value, "N", lambda n: n.isdigit() and int(n) >= 1 and int(n), "an integer >= 1")
+def _placement_name(text: str) -> str | None:
+    return text if text.replace("_", "").isalnum() else None
 
 
-def per_node(name: str, value: Any, what: str, convert, expected: str) -> tuple[Any, dict[str, Any]]:
+def per_node(name: str, value: Any, what: str, convert: Callable[[str], Any], expected: str) -> tuple[Any, dict]:
     """A run setting given run-wide, per node (NODE=VALUE pairs, comma-separated) or as a mapping of node id to
-    value; `convert` turns a value's text into the setting (false where it is not `expected`)."""
+    value; `convert` turns a value's text into the setting, or None where it is not `expected`. For placements'
+    own per-node settings too (e.g. a replica count per node)."""
     if value is None or value == "":
         return None, {}
     if isinstance(value, Mapping):
         items = [(str(k), str(v)) for k, v in value.items()]
     elif isinstance(value, (str, int)) and not isinstance(value, bool):
-        parts = [p.partition("=") for p in str(value).split(",") if p.strip()]
-        items = [(key.strip(), v.strip()) if sep else ("", key.strip()) for key, sep, v in parts]
+        items = [_pair(part) for part in str(value).split(",") if part.strip()]
     else:
         raise InvalidParameter(name, f"{value!r} is not {expected} or NODE={what} pairs")
-    run_wide, nodes = None, {}
+    nodes: dict[str, Any] = {}
     for key, text in items:
-        if not (converted := convert(text)):
+        converted = convert(text)
+        if converted is None:
             raise InvalidParameter(name, f"{text!r} is not {expected}")
         nodes[key] = converted
-    return nodes.pop("", run_wide), nodes
+    run_wide = nodes.pop("", None)
+    return run_wide, nodes
 
 
-def check_placement_nodes(settings: RunSettings, plan, provided: Mapping[str, Any] | None = None) -> None:
-    """The per-node entries name nodes of the plan; every placement used is one an installed plugin provides."""
+def _pair(part: str) -> tuple[str, str]:
+    key, sep, value = part.partition("=")
+    if not sep:
+        return "", key.strip()
+    return key.strip(), value.strip()
+
+
+def check_node_ids(name: str, nodes: Mapping[str, Any], plan) -> None:
+    """Per-node entries of the setting `name` name nodes of the plan."""
     ids = [n.id for n in plan.nodes]
-    for name, (_, nodes) in (("placement", parse_placement(settings.placement)),
-                             ("replicas", parse_replicas(settings.replicas))):
-        if unknown := sorted(set(nodes) - set(ids)):
-            raise InvalidParameter(name, f"pipeline {plan.name!r} has no node {unknown[0]!r}; its nodes: "
-                                         f"{', '.join(ids)}")
+    unknown = sorted(set(nodes) - set(ids))
+    if unknown:
+        raise InvalidParameter(name, f"pipeline {plan.name!r} has no node {unknown[0]!r}; its nodes: {', '.join(ids)}")
+
+
+def check_placements(settings: RunSettings, plan, placements: Mapping[str, Any]) -> None:
+    """Every placement the plan's nodes use is inproc or registered; each registered placement accepts its own
+    settings for this plan (its `check`), before any stage is built."""
+    _, nodes = parse_placement(settings.placement)
+    check_node_ids("placement", nodes, plan)
+    known = [INPROC, *sorted(placements)]
     for node in plan.nodes:
-        if node.placement is not None and node.placement not in PLACEMENTS:
+        if node.placement is not None and node.placement not in known:
             raise PluginError(f"node {node.id!r} of pipeline {plan.name!r} has placement {node.placement!r}; "
-                              f"expected one of {', '.join(PLACEMENTS)}")
-        if settings.replicas_of(node) > 1 and settings.placement_of(node) == "inproc":
-            raise InvalidParameter("replicas", f"node {node.id!r} runs inproc; replicas need placement process or ray")
-    provided = PLACEMENTS if provided is None else provided
-    for mode in sorted({settings.placement_of(n) for n in plan.nodes} - {"inproc"} - set(provided)):
-        plugin = PROVIDERS.get(mode, mode)
-        raise UserError(f"placement {mode!r} needs the {plugin} plugin (pip install {plugin}; check `omni plugins` "
-                        "and OMNI_PLUGINS if installed)")
+                              f"installed placements: {', '.join(known)}")
+    for used in sorted({settings.placement_of(n) for n in plan.nodes} - set(known)):
+        raise UserError(f"placement {used!r} is not installed; installed placements: {', '.join(known)} "
+                        "(`omni plugins` lists the plugins, and what each registers)")
+    for name, placement in sorted(placements.items()):
+        placement.check(settings.settings_of(name), plan, settings.placement_of)

@@ -1,15 +1,25 @@
-"""Planner (pipeline name -> PipelinePlan) and GraphBuilder (plan + config -> validated StageGraph)."""
+"""Planner (pipeline name -> PipelinePlan) and GraphBuilder (plan + config -> validated StageGraph).
+
+The GraphBuilder is where engine sharing is decided: it keeps one engine per share key (`registry.share_key`) for
+every graph it builds, so the stages of several pipelines of one plugin host that use the same node-type engine
+with the same settings share one engine (one batch, one KV pool, one copy of the weights). A dead engine is
+replaced by the next build.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from omni_kernel.core.errors import GraphError, PluginError, UnknownPipeline
-from omni_kernel.core.graph import PipelinePlan, StageGraph, validate_plan
-from omni_kernel.core.params import split
-from omni_kernel.core.placement import RunSettings, check_placement_nodes
-from omni_kernel.core.registry import Registry
+import attrs
+
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import GraphError, InvalidParameter, PluginError, UnknownPipeline
+from omni_kernel.core.graph import NodeSpec, PipelinePlan, StageGraph, validate_plan
+from omni_kernel.core.params import make, options_of, resolve, split
+from omni_kernel.core.placement import INPROC, RunSettings, check_placements
+from omni_kernel.core.registry import NodeType, Registry, share_key
+from omni_kernel.core.request import Request, StageInput
 
 
 class Planner:
@@ -29,61 +39,149 @@ class Planner:
         return registered.item
 
 
+@attrs.frozen
+class NodeBuild:
+    """Everything one node's stage is built from, checked: its spec, type, config, policy and share key."""
+
+    node: NodeSpec
+    node_type: NodeType
+    config: Any
+    policy: Any
+    key: tuple
+
+
+def node_policy(node: NodeSpec, node_type: NodeType) -> Any:
+    """The node's policy instance (the plan's `NodeSpec.policy` validated by the node type's declared class)."""
+    cls = node_type.policy
+    if cls is None:
+        if node.policy:
+            raise GraphError("node_policy", [node.id], f"node {node.id!r}: node type {node_type.name!r} takes no "
+                                                       f"policy, not {', '.join(sorted(node.policy))}")
+        return None
+    valid = sorted(options_of(cls))
+    unknown = sorted(set(node.policy) - set(valid))
+    if unknown:
+        raise GraphError("node_policy", [node.id], f"node {node.id!r}: node type {node_type.name!r} has no policy "
+                                                   f"key {unknown[0]!r}; valid keys: {', '.join(valid) or 'none'}")
+    try:
+        return make(cls, node.policy)
+    except InvalidParameter as exc:
+        raise GraphError("node_policy", [node.id], f"node {node.id!r}: policy {exc}") from None
+
+
 class GraphBuilder:
-    """Validates a plan against the registered node types and connectors, then builds its stages."""
+    """Validates a plan against the registered node types and connectors, then builds its stages; keeps the
+    engines it built, one per share key, for every later graph."""
 
     def __init__(self, registry: Registry):
         self.registry = registry
+        self.engines: dict[tuple, Engine] = {}
 
     def validate(self, plan: PipelinePlan) -> list[str]:
+        """The graph rules, the connectors' contracts and the node policies; the node ids in order."""
         order = validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items())
         types = self.registry.node_types_of(plan)
         for e in plan.edges:
-            wanted = getattr(self.registry.connectors[e.connector].item, "source_contract", None)
-            if wanted is not None and types[e.source].output_contract != wanted:
-                raise GraphError("contract", [e.source], f"connector {e.connector!r} reads {wanted!r} but node "
-                                 f"{e.source} ({types[e.source].name}) outputs {types[e.source].output_contract!r}")
+            self._check_contract(e, types)
+        for node in plan.nodes:
+            node_policy(node, types[node.id])
         return order
+
+    def _check_contract(self, edge, types: Mapping[str, NodeType]) -> None:
+        wanted = getattr(self.registry.connectors[edge.connector].item, "source_contract", None)
+        source = types[edge.source]
+        if wanted is not None and source.output_contract != wanted:
+            raise GraphError("contract", [edge.source], f"connector {edge.connector!r} reads {wanted!r} but node "
+                             f"{edge.source} ({source.name}) outputs {source.output_contract!r}")
 
     def configs(self, plan: PipelinePlan, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """Each node's config instance; an undeclared key is refused before any model loads."""
         types = self.registry.node_types_of(plan)
         return split(plan.name, "config key", {n: t.config for n, t in types.items()}, config or {})
 
-    def build(self, plan: PipelinePlan, config: Mapping[str, Any] | None = None,
-              settings: RunSettings | None = None, host_factory: Callable[[], Any] | None = None) -> StageGraph:
-        """Build every node's stage where `settings` places it: `inproc` here (the node type's factory), any other
-        placement by the plugin that registered it (e.g. omni-workers: a worker process or a Ray actor behind a
-        proxy; docs/distributed.md). `host_factory` rebuilds the plugin host there (default: the plugin's)."""
+    def prepare(self, plan: PipelinePlan, config: Mapping[str, Any] | None = None,
+                settings: RunSettings | None = None) -> list[NodeBuild]:
+        """Every check that needs no model: the plan, the config, the node policies, the placements' settings
+        and each node's engine settings (which refuse settings invalid for the checkpoint). Nothing loads."""
         order = self.validate(plan)
         settings = settings or RunSettings()
         settings.check()
-        check_placement_nodes(settings, plan, self.registry.placements)
+        check_placements(settings, plan, self.placements())
         configs = self.configs(plan, config)
         types = self.registry.node_types_of(plan)
-        placed: dict[str, list] = {}
+        builds = []
         for node_id in order:
-            placed.setdefault(settings.placement_of(plan.node(node_id)), []).append(node_id)
+            node, node_type = plan.node(node_id), types[node_id]
+            policy = node_policy(node, node_type)
+            key = share_key(node_type, node, configs[node_id], policy)
+            builds.append(NodeBuild(node, node_type, configs[node_id], policy, key))
+        return builds
+
+    def check_request(self, plan: PipelinePlan, builds: list[NodeBuild], request: Request) -> None:
+        """A request's parameters and inputs, against what the nodes declare and their own checks
+        (`NodeType.check`), before any model loads."""
+        params = resolve(plan.name, {b.node.id: b.node_type for b in builds}, request)
+        for build in builds:
+            if build.node_type.check is None:
+                continue
+            item = StageInput(request.request_id, request.prompt, image=request.image, params=params[build.node.id])
+            build.node_type.check(build.node, build.config, build.policy, item)
+
+    def placements(self) -> dict[str, Any]:
+        return {name: r.item for name, r in self.registry.placements.items()}
+
+    def build(self, plan: PipelinePlan, config: Mapping[str, Any] | None = None,
+              settings: RunSettings | None = None, host_factory: Callable[[], Any] | None = None) -> StageGraph:
+        """Build every node's stage where `settings` places it: `inproc` here, on the engine of its share key, any
+        other placement by the plugin that registered it (docs/distributed.md). `host_factory` rebuilds the
+        plugin host where a placement needs one (default: the placement's)."""
+        settings = settings or RunSettings()
+        builds = self.prepare(plan, config, settings)
+        placed: dict[str, list[NodeBuild]] = {}
+        for build in builds:
+            placed.setdefault(settings.placement_of(build.node), []).append(build)
         stages: dict[str, Any] = {}
-        workers = None
+        handles: list = []
         try:
-            for mode, ids in placed.items():  # workers first: they load their models while inproc stages do
-                if mode != "inproc":
-                    nodes = [(plan.node(n), types[n], configs[n]) for n in ids]
-                    built, workers = self.registry.placements[mode].item.build(nodes, settings, host_factory, workers)
-                    stages.update(built)
-            for node_id in placed.get("inproc", ()):
-                node_type = types[node_id]
-                stages[node_id] = stage = node_type.factory(plan.node(node_id), configs[node_id])
-                if stage.kind != node_type.kind:
-                    raise PluginError(f"node type {node_type.name!r} declares kind {node_type.kind!r} but its "
-                                      f"factory built a stage of kind {stage.kind!r}")
+            for name, group in placed.items():  # placed stages first: they load their models while inproc ones do
+                if name != INPROC:
+                    stages.update(self._place(name, group, settings, host_factory, handles))
+            for build in placed.get(INPROC, ()):
+                stages[build.node.id] = self.stage(build)
             for stage in stages.values():
                 stage.wait_ready()
         except BaseException:
-            if workers is not None:
-                workers.close()
+            for handle in handles:
+                handle.close()
             raise
+        types = {b.node.id: b.node_type for b in builds}
         connectors = {(e.source, e.target): self.registry.connectors[e.connector].item for e in plan.edges}
+        order = [b.node.id for b in builds]
         return StageGraph(plan=plan, stages={n: stages[n] for n in order}, connectors=connectors, order=order,
-                          node_types=types, workers=workers)
+                          node_types=types, placed=handles)
+
+    def _place(self, name: str, group: list[NodeBuild], settings: RunSettings, host_factory, handles: list) -> dict:
+        """A placement's stages; the handle it returns (close(), watch(timeout)) is offered to the next placement of
+        the graph, which may share it (omni-workers' process and ray share one group of workers)."""
+        placement = self.registry.placements[name].item
+        shared = handles[-1] if handles else None
+        stages, handle = placement.build(group, settings.settings_of(name), host_factory, shared)
+        if handle is not None and handle is not shared:
+            handles.append(handle)
+        return stages
+
+    def stage(self, build: NodeBuild) -> Any:
+        """The node's stage in this process, on the engine of its share key (built, or a dead one replaced)."""
+        engine = self.engine(build)
+        stage = build.node_type.stage(build.node, build.config, build.policy, engine)
+        if stage.kind != build.node_type.kind:
+            raise PluginError(f"node type {build.node_type.name!r} declares kind {build.node_type.kind!r} but its "
+                              f"stage factory built a stage of kind {stage.kind!r}")
+        return stage
+
+    def engine(self, build: NodeBuild) -> Engine:
+        engine = self.engines.get(build.key)
+        if engine is None or engine.dead is not None:  # a dead engine takes nothing more: a new one
+            engine = build.node_type.engine(build.key[1])
+            self.engines[build.key] = engine
+        return engine

@@ -59,22 +59,31 @@ class OutputProcessor(Protocol):
 
 
 @runtime_checkable
+class Stepped(Protocol):
+    """What the StageScheduler steps once per round: an in-process stage's Engine (shared by the stages built on
+    it), or a placed stage itself (its proxy steps its worker's engine there)."""
+
+    def step(self) -> list: ...  # RequestOutputs (an Engine) or events (a placed stage), each with a request_id
+    def has_unfinished(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...  # block until a step would make progress
+
+
+@runtime_checkable
 class Stage(Protocol):
-    """One graph node, in this process (the kernel's Stage) or behind a proxy (a worker, a Ray actor)."""
+    """One graph node, in this process (the kernel's Stage) or placed elsewhere behind a proxy (a worker, an
+    actor). The StageScheduler steps its `engine` and hands it the outputs of its own requests (`events_for`)."""
 
     node_id: str
     kind: str
     concurrent_process: bool
+    engine: Stepped
 
     def check(self, item: StageInput) -> None: ...
     def process(self, item: StageInput) -> StageInput: ...  # once per request; raises UserError
     def add_request(self, item: StageInput) -> None: ...  # a failure comes back as a StageFailed event
     def hand_off(self, item: StageInput) -> None: ...  # process + add_request: an upstream stage's output
-    def step(self) -> list: ...
+    def events_for(self, outputs: list) -> list: ...  # this stage's events from its requests' step outputs
     def abort(self, request_id: str) -> None: ...
-    def has_unfinished(self) -> bool: ...
-    def request_ids(self) -> set[str]: ...
-    def wait(self, timeout: float | None = None) -> bool: ...  # block until a step would make progress
     def wait_ready(self, timeout: float | None = None) -> None: ...  # block until built (a worker loads)
     def stats(self) -> StageStats: ...
 

@@ -2,36 +2,71 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import attrs
 
-from omni_kernel.core.errors import DuplicateRegistration
+from omni_kernel.core.errors import DuplicateRegistration, PluginError
 from omni_kernel.core.graph import PipelinePlan
+
+
+OLD_FORM = ("NodeType(factory=...) is the old form: a node type now gives engine_settings=, engine= and stage= "
+            "(the kernel builds and shares the engines; docs/plugins.md, \"Node types\")")
+
+
+def _refuse_old_form(instance, attribute, value) -> None:
+    if value is not None:
+        raise PluginError(f"node type {instance.name!r}: {OLD_FORM}")
 
 
 @attrs.frozen
 class NodeType:
-    """A stage type. `factory(node, config)` builds the Stage for one graph node.
+    """A stage type: what the kernel needs to build an engine, and a stage on an engine, for one graph node.
 
-    `config` and `params` are attrs classes of `params.option` fields: the model-level settings the factory
-    receives (as one instance) and the request parameters each StageInput carries. `inputs` names the request
-    inputs the node reads besides the prompt (e.g. "image"). An undeclared key is refused everywhere.
-    `output_contract` names what its StageOutput holds for a connector that declares a `source_contract`.
-    `share_key(node, config)`, where given: nodes with equal keys share one engine (the factory shares it), so a
-    worker placement hosts their stages in one worker.
+    - `engine_settings(node, config, policy)`: everything the node's engine depends on (the model's resolved path,
+      dtype, device, engine limits) as one hashable value, computed without loading anything. It is where
+      settings invalid for the checkpoint are refused (a UserError), before any model loads or worker starts.
+    - `engine(settings)`: builds (loads) the Engine for those settings.
+    - `stage(node, config, policy, engine)`: the node's Stage over `engine`.
+
+    Nodes whose types have the same `engine` factory and equal settings share one engine per plugin host, in any
+    pipeline (`share_key`): one batch, one KV pool, one copy of the weights. `config`, `params` and `policy` are
+    attrs classes of `params.option` fields: the model-level settings, the request parameters each StageInput
+    carries, and the node policy a pipeline plan sets (`NodeSpec.policy`, validated when the plan is built). An
+    undeclared key is refused everywhere. `inputs` names the request inputs the node may read besides the prompt
+    (e.g. "image"). `check(node, config, policy, item)`, where given, refuses a request's inputs and parameters
+    before any model loads (the part of input processing that needs no model). `output_contract` names what its
+    StageOutput holds for a connector that declares a `source_contract`.
     """
 
     name: str
     kind: str
-    factory: Callable[..., Any]
-    config: type | None = None
-    params: type | None = None
-    inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
-    description: str = ""
-    output_contract: str | None = None
-    share_key: Callable[..., Any] | None = None
+    # The old form's third positional argument: refused, naming the new form.
+    factory: Any = attrs.field(default=None, validator=_refuse_old_form, repr=False)
+    engine_settings: Callable[..., Hashable] = attrs.field(default=None, kw_only=True)
+    engine: Callable[..., Any] = attrs.field(default=None, kw_only=True)
+    stage: Callable[..., Any] = attrs.field(default=None, kw_only=True)
+    config: type | None = attrs.field(default=None, kw_only=True)
+    params: type | None = attrs.field(default=None, kw_only=True)
+    policy: type | None = attrs.field(default=None, kw_only=True)
+    inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, kw_only=True)
+    check: Callable[..., None] | None = attrs.field(default=None, kw_only=True)
+    description: str = attrs.field(default="", kw_only=True)
+    output_contract: str | None = attrs.field(default=None, kw_only=True)
+    share_key: Any = attrs.field(default=None, kw_only=True, validator=_refuse_old_form, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        missing = [name for name in ("engine_settings", "engine", "stage") if getattr(self, name) is None]
+        if missing:
+            raise PluginError(f"node type {self.name!r} gives no {', '.join(missing)}: a node type gives "
+                              "engine_settings=, engine= and stage= (docs/plugins.md, \"Node types\")")
+
+
+def share_key(node_type: NodeType, node, config: Any, policy: Any) -> tuple:
+    """The one place sharing is decided: nodes with equal keys share one engine (in this process, and in one
+    worker of a worker placement)."""
+    return (node_type.engine, node_type.engine_settings(node, config, policy))
 
 
 @attrs.frozen

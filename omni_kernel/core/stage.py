@@ -50,7 +50,12 @@ class Outputs:
 
 
 class Stage:
-    """`summary` (the stage's engine and limits in one line) is logged when it first steps."""
+    """One graph node's stage in this process, over an Engine that other stages (of other pipelines) may share.
+
+    The StageScheduler steps `engine` once per round, whichever stages share it, and hands each stage the outputs
+    of its own requests (`events_for`). `summary` (the stage's engine and limits in one line) is logged when the
+    stage first makes events.
+    """
 
     def __init__(self, node: NodeSpec, kind: str, inputs: InputProcessor | None, engine: Engine,
                  outputs: OutputProcessor | None = None, summary: str = ""):
@@ -83,26 +88,19 @@ class Stage:
     def hand_off(self, item: StageInput) -> None:
         self.add_request(self.process(item))
 
-    def step(self) -> list:
+    def events_for(self, outputs: list[RequestOutput]) -> list:
+        """The events of this stage's requests' outputs from one engine step; the requests the output processor
+        stopped itself (a stop string) are aborted in the engine."""
         if self.summary:
             log.info("%s", self.summary)
             self.summary = ""
-        events, stops = self.outputs.process(self.engine.step())
+        events, stops = self.outputs.process(outputs)
         for request_id in stops:
             self.engine.abort(request_id)
         return events
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
-
-    def has_unfinished(self) -> bool:
-        return self.engine.has_unfinished()
-
-    def request_ids(self) -> set[str]:
-        return self.engine.request_ids()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self.engine.wait(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         pass  # built in this process: ready

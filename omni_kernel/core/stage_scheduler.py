@@ -1,6 +1,8 @@
-"""StageScheduler: every request in flight across the graph.
+"""StageScheduler: every request in flight across every pipeline of one plugin host.
 
-It steps each stage, routes finished stage outputs through connectors to downstream stages and emits events.
+Each round steps every engine that holds a request once (stages of several pipelines may share one engine), hands
+each output to the stage of its request's node, routes finished stage outputs through connectors to downstream
+stages and emits events. The request's record (`InFlight`) says which node of which graph it is at on which engine.
 It knows nothing of tokens, KV caches or denoise steps.
 """
 
@@ -8,212 +10,252 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.errors import InvalidParameter, RequestError
 from omni_kernel.core.events import RequestFailed, RequestFinished, StageFailed, StageFinished
 from omni_kernel.core.graph import StageGraph
-from omni_kernel.core.params import split
+from omni_kernel.core.params import resolve
 from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput
 
 log = logging.getLogger("omni")
 
 
-@attrs.define
+@attrs.define(eq=False)
 class InFlight:
+    """One request's record: its graph and params, the nodes still to finish, and where it runs now."""
+
     request: Request
+    graph: StageGraph
     params: Mapping[str, Any]  # node id -> that node's params instance
     remaining: set[str]
+    at: dict[int, str] = attrs.Factory(dict)  # id of an engine -> the node whose stage runs the request on it
     outputs: dict[str, StageOutput] = attrs.Factory(dict)
     trace: dict[str, Any] = attrs.Factory(dict)
     start: float = attrs.Factory(time.perf_counter)
 
-
-def fail_stage(stage, exc: Exception) -> list:
-    """A stage whose step raised fails (and drops) the requests it holds, not the loop that steps it (the
-    StageScheduler here, a stage worker's loop in omni_workers): their StageFailed events."""
-    log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
-    held = sorted(stage.request_ids())
-    for rid in held:
-        stage.abort(rid)
-    return [StageFailed.of(rid, stage.node_id, exc) for rid in held]
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 class StageScheduler:
-    step_wait_s = 0.02  # the longest a step blocks on stage workers with nothing to report (no spinning)
+    step_wait_s = 0.02  # the longest a step blocks on placed stages with nothing to report (no spinning)
 
-    def __init__(self, graph: StageGraph):
-        self.graph = graph
+    def __init__(self):
         self.in_flight: dict[str, InFlight] = {}
-        self.backlog: list = []  # events that a helper stepped past for another request; returned next step
+        self.held: dict[int, list] = {}  # id of a graph -> its events that a step for another graph produced
 
-    def resolve(self, request: Request) -> dict[str, Any]:
-        """Each node's params for the request; refuses keys and inputs no node of the pipeline declares."""
-        types = self.graph.node_types
-        if request.image is not None and not any("image" in t.inputs for t in types.values()):
-            raise InvalidParameter("image", f"pipeline {self.graph.name!r} takes no input image")
-        return split(self.graph.name, "request parameter", {n: t.params for n, t in types.items()}, request.params)
+    # Requests in.
 
-    def submit(self, request: Request) -> str:
-        """Process the request's inputs for the entry nodes now, so a user mistake raises here."""
-        if request.pipeline != self.graph.name:
-            raise InvalidParameter("pipeline", f"this scheduler runs {self.graph.name!r}, not {request.pipeline!r}")
+    def submit(self, request: Request, graph: StageGraph) -> str:
+        """Process the request's inputs for the graph's entry nodes now, so a user mistake raises here."""
+        if request.pipeline != graph.name:
+            raise InvalidParameter("pipeline", f"this graph runs {graph.name!r}, not {request.pipeline!r}")
         if request.request_id in self.in_flight:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
-        params = self.resolve(request)
-        entries = self.graph.entries()
+        params = resolve(graph.name, graph.node_types, request)
+        entries = graph.entries()
         items = {}
-        for node_id in self.graph.order:
+        for node_id in graph.order:
             item = StageInput(request.request_id, request.prompt, image=request.image, params=params[node_id])
             if node_id in entries:
-                items[node_id] = self.graph.stages[node_id].process(item)
+                items[node_id] = graph.stages[node_id].process(item)
             else:
-                self.graph.stages[node_id].check(item)
-        self.in_flight[request.request_id] = InFlight(request, params, set(self.graph.order))
+                graph.stages[node_id].check(item)
+        flight = InFlight(request, graph, params, set(graph.order))
+        self.in_flight[request.request_id] = flight
         for node_id, item in items.items():
-            self.graph.stages[node_id].add_request(item)
+            stage = graph.stages[node_id]
+            self._place(flight, node_id, stage)
+            stage.add_request(item)
         return request.request_id
 
-    def has_unfinished(self) -> bool:
-        return bool(self.in_flight) or bool(self.backlog)
+    def _place(self, flight: InFlight, node_id: str, stage) -> None:
+        """Record that the request runs at `node_id` on its stage's engine."""
+        key = id(stage.engine)
+        if key in flight.at:
+            raise RequestError(f"nodes {flight.at[key]!r} and {node_id!r} of pipeline {flight.graph.name!r} share "
+                               "one engine and would run this request on it at once")
+        flight.at[key] = node_id
+
+    # Stepping.
+
+    def has_unfinished(self, graph: StageGraph | None = None) -> bool:
+        if graph is None:
+            return bool(self.in_flight) or any(self.held.values())
+        if self.held.get(id(graph)):
+            return True
+        return any(f.graph is graph for f in self.in_flight.values())
+
+    def busy_engines(self) -> list:
+        """The engines that hold a request in flight, those of nodes nearer their graph's entry first."""
+        found: dict[int, tuple[int, Any]] = {}
+        for flight in self.in_flight.values():
+            order = flight.graph.order
+            for node_id in flight.at.values():
+                engine = flight.graph.stages[node_id].engine
+                depth = order.index(node_id)
+                if id(engine) not in found or depth < found[id(engine)][0]:
+                    found[id(engine)] = (depth, engine)
+        return [engine for _, engine in sorted(found.values(), key=lambda pair: pair[0])]
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until a step would make progress; never spins on stages that are waiting on others (an
-        in-process stage with work is ready at once; a worker's proxy blocks on its workers' pipes)."""
-        if self.backlog:
+        """Block until a step would make progress; never spins on engines that are waiting on others (an
+        in-process engine with work is ready at once; a placed stage blocks on its workers)."""
+        busy = self.busy_engines()
+        if any(engine.wait(0) for engine in busy):
             return True
-        busy = [s for s in self.graph.stages.values() if s.has_unfinished()]
-        if any(s.wait(0) for s in busy):
-            return True
-        for stage in busy if timeout != 0 else ():
-            if stage.wait(timeout):
+        for engine in busy if timeout != 0 else ():
+            if engine.wait(timeout):
                 return True
-            timeout = 0  # one stage's wait blocks on all the workers of its group
+            timeout = 0  # one wait blocks on all the workers of a placement's group
         return False
 
-    def step(self) -> list:
-        """One step of every stage with work. With stage workers it first blocks (up to `step_wait_s`) until one
-        of them has something to report, so a caller's `while has_unfinished(): step()` does not spin."""
-        if not self.backlog and self.in_flight:
+    def step(self, graph: StageGraph | None = None) -> list:
+        """One round: every busy engine steps once. Returns the events of `graph`'s requests (the others are held
+        for their own graph's step), or, with no graph, every event. With placed stages it first blocks (up to
+        `step_wait_s`) until one of them has something to report, so `while has_unfinished(): step()` never spins."""
+        held = self.held.pop(id(graph), []) if graph is not None else self._take_all_held()
+        if not held and self.in_flight:
             self.wait(self.step_wait_s)
-        events, self.backlog = self.backlog, []
-        # Only stages that had work when the step began: a request handed downstream starts next step, so the
-        # upstream events (its last text) reach the caller before the downstream stage's first work.
-        busy = [node_id for node_id in self.graph.order if self.graph.stages[node_id].has_unfinished()]
-        for node_id in busy:
-            stage = self.graph.stages[node_id]
-            try:
-                stage_events = stage.step()
-            except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the loop
-                stage_events = fail_stage(stage, exc)
-            for event in stage_events:
-                events.extend(self._route(node_id, event))
+        events = held
+        # Only the engines that had work when the round began: a request handed downstream starts next round, so
+        # the upstream events (its last text) reach the caller before the downstream stage's first work.
+        for engine in self.busy_engines():
+            for owner, event in self._step_engine(engine):
+                if graph is None or owner is graph:
+                    events.append(event)
+                else:
+                    self.hold(owner, event)
         return events
 
-    def abort(self, request_id: str) -> None:
-        if self.in_flight.pop(request_id, None) is None:
-            return
-        for stage in self.graph.stages.values():
-            stage.abort(request_id)
-        self.backlog.append(RequestFailed(request_id, None, "aborted", "aborted"))
+    def hold(self, graph: StageGraph, event) -> None:
+        """Keep an event for `graph`'s next step."""
+        self.held.setdefault(id(graph), []).append(event)
 
-    def _route(self, node_id: str, event) -> list:
+    def _take_all_held(self) -> list:
+        events = [e for held in self.held.values() for e in held]
+        self.held.clear()
+        return events
+
+    def _step_engine(self, engine) -> list[tuple[StageGraph, Any]]:
+        """Step one engine; hand each output to its request's stage; route the stages' events."""
+        try:
+            outputs = engine.step()
+        except Exception as exc:  # noqa: BLE001 - a broken engine fails its own requests, not the loop
+            return self._fail_engine(engine, exc)
+        by_stage: dict[tuple[int, str], list] = {}
+        for out in outputs:
+            flight = self.in_flight.get(out.request_id)
+            node_id = None if flight is None else flight.at.get(id(engine))
+            if node_id is not None:  # else aborted or failed while the engine was working on it
+                by_stage.setdefault((id(flight.graph), node_id), []).append(out)
+        routed = []
+        for (_, node_id), outs in by_stage.items():
+            graph = self.in_flight[outs[0].request_id].graph
+            for event in self._events_for(graph.stages[node_id], outs):
+                routed.extend(self._route(node_id, event))
+        return routed
+
+    def _events_for(self, stage, outputs: list) -> list:
+        try:
+            return stage.events_for(outputs)
+        except Exception as exc:  # noqa: BLE001 - a stage that cannot make its events fails those requests only
+            log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
+            request_ids = dict.fromkeys(out.request_id for out in outputs)
+            return [StageFailed.of(rid, stage.node_id, exc) for rid in request_ids]
+
+    def _fail_engine(self, engine, exc: Exception) -> list[tuple[StageGraph, Any]]:
+        log.error("stage engine failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        routed = []
+        for flight in [f for f in self.in_flight.values() if id(engine) in f.at]:
+            node_id = flight.at[id(engine)]
+            routed.extend(self._route(node_id, StageFailed.of(flight.request_id, node_id, exc)))
+        return routed
+
+    # Routing.
+
+    def _route(self, node_id: str, event) -> list[tuple[StageGraph, Any]]:
         flight = self.in_flight.get(event.request_id)
         if flight is None:
             return []  # aborted or failed while the stage was working on it
         if isinstance(event, StageFailed):
             return self._fail(flight, event)
         if not isinstance(event, StageFinished):
-            return [event]
+            return [(flight.graph, event)]
+        return self._finish_node(flight, node_id, event)
+
+    def _finish_node(self, flight: InFlight, node_id: str, event: StageFinished) -> list[tuple[StageGraph, Any]]:
+        graph = flight.graph
         flight.outputs[node_id] = event.output
         flight.remaining.discard(node_id)
-        routed: list = [event]
-        for child in self.graph.children(node_id):
-            connector = self.graph.connectors[(node_id, child)]
-            # One call: a stage worker's proxy processes and adds in one message, so the front does not wait for the
-            # worker's current step; its processing error comes back as that request's StageFailed.
+        flight.at = {k: n for k, n in flight.at.items() if n != node_id}
+        routed: list = [(graph, event)]
+        for child in graph.children(node_id):
             try:
-                item = connector.convert(event.output, flight.request)
-                item = attrs.evolve(item, params=flight.params[child]) if item.params is None else item
-                flight.trace.update(item.trace)
-                self.graph.stages[child].hand_off(item)
+                self._hand_off(flight, node_id, child, event.output)
             except Exception as exc:  # noqa: BLE001 - a failed hand-off fails this request only
-                return routed + self._fail(flight, StageFailed.of(flight.request.request_id, child, exc))
+                return routed + self._fail(flight, StageFailed.of(flight.request_id, child, exc))
         if not flight.remaining:
-            routed.append(RequestFinished(flight.request.request_id, self._result(flight)))
-            del self.in_flight[flight.request.request_id]
+            routed.append((graph, RequestFinished(flight.request_id, self._result(flight))))
+            del self.in_flight[flight.request_id]
         return routed
 
-    def _fail(self, flight: InFlight, failed: StageFailed) -> list:
-        rid = flight.request.request_id
-        del self.in_flight[rid]
-        for stage in self.graph.stages.values():
-            stage.abort(rid)
-        return [RequestFailed(rid, failed.node_id, failed.error, failed.kind, failed.field)]
+    def _hand_off(self, flight: InFlight, node_id: str, child: str, output: StageOutput) -> None:
+        # One call: a stage worker's proxy processes and adds in one message, so the front does not wait for the
+        # worker's current step; its processing error comes back as that request's StageFailed.
+        connector = flight.graph.connectors[(node_id, child)]
+        item = connector.convert(output, flight.request)
+        if item.params is None:
+            item = attrs.evolve(item, params=flight.params[child])
+        flight.trace.update(item.trace)
+        stage = flight.graph.stages[child]
+        self._place(flight, child, stage)
+        stage.hand_off(item)
+
+    def _fail(self, flight: InFlight, failed: StageFailed) -> list[tuple[StageGraph, Any]]:
+        del self.in_flight[flight.request_id]
+        self._abort_stages(flight)
+        return [(flight.graph, RequestFailed(flight.request_id, failed.node_id, failed.error, failed.kind,
+                                             failed.field))]
+
+    def _abort_stages(self, flight: InFlight) -> None:
+        for node_id in flight.at.values():
+            flight.graph.stages[node_id].abort(flight.request_id)
+        flight.at.clear()
 
     def _result(self, flight: InFlight) -> RequestResult:
-        trace: dict[str, Any] = {"request.id": flight.request.request_id, "request.pipeline": self.graph.name}
-        for node_id in self.graph.order:
+        graph = flight.graph
+        trace: dict[str, Any] = {"request.id": flight.request_id, "request.pipeline": graph.name}
+        for node_id in graph.order:
             trace.update(flight.outputs[node_id].trace)
         trace.update(flight.trace)
         trace["request.elapsed_ms"] = round((time.perf_counter() - flight.start) * 1000, 3)
-        return RequestResult(request_id=flight.request.request_id, pipeline=self.graph.name,
-                             output=flight.outputs[self.graph.final], outputs=dict(flight.outputs), trace=trace)
+        return RequestResult(request_id=flight.request_id, pipeline=graph.name, output=flight.outputs[graph.final],
+                             outputs=dict(flight.outputs), trace=trace)
 
-    # Thin helpers over submit + step.
+    # Requests out.
 
-    def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
-                **params: Any) -> Request:
-        extra = {"request_id": request_id} if request_id else {}
-        return Request(self.graph.name, prompt, image=image, params=params, **extra)
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it runs; its graph's next step reports it as aborted."""
+        flight = self.in_flight.pop(request_id, None)
+        if flight is None:
+            return
+        self._abort_stages(flight)
+        self.hold(flight.graph, RequestFailed(request_id, None, "aborted", "aborted"))
 
-    def run(self, requests: Iterable[Request]) -> Iterator:
-        """Submit every request, then yield all events until nothing is in flight."""
-        for request in requests:
-            self.submit(request)
-        while self.has_unfinished():
-            yield from self.step()
-
-    def generate_stream(self, prompt: str | Request, **kwargs: Any) -> Iterator:
-        """Yield the events of one request (a Request, or a prompt and `request`'s keywords); closing the iterator
-        early aborts the request."""
-        rid = self.submit(prompt if isinstance(prompt, Request) else self.request(prompt, **kwargs))
-        done = False
-        try:
-            while not done:
-                mine = []
-                for event in self.step():
-                    (mine if event.request_id == rid else self.backlog).append(event)
-                for event in mine:
-                    done = done or isinstance(event, (RequestFinished, RequestFailed))
-                    yield event
-        finally:
-            if not done:
-                self._drop(rid)
-
-    def generate(self, prompt: str | Request, **kwargs: Any) -> RequestResult:
-        """Run one request to the end (a Request, or a prompt and `request`'s keywords); raise its error (typed,
-        as the stage raised it) if it fails. Steps in this frame, not through generate_stream: a short call chain."""
-        rid = self.submit(prompt if isinstance(prompt, Request) else self.request(prompt, **kwargs))
-        try:
-            while True:
-                for event in self.step():
-                    if event.request_id != rid:
-                        self.backlog.append(event)
-                    elif isinstance(event, RequestFinished):
-                        rid = None
-                        return event.result
-                    elif isinstance(event, RequestFailed):
-                        rid = None
-                        raise event.exception()
-        finally:
-            if rid is not None:
-                self._drop(rid)
-
-    def _drop(self, request_id: str) -> None:
-        """Abort a request its caller stopped waiting for, and forget its events."""
+    def forget(self, graph: StageGraph, request_id: str) -> None:
+        """Abort a request its caller stopped waiting for, and drop its events."""
         self.abort(request_id)
-        self.backlog = [e for e in self.backlog if e.request_id != request_id]
+        held = self.held.get(id(graph), [])
+        self.held[id(graph)] = [e for e in held if e.request_id != request_id]
+
+    def abort_graph(self, graph: StageGraph) -> None:
+        """Abort every request of a graph that is being closed."""
+        for flight in [f for f in self.in_flight.values() if f.graph is graph]:
+            self.abort(flight.request_id)
+        self.held.pop(id(graph), None)
