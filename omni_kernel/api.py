@@ -101,8 +101,8 @@ class Omni:
     # Lifecycle.
 
     def close(self) -> None:
-        """Abort this Omni's requests and stop its placed stages (nothing to stop for in-process ones)."""
-        self.scheduler.abort_graph(self.graph)
+        """Stop its placed stages (nothing to stop for in-process ones): the requests they held fail, naming the
+        stage, at the next step."""
         self.graph.close()
 
     def __enter__(self) -> Omni:

@@ -30,7 +30,8 @@ def kernel_host() -> PluginHost:
 def two_node_scheduler(log=None, connector=None, **stage_kwargs) -> Omni:
     """An Omni of the two-node pipeline over fake stages, on a host of its own."""
     host = PluginHost()
-    host.registry = registry_with({"t.ar": "ar", "t.text": "text"}, [connector or TagConnector("to_text", "ar", "text")],
+    connectors = [connector or TagConnector("to_text", "ar", "text")]
+    host.registry = registry_with({"t.ar": "ar", "t.text": "text"}, connectors,
                                   [] if log is None else log, **stage_kwargs)
     return Omni(TWO_NODES, host=host)
 

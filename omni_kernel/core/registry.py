@@ -10,7 +10,6 @@ import attrs
 from omni_kernel.core.errors import DuplicateRegistration, PluginError
 from omni_kernel.core.graph import PipelinePlan
 
-
 OLD_FORM = ("NodeType(factory=...) is the old form: a node type now gives engine_settings=, engine= and stage= "
             "(the kernel builds and shares the engines; docs/plugins.md, \"Node types\")")
 

@@ -102,8 +102,9 @@ class RequestResult:
 @attrs.frozen
 class StageStats:
     """What a stage reports of itself (`Stage.stats()`, published by `omni serve` on /metrics and /health): its
-    requests running and waiting, its KV blocks where it has a paged pool, and whether its engine is dead or its
-    worker restarting."""
+    requests running and waiting, its KV blocks where it has a paged pool, whether its engine is dead, and what
+    its placement adds (`placed`: an attrs value of the placement plugin's, e.g. omni-workers' restarts and
+    replicas; None in this process)."""
 
     running: int = 0
     waiting: int = 0
@@ -111,6 +112,4 @@ class StageStats:
     kv_blocks_used: int | None = None
     prefix_hit_tokens: int | None = None
     dead: str | None = None
-    restarts: int = 0
-    restarting: bool = False
-    replicas: tuple[StageStats, ...] = ()  # a replicated stage's: each replica's own, in order
+    placed: Any = None

@@ -253,9 +253,3 @@ class StageScheduler:
         self.abort(request_id)
         held = self.held.get(id(graph), [])
         self.held[id(graph)] = [e for e in held if e.request_id != request_id]
-
-    def abort_graph(self, graph: StageGraph) -> None:
-        """Abort every request of a graph that is being closed."""
-        for flight in [f for f in self.in_flight.values() if f.graph is graph]:
-            self.abort(flight.request_id)
-        self.held.pop(id(graph), None)

@@ -33,16 +33,29 @@ def check_output_path(path: str | Path, field: str = "output") -> Path:
 
 
 def _check_output_path(target: Path, field: str) -> Path:
+    _check_target(target, field)
+    existing, missing = _existing_parent(target, field)
+    _check_name_lengths(existing, missing, field)
+    _probe_writable(existing, field)
+    return target
+
+
+def _check_target(target: Path, field: str) -> None:
+    """The target itself: a file name, and a regular file if it exists."""
     shown = str(target)
     if not target.name:
         raise InvalidParameter(field, f"{shown!r} names no file")
     if target.is_dir():
         raise InvalidParameter(field, f"{shown!r} is a directory; name a file in it")
-    if os.path.lexists(target):
-        mode = os.stat(target).st_mode if target.exists() else os.lstat(target).st_mode
-        if target.exists() and not stat.S_ISREG(mode):
+    if os.path.lexists(target) and target.exists():
+        mode = os.stat(target).st_mode
+        if not stat.S_ISREG(mode):
             raise InvalidParameter(field, f"{shown!r} is a {_kind(mode)}, not a regular file; omni never writes "
                                           "over one")
+
+
+def _existing_parent(target: Path, field: str) -> tuple[Path, list[str]]:
+    """The nearest folder above the target that exists, and the names to create below it (the target's last)."""
     existing = target.parent
     missing: list[str] = [target.name]
     while not existing.exists():
@@ -51,7 +64,11 @@ def _check_output_path(target: Path, field: str) -> Path:
         missing.append(existing.name)
         existing = existing.parent
     if not existing.is_dir():
-        raise InvalidParameter(field, f"{str(existing)!r} is not a directory, so {shown!r} cannot be created")
+        raise InvalidParameter(field, f"{str(existing)!r} is not a directory, so {str(target)!r} cannot be created")
+    return existing, missing
+
+
+def _check_name_lengths(existing: Path, missing: list[str], field: str) -> None:
     try:
         name_max = os.pathconf(existing, "PC_NAME_MAX")
     except (OSError, ValueError):
@@ -61,8 +78,6 @@ def _check_output_path(target: Path, field: str) -> Path:
         if size + NAME_RESERVE > name_max:
             raise InvalidParameter(field, f"the name {name[:40]!r}... is {size} bytes; this file system allows "
                                           f"names of at most {name_max - NAME_RESERVE} bytes here")
-    _probe_writable(existing, field)
-    return target
 
 
 def _probe_writable(folder: Path, field: str) -> None:

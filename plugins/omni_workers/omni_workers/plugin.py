@@ -1,4 +1,6 @@
-"""The omni-workers plugin: registers the placements `process` and `ray` (docs/distributed.md)."""
+"""The omni-workers plugin: registers the placements `process` and `ray` and their settings (docs/distributed.md)."""
+
+from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
@@ -6,11 +8,12 @@ from typing import Any
 import attrs
 
 from omni_kernel import hookimpl
-from omni_kernel.core.placement import RunSettings
+from omni_kernel.core.planner import NodeBuild
 
 from .process_stage import ProcessStage
 from .proxy import WorkerGroup
 from .replicas import ReplicaStage
+from .settings import WorkersSettings
 from .stage_host import WorkerSpec, default_host_factory
 from .worker_process import WorkerProcess
 
@@ -18,48 +21,54 @@ from .worker_process import WorkerProcess
 @attrs.frozen
 class Placement:
     """What the plugin registers per placement (`omni_register_placements`): the GraphBuilder calls `build` with
-    the nodes placed here; every placement of one graph shares its WorkerGroup (one wait, one close).
+    the nodes placed here, checked (`NodeBuild`: spec, type, config, policy, share key); the placements of one graph
+    share one WorkerGroup (one wait, one close), the handle `build` returns.
 
-    `process`: the stages of nodes whose type gives equal share keys (`NodeType.share_key`), of this graph or of
-    another graph of the same plugin host with the same worker settings, are hosted by one worker (`shared`), so
-    they share its engine there as they would in one process. A node with `replicas` N > 1 gets N proxies, each
-    with a worker (or actor) of its own, behind one ReplicaStage (replicas.py)."""
+    `process`: the stages of nodes with equal share keys (the kernel's `share_key`), of this graph or of another
+    graph of the same plugin host with the same worker settings, are hosted by one worker, so they share its engine
+    there as they would in one process. A node with `replicas` N > 1 gets N proxies, each with a worker (or actor)
+    of its own, behind one ReplicaStage (replicas.py)."""
 
     name: str
+    settings: type = WorkersSettings
     shared: dict = attrs.field(factory=dict, eq=False, repr=False)  # (share key, settings) -> WorkerProcess
 
-    def build(self, nodes, settings: RunSettings, host_factory: Callable[[], Any] | None, workers):
-        group = workers if isinstance(workers, WorkerGroup) else WorkerGroup()
+    def check(self, settings: WorkersSettings, plan, placement_of) -> None:
+        settings.check(plan, placement_of)
+
+    def build(self, nodes: list[NodeBuild], settings: WorkersSettings, host_factory: Callable[[], Any] | None,
+              handle):
+        group = handle if isinstance(handle, WorkerGroup) else WorkerGroup()
         stages = {}
         try:
-            for node, node_type, config in nodes:
-                spec = WorkerSpec(node, node_type.kind, config, host_factory or default_host_factory(),
-                                  settings.worker_threads)
-                count = settings.replicas_of(node)
-                if count == 1:
-                    stages[node.id] = self.proxy(spec, group, settings, self.worker_for(node_type, node, config,
-                                                                                        settings, host_factory))
-                else:  # each replica in a worker of its own
-                    stages[node.id] = ReplicaStage([self.proxy(attrs.evolve(spec, replica=i), group, settings)
-                                                    for i in range(count)])
+            for build in nodes:
+                stages[build.node.id] = self._stage(build, settings, host_factory, group)
         except BaseException:
-            if group is not workers:
+            if group is not handle:
                 group.close()
             raise
         return stages, group
 
-    def proxy(self, spec: WorkerSpec, group: WorkerGroup, settings: RunSettings, worker=None):
+    def _stage(self, build: NodeBuild, settings: WorkersSettings, host_factory, group: WorkerGroup):
+        spec = WorkerSpec(build.node, build.node_type.kind, build.config, host_factory or default_host_factory(),
+                          settings.worker_threads)
+        count = settings.replicas_of(build.node)
+        if count > 1:  # each replica in a worker of its own
+            return ReplicaStage([self.proxy(attrs.evolve(spec, replica=i), group, settings) for i in range(count)])
+        return self.proxy(spec, group, settings, self.worker_for(build, settings, host_factory))
+
+    def proxy(self, spec: WorkerSpec, group: WorkerGroup, settings: WorkersSettings, worker=None):
         if self.name == "process":
             return ProcessStage(spec, group, settings.max_restarts, worker)
         from .ray_stage import RayStage
 
         return RayStage(spec, group, settings)
 
-    def worker_for(self, node_type, node, config, settings: RunSettings, host_factory) -> WorkerProcess | None:
+    def worker_for(self, build: NodeBuild, settings: WorkersSettings, host_factory) -> WorkerProcess | None:
         """The running worker of the node's share key, or a new one (kept for the next node of that key)."""
-        if self.name != "process" or node_type.share_key is None:
+        if self.name != "process":
             return None
-        key = (node_type.share_key(node, config), settings.worker_threads, settings.max_restarts, host_factory)
+        key = (build.key, settings.worker_threads, settings.max_restarts, host_factory)
         worker = self.shared.get(key)
         if worker is None or worker.stopped:
             worker = self.shared[key] = WorkerProcess(settings.worker_threads,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
-import multiprocessing
 import multiprocessing.connection
 import pickle
 import time
@@ -20,6 +19,7 @@ from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
 
+from .settings import WorkerStats
 from .stage_host import WorkerSpec
 from .transport import dumps
 
@@ -63,6 +63,11 @@ class WorkerGroup:
         for handle in ready:
             handles[handle].pump()
         return any(s.pending for s in self.stages)
+
+    def watch(self, timeout: float) -> None:
+        """With nothing to step (the graph's `watch`): look at the workers, so one that died while idle is noticed,
+        and restarted, before the next request instead of at it."""
+        self.wait(timeout)
 
     def close(self) -> None:
         if self.closed:
@@ -186,10 +191,10 @@ class StageProxy:
         """The worker's stats as its stage last sent them, with its restarts; while its worker builds its stage,
         what it was sent waits."""
         if self.dead is not None:
-            return StageStats(dead=str(self.dead), restarts=self.restarts)
+            return StageStats(dead=str(self.dead), placed=WorkerStats(restarts=self.restarts))
         if not self.ready:
-            return StageStats(waiting=len(self.held), restarts=self.restarts, restarting=self.restarting)
-        return attrs.evolve(self.remote, restarts=self.restarts, restarting=False)
+            return StageStats(waiting=len(self.held), placed=WorkerStats(self.restarts, self.restarting))
+        return attrs.evolve(self.remote, placed=WorkerStats(restarts=self.restarts))
 
     def _lost(self, died: str, who: str) -> bool:
         """The worker died (`died` says how): its requests fail; True if it is to be restarted, one of
@@ -220,6 +225,15 @@ class StageProxy:
     @property
     def node_id(self) -> str:
         return self.node.id
+
+    @property
+    def engine(self) -> StageProxy:
+        """What the StageScheduler steps: the proxy itself (its worker steps the engine there)."""
+        return self
+
+    def events_for(self, outputs: list) -> list:
+        """Its step's outputs are events already (made in the worker)."""
+        return outputs
 
     def check(self, item: StageInput) -> None:
         """Answered by the worker at once, beside the step running now (check is model-free)."""

@@ -16,7 +16,7 @@ from typing import Any
 from omni_kernel.core.errors import PluginError, classify
 from omni_kernel.events import StageFailed
 
-from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker
+from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker, step_hosts
 from .transport import pack_answer, pack_event
 
 log = logging.getLogger("omni")
@@ -106,19 +106,18 @@ class StageActor:
                     log.error("stage actor: %s failed: %s: %s", message[0], type(exc).__name__, exc, exc_info=exc)
                     if message[0] == "process":
                         message[2].append(pack_answer(False, classify(exc), self.host.node_id))
-            stage = self.host.stage
-            if stage.has_unfinished() and (stage.wait(0) or stage.wait(WAIT_S)):
-                events.extend(self.host.step())
-            if (stats := self.host.new_stats()) is not None:  # after each step, and an add or abort that changed them
+            events.extend(step_hosts([self.host], WAIT_S).get(self.host, []))
+            stats = self.host.new_stats()  # after each step, and after an add or abort that changed them
+            if stats is not None:
                 events.append(("stats", stats))
-            busy = self.host.stage.has_unfinished()
+            busy = self.host.has_unfinished()
             self._emit(events)
 
     def _handle(self, rpc: str, arg, reply=None) -> list:
         """One queued message, on the engine thread. Ray runs a threaded actor's calls in any order, so an abort
         can overtake the add it follows: remember it."""
         if rpc == "abort":
-            if arg not in self.host.stage.request_ids():
+            if arg not in self.host.request_ids():
                 self.aborted[arg] = None
                 while len(self.aborted) > 4096:
                     self.aborted.pop(next(iter(self.aborted)))

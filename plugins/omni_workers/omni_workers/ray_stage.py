@@ -29,12 +29,12 @@ import time
 import attrs
 
 from omni_kernel.core.errors import EngineDead, RequestError, rebuild
-from omni_kernel.core.placement import RunSettings
 from omni_kernel.core.request import StageInput
 
 from .cores import SHARED
 from .proxy import StageProxy, WorkerDied
 from .ray_actor import actor_class, ensure_ray
+from .settings import WorkersSettings
 from .stage_host import WorkerSpec
 
 log = logging.getLogger("omni")
@@ -47,7 +47,7 @@ class RayStage(StageProxy):
 
     what = "Ray actor"
 
-    def __init__(self, spec: WorkerSpec, group, settings: RunSettings):
+    def __init__(self, spec: WorkerSpec, group, settings: WorkersSettings):
         self.ray = ensure_ray(settings.ray_address)
         super().__init__(spec, group, settings.max_restarts)
         self.spec = attrs.evolve(spec, spill_dir=None)

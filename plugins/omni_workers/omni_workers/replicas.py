@@ -17,6 +17,8 @@ from omni_kernel.core.errors import EngineDead
 from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
 
+from .settings import WorkerStats
+
 ROUTE_LIMIT = 4096  # processed inputs whose add is still to come (a submit that failed later never adds)
 
 
@@ -50,6 +52,14 @@ class ReplicaStage:
         return replica
 
     # The Stage contract.
+
+    @property
+    def engine(self) -> ReplicaStage:
+        """What the StageScheduler steps: this stage, which steps each replica's proxy."""
+        return self
+
+    def events_for(self, outputs: list) -> list:
+        return outputs
 
     def check(self, item: StageInput) -> None:
         self.pick().check(item)
@@ -100,15 +110,20 @@ class ReplicaStage:
     def stats(self) -> StageStats:
         each = tuple(r.stats() for r in self.replicas)
         kv = [s for s in each if s.kv_blocks_total is not None]
+        placed = WorkerStats(restarts=sum(s.placed.restarts for s in each),
+                             restarting=all(s.placed.restarting for s in each), replicas=each)
         return StageStats(
             running=sum(s.running for s in each), waiting=sum(s.waiting for s in each),
-            kv_blocks_total=sum(s.kv_blocks_total for s in kv) if kv else None,
-            kv_blocks_used=sum(s.kv_blocks_used or 0 for s in kv) if kv else None,
-            prefix_hit_tokens=sum(s.prefix_hit_tokens or 0 for s in kv) if kv else None,
-            dead=str(self.dead) if self.dead is not None else None, restarts=sum(s.restarts for s in each),
-            restarting=all(s.restarting for s in each), replicas=each)
+            kv_blocks_total=_total(s.kv_blocks_total for s in kv) if kv else None,
+            kv_blocks_used=_total(s.kv_blocks_used for s in kv) if kv else None,
+            prefix_hit_tokens=_total(s.prefix_hit_tokens for s in kv) if kv else None,
+            dead=str(self.dead) if self.dead is not None else None, placed=placed)
 
     def close(self) -> None:
         for replica in self.replicas:
             replica.close()
 
+
+
+def _total(values) -> int:
+    return sum(v or 0 for v in values)

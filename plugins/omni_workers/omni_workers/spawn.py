@@ -3,7 +3,6 @@ as multiprocessing's spawn would), launched from the main thread or from one lon
 
 from __future__ import annotations
 
-import multiprocessing
 import multiprocessing.connection
 import os
 import queue

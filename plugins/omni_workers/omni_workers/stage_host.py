@@ -1,9 +1,11 @@
 """Building and driving one stage away from the front, the same in a worker process and in a Ray actor.
 
 A worker rebuilds its stage from picklable parts (`WorkerSpec`): a plugin host (`load_host()` under the same
-OMNI_PLUGINS, or the host's own `rebuild` callable), then `registry.node_types[type].item.factory(node, config)`,
-so models load once, in the worker, and bound methods never cross. `StageHost` then drives it by messages. A
-processed input stays in the worker: the process RPC answers with the item whose `processed` is a `Held` marker.
+OMNI_PLUGINS, or the host's own `rebuild` callable), then the stage through that host's GraphBuilder, so models
+load once, in the worker, bound methods never cross, and the stages of one share key built in one worker share
+their engine there as they would in one process. `StageHost` then drives one stage by messages; `step_hosts`
+steps each engine of a worker's stages once and hands each stage its own requests' outputs. A processed input
+stays in the worker: the process RPC answers with the item whose `processed` is a `Held` marker.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import attrs
 
 from omni_kernel.core.errors import PluginError
 from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.planner import NodeBuild, node_policy
+from omni_kernel.core.registry import share_key
 from omni_kernel.core.request import StageInput, StageStats
-from omni_kernel.core.stage_scheduler import fail_stage
-from omni_kernel.events import StageFailed
+from omni_kernel.events import StageFailed, StageFinished
 
 from .cores import SHARED, set_threads
 
@@ -83,7 +86,10 @@ def build_stage(spec: WorkerSpec, host=None):
     if registered is None:
         raise PluginError(f"node type {spec.node.type!r} is not registered in the worker of stage {spec.node.id!r} "
                           f"(check OMNI_PLUGINS, or give the host a picklable `rebuild`)")
-    return registered.item.factory(spec.node, spec.config)
+    node_type = registered.item
+    policy = node_policy(spec.node, node_type)
+    key = share_key(node_type, spec.node, spec.config, policy)
+    return host.builder.stage(NodeBuild(spec.node, node_type, spec.config, policy, key))
 
 
 def setup_worker(spec: WorkerSpec) -> None:
@@ -105,20 +111,25 @@ def set_torch_threads(threads: int | str | None) -> None:
 
 class StageHost:
     """A stage driven by messages, the same in a worker process and in a Ray actor: the RPCs (process, check),
-    add_request with a held processed input, hand_off, abort, one engine step that never raises, and the stage's
-    stats, sent to the front with the events whenever they changed."""
+    add_request with a held processed input, hand_off, abort, the events of its own requests from its engine's
+    steps (`step_hosts`), and the stage's stats, sent to the front with the events whenever they changed."""
 
     def __init__(self, stage, node_id: str):
         self.stage = stage
         self.node_id = node_id
         self.held: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.held_lock = threading.Lock()  # a concurrent `process` (reader thread) holds inputs beside the engine loop
+        self.requests: set[str] = set()  # the requests added to its engine through this stage, not finished
         self.sent: StageStats | None = None  # the stats last sent to the front
 
     @property
     def concurrent_process(self) -> bool:
         """`process` may be answered beside a step (the stage says so), not only between two."""
         return self.stage.concurrent_process
+
+    @property
+    def engine(self):
+        return self.stage.engine
 
     def process(self, item: StageInput) -> StageInput:
         out = self.stage.process(item)
@@ -148,22 +159,47 @@ class StageHost:
         return self._alone(self.stage.hand_off, item)
 
     def _alone(self, call, item: StageInput) -> list:
+        self.requests.add(item.request_id)
         try:
             call(item)
         except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            self.requests.discard(item.request_id)
             return [StageFailed.of(item.request_id, self.node_id, exc)]
         return []
 
     def abort(self, request_id: str) -> None:
         with self.held_lock:
             self.held.pop(request_id, None)
-        self.stage.abort(request_id)
+        if request_id in self.requests:
+            self.requests.discard(request_id)
+            self.stage.abort(request_id)
 
-    def step(self) -> list:
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def request_ids(self) -> set[str]:
+        return set(self.requests)
+
+    def events_for(self, outputs: list) -> list:
+        """The stage's events for its requests' outputs of one engine step; a stage that cannot make them fails
+        those requests, not the worker."""
         try:
-            return self.stage.step()
-        except Exception as exc:  # noqa: BLE001 - a broken stage fails its own requests, not the worker
-            return fail_stage(self.stage, exc)
+            events = self.stage.events_for(outputs)
+        except Exception as exc:  # noqa: BLE001 - a broken output processor fails its own requests
+            log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
+            events = [StageFailed.of(rid, self.node_id, exc) for rid in dict.fromkeys(o.request_id for o in outputs)]
+        for event in events:
+            if isinstance(event, (StageFinished, StageFailed)):
+                self.requests.discard(event.request_id)
+        return events
+
+    def fail_all(self, exc: Exception) -> list:
+        """Its engine's step raised: every request of this stage fails (and is dropped)."""
+        log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
+        failed = sorted(self.requests)
+        for rid in failed:
+            self.abort(rid)
+        return [StageFailed.of(rid, self.node_id, exc) for rid in failed]
 
     def new_stats(self) -> StageStats | None:
         """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""
@@ -172,3 +208,31 @@ class StageHost:
             return None
         self.sent = stats
         return stats
+
+
+def step_hosts(hosts: list[StageHost], timeout: float = 0.0) -> dict[StageHost, list]:
+    """Step each engine of the hosts that holds their requests and would make progress (waiting up to `timeout`
+    for one with only background work) once; each host's events from its own requests' outputs."""
+    engines: dict[int, tuple[Any, list[StageHost]]] = {}
+    for host in hosts:
+        if host.has_unfinished():
+            engines.setdefault(id(host.engine), (host.engine, []))[1].append(host)
+    events: dict[StageHost, list] = {}
+    for engine, members in engines.values():
+        if engine.wait(0) or (timeout and engine.wait(timeout)):
+            events.update(_step_engine(engine, members))
+    return events
+
+
+def _step_engine(engine, members: list[StageHost]) -> dict[StageHost, list]:
+    try:
+        outputs = engine.step()
+    except Exception as exc:  # noqa: BLE001 - a broken engine fails its stages' requests, not the worker
+        return {host: host.fail_all(exc) for host in members}
+    owners = {rid: host for host in members for rid in host.requests}
+    mine: dict[StageHost, list] = {}
+    for out in outputs:
+        host = owners.get(out.request_id)
+        if host is not None:  # else aborted since
+            mine.setdefault(host, []).append(out)
+    return {host: host.events_for(outs) for host, outs in mine.items()}

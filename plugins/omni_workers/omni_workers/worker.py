@@ -16,7 +16,6 @@ parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on the front's
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import queue
@@ -27,10 +26,18 @@ import time
 from multiprocessing.reduction import ForkingPickler
 
 from omni_kernel.core.errors import classify
-from omni_kernel.core.placement import RunSettings, check_placement_nodes, parse_placement  # noqa: F401 - re-exported
 
 from .cores import CoreShare
-from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, load_plugins, set_torch_threads, setup_worker
+from .stage_host import (
+    WAIT_S,
+    StageHost,
+    WorkerSpec,
+    build_stage,
+    load_plugins,
+    set_torch_threads,
+    setup_worker,
+    step_hosts,
+)
 from .transport import pack, spill
 
 log = logging.getLogger("omni")
@@ -131,54 +138,61 @@ class EngineLoop:
             os._exit(1)
 
     def run(self, conn) -> None:
+        """Take the queued messages, then step; wait for a message when nothing is in flight."""
         inbox: queue.Queue = queue.Queue()
         threading.Thread(target=self.read, args=(conn, inbox), name="omni-worker-read", daemon=True).start()
-        share, checked = self.share, time.monotonic()
+        checked = time.monotonic()
         while True:
             if time.monotonic() - checked > 1.0:
                 checked = time.monotonic()
                 if os.getppid() != self.spec.parent_pid:
                     return
-            busy = [h for h in self.hosts.values() if h.stage.has_unfinished()]
-            if share is not None and not busy:
-                share.idle()
-            try:
-                message = inbox.get_nowait() if busy else inbox.get(timeout=1.0)
-            except queue.Empty:
-                message = None
-            while message is not None:
-                if message[0] == "stop":
-                    return
-                if share is not None and message[0] in ("process", "hand_off", "build"):
-                    share.before_step()  # input processing is work too (a Wan request encodes its image)
-                reply = self.handle(message)
-                if reply is not None:
-                    self.outbox.put(reply)
-                try:
-                    message = inbox.get_nowait()
-                except queue.Empty:
-                    message = None
+            busy = any(h.has_unfinished() for h in self.hosts.values())
+            if self.share is not None and not busy:
+                self.share.idle()
+            if not self.take_messages(inbox, wait=not busy):
+                return
             self.step()
 
+    def take_messages(self, inbox: queue.Queue, wait: bool) -> bool:
+        """Handle every queued message (waiting up to a second for the first one when `wait`); False on stop."""
+        try:
+            message = inbox.get(timeout=1.0) if wait else inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while message is not None:
+            if message[0] == "stop":
+                return False
+            if self.share is not None and message[0] in ("process", "hand_off", "build"):
+                self.share.before_step()  # input processing is work too (a Wan request encodes its image)
+            reply = self.handle(message)
+            if reply is not None:
+                self.outbox.put(reply)
+            try:
+                message = inbox.get_nowait()
+            except queue.Empty:
+                message = None
+        return True
+
     def step(self) -> None:
-        """Step every stage whose step would make progress (one stage's step may bring another's outputs, when
-        they share an engine), send each one's events and its stats where they changed; when none could step, wait
-        a little on a busy one (only background work: an MP4 export)."""
-        share, stepped = self.share, False
-        for tag, host in list(self.hosts.items()):
-            events = []
-            if host.stage.has_unfinished() and host.stage.wait(0):
-                if share is not None:
-                    share.before_step()
-                events, stepped = host.step(), True
+        """Step each engine of the worker's stages once (stages of one share key share theirs), send each stage's
+        events and its stats where they changed; when none could step, wait a little on a busy one (only
+        background work: an MP4 export)."""
+        share = self.share
+        hosts = list(self.hosts.items())
+        busy = [host for _, host in hosts if host.has_unfinished()]
+        if share is not None and busy:
+            share.before_step()
+        events = step_hosts(busy)
+        for tag, host in hosts:
             stats = host.new_stats()  # after each step, and after an add or abort that changed them
-            if events or stats is not None:
-                self.outbox.put(("events", tag, spill(events, self.spec.spill_dir), stats))
-        busy = [h for h in self.hosts.values() if h.stage.has_unfinished()]
-        if share is not None and stepped and not busy:
+            if events.get(host) or stats is not None:
+                self.outbox.put(("events", tag, spill(events.get(host, []), self.spec.spill_dir), stats))
+        still_busy = [host for _, host in hosts if host.has_unfinished()]
+        if share is not None and events and not still_busy:
             share.idle()  # lend the cores before the next messages
-        if busy and not stepped:
-            busy[0].stage.wait(WAIT_S)
+        if still_busy and not events:
+            still_busy[0].engine.wait(WAIT_S)
 
     def handle(self, message):
         rpc, tag = message[0], message[1]
@@ -195,7 +209,7 @@ class EngineLoop:
             host.abort(message[2])
             return None
         if rpc == "drop":
-            for request_id in sorted(host.stage.request_ids()):
+            for request_id in sorted(host.request_ids()):
                 host.abort(request_id)
             del self.hosts[tag]
             return None

@@ -171,13 +171,8 @@ class WorkerProcess:
             stage._build_failed(rebuild(*message[2:]))
 
     def died(self, how: str | None = None) -> None:
-        try:
-            code = self.proc.wait(5)
-        except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
-            self.proc.kill()
-            code = self.proc.wait()
-        how = how or (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 and -code in
-                      signal.Signals._value2member_map_ else f"exit code {code}")
+        """The worker's pipe read EOF: its stages fail what they held; restart it if a stage is to be restarted."""
+        how = how or self._exit_cause()
         self.conn.close()
         self.conn = None
         self.ready = False
@@ -185,6 +180,26 @@ class WorkerProcess:
             stage.ready = False
         if self.slot is not None:
             board().clear(self.slot)
+        restart = self._fail_members(how)
+        if not (restart and self.members):
+            if not self.members:
+                self.stop()
+            return
+        self._restart(how)
+
+    def _exit_cause(self) -> str:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
+            self.proc.kill()
+            code = self.proc.wait()
+        if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def _fail_members(self, how: str) -> bool:
+        """Each stage fails its requests; True if one of them is to be restarted. Stages that are dead, or that
+        never built, leave the worker."""
         restart = False
         for stage in list(self.members.values()):
             if stage.built_once:
@@ -193,10 +208,9 @@ class WorkerProcess:
                 stage._build_failed(stage._dead_error(how))
         for stage in [s for s in self.members.values() if s.dead is not None or not s.built_once]:
             self.members.pop(stage.spec.tag, None)
-        if not (restart and self.members):
-            if not self.members:
-                self.stop()
-            return
+        return restart
+
+    def _restart(self, how: str) -> None:
         try:
             self.start()
             for stage in self.members.values():

@@ -75,7 +75,7 @@ def test_a_restarting_actor_stalls_no_step_and_fails_calls_at_once_when_told(ray
     with `wait_for_restarts` off a submit needing it raises StageUnavailable at once; then it serves again."""
     gate = tmp_path / "gate"
     with Omni("fake_slow", host=make_host(), placement="ray", fake_build_gate=str(gate)) as o:
-        o.graph.workers.wait_for_restarts = False
+        o.graph.placed[0].wait_for_restarts = False
         gate.touch()
         (failed,) = within(lambda: run_all(o, ["crash here"]), timeout=20).values()  # a hang: the step waited
         assert isinstance(failed, RequestFailed) and "restarted" in failed.error
@@ -109,7 +109,7 @@ def test_what_cannot_cross_to_or_from_an_actor_fails_its_own_request(ray):
             bad, fine = done.values()
             assert isinstance(bad, RequestFailed) and bad.error.startswith(says), (prompt, bad)
             assert isinstance(fine, RequestFinished) and fine.result.text == "rendered 3 words"
-        assert [s.restarts for s in o.graph.stages.values()] == [0, 0]
+        assert [s.stats().placed.restarts for s in o.graph.stages.values()] == [0, 0]
         assert within(lambda: o.generate("after all that").text) == "rendered 3 words"
 
 

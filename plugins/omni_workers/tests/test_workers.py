@@ -20,12 +20,13 @@ from click.testing import CliRunner
 
 from omni_kernel import Omni
 from omni_kernel.cli import main
-from omni_kernel.core.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError
-from omni_kernel.core.placement import RunSettings, parse_placement
+from omni_kernel.core.errors import EngineDead, InvalidParameter, ModelError, PluginError, RequestError, UserError
+from omni_kernel.core.placement import parse_placement
 from omni_kernel.events import RequestFailed, RequestFinished, StageFailed, TokenDelta
 from omni_kernel.testing import drain, wait_until
 from omni_workers.cores import host_cores
 from omni_workers.process_stage import ProcessStage
+from omni_workers.settings import WorkersSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_fakes import make_host  # noqa: E402
@@ -214,11 +215,18 @@ def test_placement_settings():
     assert parse_placement("inproc,render=process") == ("inproc", {"render": "process"})
     assert parse_placement({"words": "ray"}) == (None, {"words": "ray"})
     with pytest.raises(InvalidParameter, match="placement"):
-        parse_placement("gpu")
+        parse_placement("g p u")
+    with pytest.raises(UserError, match="placement 'gpu' is not installed; installed placements: inproc, process, ray"):
+        Omni("fake_slow", host=make_host(), placement="gpu")
     with pytest.raises(InvalidParameter, match="no node 'nope'"):
         Omni("fake_slow", host=make_host(), placement="nope=process")
     with pytest.raises(InvalidParameter, match="max_restarts"):
-        RunSettings(max_restarts=-1).check()
+        WorkersSettings(max_restarts=-1)
+    for good in (None, 1, 4, "shared", "2"):
+        WorkersSettings(worker_threads=good)
+    for bad in (0, -1, True, "all"):
+        with pytest.raises(InvalidParameter, match="is not an integer >= 1 or 'shared'"):
+            WorkersSettings(worker_threads=bad)
     # the plan's placement applies when the run says nothing; the run wins when it does
     with Omni("fake_slow", host=make_host(words_placement="process")) as o:
         assert isinstance(o.graph.stages["words"], ProcessStage)
@@ -253,7 +261,7 @@ def test_cli_worker_threads_and_max_restarts_flags():
     assert restarted.exit_code != 0 and "restarted" in restarted.output and "not restarted" not in restarted.output
     for flag, value, says in (("--worker-threads", "many", "'many' is not an integer >= 1 or 'shared'"),
                               ("--worker-threads", "0", "is not an integer >= 1"),
-                              ("--max-restarts", "-1", "-1 is not in the range")):
+                              ("--max-restarts", "-1", "invalid max_restarts: -1 is not an integer >= 0")):
         bad = run("--prompt", "hi", flag, value)
         assert bad.exit_code == 2 and says in bad.output and len(bad.output.strip().splitlines()) == 1
 
@@ -319,11 +327,11 @@ def test_worker_load_lines_are_printed_once_with_the_stage_prefix(tmp_path):
 
 def test_plan_with_an_unknown_placement_is_a_plugin_error():
     from omni_kernel.core.graph import NodeSpec, PipelinePlan
-    from omni_kernel.core.placement import check_placement_nodes
+    from omni_kernel.core.placement import RunSettings, check_placements
 
     plan = PipelinePlan("p", [NodeSpec("a", "t", final=True, placement="gpu")])
     with pytest.raises(PluginError, match="placement 'gpu'"):
-        check_placement_nodes(RunSettings(), plan)
+        check_placements(RunSettings(), plan, {})
 
 
 def test_workers_built_from_a_thread_outlive_that_thread():
@@ -570,7 +578,7 @@ def test_a_restarting_worker_fails_calls_at_once_when_the_front_must_not_wait(tm
 
     gate = tmp_path / "gate"
     with Omni("fake_slow", host=make_host(sleep_ms=20), placement="process", fake_build_gate=str(gate)) as o:
-        o.graph.workers.wait_for_restarts = False
+        o.graph.placed[0].wait_for_restarts = False
         going = o.submit(o.request("render this", fake_steps=40))
         while going not in o.graph.stages["render"].request_ids():
             o.step()
@@ -745,10 +753,10 @@ def test_a_worker_proxy_reports_its_stages_own_stats():
         while words.stats().running or words.stats().waiting:
             assert time.monotonic() < deadline, words.stats()
             o.graph.watch(0.05)
-        assert words.stats().restarts == 0 and words.stats().dead is None
+        assert words.stats().placed.restarts == 0 and words.stats().dead is None
         # an event the worker sent before the abort reached it is dropped, so `watch` goes on pumping
         words._take_event(ids[0], pickle.dumps(StageFailed(ids[0], "words", "sent before the abort", "runtime")))
-        assert words.pending == [] and not o.graph.workers.wait(0)
+        assert words.pending == [] and not o.graph.placed[0].wait(0)
     with Omni("fake_video", host=make_host(), placement="process") as o:
         assert o.graph.stages["render"].concurrent_process is True
 
@@ -778,12 +786,12 @@ def test_the_stages_of_one_share_key_live_in_one_worker_die_and_come_back_togeth
     with Omni("fake_slow", host=host, placement="process") as o:
         with Omni("fake_video", host=host, placement="process") as v:
             words, render, lone = o.graph.stages["words"], o.graph.stages["render"], v.graph.stages["render"]
-            worker = words.proc
-            assert render.proc is worker and lone.proc is worker
+            worker = render.proc
+            assert lone.proc is worker and words.proc is not worker  # one worker per share key: the render engine's
             assert o.generate("two words").text == "rendered 2 words" and "2" in v.generate("one two").text
             victim = o.submit(o.request("a b c d e f g h"))
             alone = v.submit(v.request("x " * 30))
-            while victim not in words.request_ids() or alone not in lone.request_ids():
+            while victim not in render.request_ids() or alone not in lone.request_ids():
                 o.step()
                 v.step()
             os.kill(worker.pid, signal.SIGKILL)
@@ -792,10 +800,10 @@ def test_the_stages_of_one_share_key_live_in_one_worker_die_and_come_back_togeth
                 failed.update({e.request_id: e for e in o.step() + v.step() if isinstance(e, RequestFailed)})
             assert sorted(failed) == sorted([victim, alone]), failed
             assert all("SIGKILL" in e.error and "restarted" in e.error for e in failed.values())
-            assert words.proc is render.proc is lone.proc and words.proc.pid != worker.pid
+            assert render.proc is lone.proc and render.proc.pid != worker.pid
             assert o.generate("back again").text == "rendered 2 words" and "2" in v.generate("one two").text
-            assert lone.stats().restarts == words.stats().restarts == 1
-        survivor = words.proc
+            assert lone.stats().placed.restarts == render.stats().placed.restarts == 1
+        survivor = render.proc
         assert survivor.poll() is None and o.generate("still here").text == "rendered 2 words"
     assert survivor.wait(10) is not None and not alive(worker.pid)
 
@@ -825,7 +833,8 @@ def test_replicas_share_a_burst_and_a_killed_one_fails_only_its_own_requests():
                 assert done[rid].result.text == f"rendered {len(prompt.split())} words", done[rid]
         assert first.proc.pid != victim and o.generate("back again").text == "rendered 2 words"
         stats = words.stats()
-        assert [s.restarts for s in stats.replicas] == [1, 0] and stats.restarts == 1 and stats.dead is None
+        assert [s.placed.restarts for s in stats.placed.replicas] == [1, 0] and stats.placed.restarts == 1
+        assert stats.dead is None
 
 
 def test_bad_replica_settings_are_refused_in_one_line():

@@ -179,8 +179,23 @@ class RenderOutputs(Outputs):
         return events, []
 
 
-def _sleep(node: NodeSpec) -> float:
-    return float(node.policy.get("sleep_ms", 0)) / 1000
+@attrs.frozen
+class FakePolicy:
+    sleep_ms: float = option(0.0, help="each step sleeps this long", type=float)
+    concurrent_process: bool = option(False, help="the render stage's inputs may be processed beside a step",
+                                      type=bool)
+
+
+@attrs.frozen(eq=False)
+class Own:
+    """An engine setting compared by identity: a node of this settings' gets an engine of its own."""
+
+
+@attrs.frozen
+class FakeEngineSettings:
+    config: FakeConfig
+    sleep_ms: float
+    owner: object = None  # an Own: this node's own engine; None: every node of this config and policy shares one
 
 
 def _load(config: FakeConfig) -> None:
@@ -190,23 +205,34 @@ def _load(config: FakeConfig) -> None:
                    f"the test to remove the build gate {config.fake_build_gate}", interval=0.02)
 
 
-def build_words(node: NodeSpec, config: FakeConfig) -> Stage:
+def build_words_engine(settings: FakeEngineSettings) -> Engine:
     log.info("loading the fake words model")
-    _load(config)
-    if config.fake_fail_build:
+    _load(settings.config)
+    if settings.config.fake_fail_build:
         raise ModelError("the fake model is missing")
-    runner = SleepyRunner(_sleep(node), lambda item: item.processed)
+    runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: item.processed)
     scheduler = WordsScheduler(max_batch=8, num_steps=lambda item: len(item.processed))
-    return Stage(node, "ar", WordsInputs(), Engine(scheduler, runner), WordsOutputs(node.id))
+    return Engine(scheduler, runner)
 
 
-def build_render(node: NodeSpec, config: FakeConfig) -> Stage:
+def render_steps(item) -> int:
+    return item.params.fake_steps or item.processed
+
+
+def build_render_engine(settings: FakeEngineSettings) -> Engine:
     log.info("loading the fake render model")
-    _load(config)
-    steps = lambda item: item.params.fake_steps or item.processed  # noqa: E731
-    runner = SleepyRunner(_sleep(node), lambda item: [None] * steps(item), hold=True, background=True)
-    return Stage(node, "video", RenderInputs(bool(node.policy.get("concurrent_process", False))),
-                 Engine(StepScheduler(max_batch=8, num_steps=steps), runner), RenderOutputs(node.id))
+    _load(settings.config)
+    runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: [None] * render_steps(item), hold=True,
+                          background=True)
+    return Engine(StepScheduler(max_batch=8, num_steps=render_steps), runner)
+
+
+def build_words(node: NodeSpec, config, policy: FakePolicy, engine: Engine) -> Stage:
+    return Stage(node, "ar", WordsInputs(), engine, WordsOutputs(node.id))
+
+
+def build_render(node: NodeSpec, config, policy: FakePolicy, engine: Engine) -> Stage:
+    return Stage(node, "video", RenderInputs(policy.concurrent_process), engine, RenderOutputs(node.id))
 
 
 class FrontOnly:
@@ -264,21 +290,23 @@ def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePla
                         [EdgeSpec("words", "render", "fake_words_to_render")])
 
 
-def one_key(node: NodeSpec, config: FakeConfig | None) -> tuple:
-    return ("fake", config or FakeConfig())
-
-
 class FakePlugin:
+    """`shared`: nodes of one type, config and policy share one engine (in one worker, under placement process),
+    whichever graph of the host they are in; otherwise every node has an engine of its own."""
+
     def __init__(self, sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False):
         self.plan = plan(sleep_ms, words_placement)
-        self.share_key = one_key if shared else None
+        self.shared = shared
+
+    def engine_settings(self, node: NodeSpec, config: FakeConfig | None, policy: FakePolicy) -> FakeEngineSettings:
+        return FakeEngineSettings(config or FakeConfig(), policy.sleep_ms, None if self.shared else Own())
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("fake.words", "ar", build_words, config=FakeConfig, params=FakeParams,
-                          share_key=self.share_key))
-        register(NodeType("fake.render", "video", build_render, config=FakeConfig, params=FakeParams,
-                          share_key=self.share_key))
+        register(NodeType("fake.words", "ar", engine_settings=self.engine_settings, engine=build_words_engine,
+                          stage=build_words, config=FakeConfig, params=FakeParams, policy=FakePolicy))
+        register(NodeType("fake.render", "video", engine_settings=self.engine_settings, engine=build_render_engine,
+                          stage=build_render, config=FakeConfig, params=FakeParams, policy=FakePolicy))
 
     @hookimpl
     def omni_register_connectors(self, register):
@@ -287,8 +315,8 @@ class FakePlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(self.plan)
-        register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy={"concurrent_process": True},
-                                                      final=True)]))
+        policy = {"concurrent_process": True, "sleep_ms": self.plan.nodes[0].policy["sleep_ms"]}
+        register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy=policy, final=True)]))
 
 
 def make_host(sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False) -> PluginHost:
