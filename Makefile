@@ -46,9 +46,11 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 test: $(STAMP) lint models test-kernel-only
 	$(PY) -m pytest
 
-# ruff, configured in pyproject.toml ([tool.ruff]); `$(VENV)/bin/ruff check --fix .` applies the mechanical fixes.
+# ruff, configured in pyproject.toml ([tool.ruff]; `$(VENV)/bin/ruff check --fix .` applies the mechanical fixes),
+# then the import contracts ([tool.importlinter]: the kernel's layers, the plugins' independence).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 # The kernel's tests again, in a venv that has no torch at all.
 test-kernel-only:
