@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 try:
     import pytest
@@ -31,38 +31,52 @@ except ImportError:  # drain and wait_until work without pytest
 T = TypeVar("T")
 
 
-def drain(stepper: Any, limit: int | None = 10_000, *, until: Callable[[], bool] | None = None,
+class Steppable(Protocol):
+    """What `drain` steps: an Omni, a StageScheduler or an Engine."""
+
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> list: ...
+
+
+def drain(stepper: Steppable, limit: int | None = 10_000, *, until: Callable[[], bool] | None = None,
           on_step: Callable[[list], Any] | None = None) -> list:
     """Step `stepper` until nothing is unfinished (or, given `until`, until `until()` is true); return everything
     its steps returned, in order (events from an Omni or a StageScheduler, RequestOutputs from an Engine).
 
     `on_step(items)` runs after each step with what that step returned (to look at the scheduler between steps,
     or to submit a late arrival). More than `limit` steps (None: no limit) fails with an AssertionError instead
-    of hanging. Unlike `StageScheduler.run`, it submits nothing, takes any steppable and has a bound.
+    of hanging. Unlike `Omni.run`, it submits nothing, takes any steppable and has a bound.
     """
-    done = until or (lambda: not stepper.has_unfinished())
+    if until is None:
+        def until() -> bool:
+            return not stepper.has_unfinished()
+
     items: list = []
-    for _ in range(limit) if limit is not None else iter(int, 1):
-        if done():
-            return items
-        items.extend(got := stepper.step())
+    steps = 0
+    while not until():
+        if limit is not None and steps >= limit:
+            raise AssertionError(f"{type(stepper).__name__} still unfinished after {limit} steps")
+        got = stepper.step()
+        items.extend(got)
+        steps += 1
         if on_step is not None:
             on_step(got)
-    if done():
-        return items
-    raise AssertionError(f"{type(stepper).__name__} still unfinished after {limit} steps"
-                         + ("" if until is None else " (waiting for `until`)"))
+    return items
 
 
-def wait_until(predicate: Callable[[], T], timeout: float = 30.0, what: str = "the condition",
+def wait_until(predicate: Callable[[], T], timeout: float = 10.0, what: str = "the condition", *,
                interval: float = 0.01) -> T:
-    """Poll `predicate()` until it returns something truthy, and return that; past `timeout` seconds fail with
+    """Poll `predicate` until it returns something true and return that, or fail after `timeout` seconds with
     an AssertionError that says what was waited for (`what`, e.g. "the stream's first delta"). The last look is
     taken after the deadline, so a slow poll fails only if the condition really did not come in time."""
     deadline = time.monotonic() + timeout
-    while not (value := predicate()) and time.monotonic() < deadline:
+    value = predicate()
+    while not value and time.monotonic() < deadline:
         time.sleep(interval)
-    if value or (value := predicate()):
+        value = predicate()
+    if not value:
+        value = predicate()  # the last look, after the deadline
+    if value:
         return value
     raise AssertionError(f"waited {timeout:g}s for {what}, in vain")
 
