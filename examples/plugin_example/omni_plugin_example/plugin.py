@@ -9,9 +9,10 @@ import attrs
 
 from omni_kernel import EdgeSpec, InputError, NodeSpec, NodeType, PipelinePlan, StageInput, hookimpl
 
-from .upper import UpperConfig, UpperParams, build_upper_stage
+from .upper import UpperConfig, UpperParams, UpperPolicy, build_upper_engine, build_upper_stage, upper_engine_settings
 
-UPPER_NODE = NodeType("text.upper", "text", build_upper_stage, config=UpperConfig, params=UpperParams,
+UPPER_NODE = NodeType("text.upper", "text", engine_settings=upper_engine_settings, engine=build_upper_engine,
+                      stage=build_upper_stage, config=UpperConfig, params=UpperParams, policy=UpperPolicy,
                       description="upper-cases text a few characters per step (no model)")
 
 

@@ -1,6 +1,9 @@
-"""The text.upper stage: its config and request parameters, its input processor, model runner and output processor.
+"""The text.upper stage: its config, request parameters and node policy, its engine (scheduler and model runner),
+its input and output processors, and the three functions its NodeType gives the kernel.
 
-Every omni layer is here in miniature, as the kernel's Stage(inputs, Engine(scheduler, runner), outputs): the
+Every omni layer is here in miniature. The kernel builds one engine per share key (`upper_engine_settings`: here
+the batch size, so every text.upper node of one plugin host with the same `upper_max_batch` shares one engine and
+its batches, in any pipeline), and one Stage per node over it, Stage(node, kind, inputs, engine, outputs): the
 input processor turns an input into what the runner needs (once per request), the kernel's StepScheduler decides
 how many steps a request takes and when it is done (and owns its record), the runner computes one step for a
 batch, and the output processor turns the results into events.
@@ -12,7 +15,7 @@ import attrs
 
 from omni_kernel import option
 from omni_kernel.core.engine import Engine
-from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.errors import InputError
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.params import boolean, integer
 from omni_kernel.core.request import StageInput, StageOutput
@@ -37,6 +40,22 @@ class UpperParams:
 
 
 @attrs.frozen
+class UpperPolicy:
+    """Node policy, set by a pipeline plan (`NodeSpec(..., policy={"chunk": 4})`) and validated when the plan is
+    built: a key it does not declare is refused."""
+
+    chunk: int = option(4, help="characters per step", type=int, validator=integer(1))
+    strip: bool = option(True, help="trim the input before upper-casing it", type=bool, validator=boolean)
+
+
+@attrs.frozen
+class UpperEngineSettings:
+    """Everything the engine depends on, computed without building anything: equal settings share one engine."""
+
+    max_batch: int
+
+
+@attrs.frozen
 class UpperText:
     """The processed input: the text to stream and the characters per step."""
 
@@ -49,8 +68,8 @@ class UpperText:
 
 
 class UpperInputs:
-    """The input processor, once per request. Node policy: `strip` (default true: trim the input) and `chunk`
-    (characters per step, default 4). `concurrent`: `process` reads nothing a step changes."""
+    """The input processor, once per request, with the node's policy: `strip` trims the input, `chunk` is the
+    characters per step. `concurrent`: `process` reads nothing a step changes."""
 
     concurrent = True
 
@@ -101,14 +120,19 @@ class UpperOutputs(Outputs):
         return events, []
 
 
-def build_upper_stage(node: NodeSpec, config: UpperConfig) -> Stage:
-    """The NodeType factory: Stage(inputs, Engine(scheduler, runner), outputs)."""
-    unknown = sorted(set(node.policy) - {"chunk", "strip"})
-    if unknown:
-        raise InvalidParameter(f"policy of node {node.id}", f"unknown key(s) {', '.join(unknown)}; known: chunk, strip")
-    chunk = node.policy.get("chunk", 4)
-    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-        raise InvalidParameter(f"policy chunk of node {node.id}", f"{chunk!r} is not an integer >= 1")
-    inputs = UpperInputs(node.id, chunk, bool(node.policy.get("strip", True)))
-    scheduler = StepScheduler(max_batch=config.upper_max_batch, num_steps=lambda item: item.processed.num_steps)
-    return Stage(node, "text", inputs, Engine(scheduler, UpperRunner()), UpperOutputs(node.id))
+def upper_engine_settings(node: NodeSpec, config: UpperConfig, policy: UpperPolicy) -> UpperEngineSettings:
+    """NodeType.engine_settings: what this node's engine is built from (here, the only place to refuse settings
+    that do not fit the model, before anything is built)."""
+    return UpperEngineSettings(max_batch=config.upper_max_batch)
+
+
+def build_upper_engine(settings: UpperEngineSettings) -> Engine:
+    """NodeType.engine: the engine for those settings, Engine(scheduler, runner) (where a model would load)."""
+    scheduler = StepScheduler(max_batch=settings.max_batch, num_steps=lambda item: item.processed.num_steps)
+    return Engine(scheduler, UpperRunner())
+
+
+def build_upper_stage(node: NodeSpec, config: UpperConfig, policy: UpperPolicy, engine: Engine) -> Stage:
+    """NodeType.stage: the node's Stage over its (possibly shared) engine."""
+    inputs = UpperInputs(node.id, policy.chunk, policy.strip)
+    return Stage(node, "text", inputs, engine, UpperOutputs(node.id))

@@ -2,10 +2,11 @@
 
 import json
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
-from omni_kernel import Omni, TokenDelta, UserError
+from omni_kernel import GraphError, Omni, TokenDelta, UserError
 from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.cli import main
 from omni_kernel.plugins import PluginHost
@@ -72,3 +73,20 @@ def test_its_own_flag_and_config_key_reach_the_stage(host):
     assert "--shout End the upper-cased text with '!' [omni_plugin_example]" in help
     with pytest.raises(UserError, match="upper_max_batch"):
         Omni("echo_upper", host=host, upper_max_batch=0)
+
+
+def test_its_node_policy_is_checked_when_the_plan_is_built(host):
+    plan = host.registry.pipelines["echo_upper"].item
+    upper = plan.node("upper")
+    misspelt = attrs.evolve(plan, nodes=[plan.node("echo"), attrs.evolve(upper, policy={"chunks": 4})])
+    with pytest.raises(GraphError, match="no policy key 'chunks'; valid keys: chunk, strip"):
+        Omni(misspelt, host=host)
+    with pytest.raises(GraphError, match="chunk"):
+        Omni(attrs.evolve(plan, nodes=[plan.node("echo"), attrs.evolve(upper, policy={"chunk": 0})]), host=host)
+
+
+def test_nodes_with_equal_engine_settings_share_one_engine(host):
+    first, second = Omni("echo_upper", host=host), Omni("echo_upper", host=host)
+    assert first.graph.stages["upper"].engine is second.graph.stages["upper"].engine
+    other = Omni("echo_upper", host=host, upper_max_batch=2)
+    assert other.graph.stages["upper"].engine is not first.graph.stages["upper"].engine

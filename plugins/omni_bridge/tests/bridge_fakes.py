@@ -1,9 +1,11 @@
 """Fake stages registered under the real node names (ar.prompt_bridge, diffusion.wan22_i2v): no torch, no model.
 
-They keep the production pattern, Stage(node, kind, inputs, Engine(scheduler, runner), outputs): the kernel's
-schedulers (the Wan one a DiffusionScheduler sized from omni_wan's defaults, `WanConfig().wan_max_batch`, with
-omni_wan's phase order), runners that read `batch.records` and return one result per request, and output
-processors that turn RequestOutputs into events.
+They keep the production pattern: a node type's engine (`Engine(scheduler, runner)`, one per model setting and
+plugin host, as the kernel shares them) and its stages over that engine, `Stage(node, kind, inputs, engine,
+outputs)`: the kernel's schedulers (the Wan one a PhaseScheduler sized from omni_wan's defaults,
+`WanConfig().wan_max_batch`, with omni_wan's phases and phase order), runners that read `batch.records` and
+return one result per request, and output processors that turn RequestOutputs into events, named after their
+own node.
 """
 
 import attrs
@@ -12,8 +14,9 @@ from omni_bridge.plugin import BridgePlugin
 from omni_kernel import ARParams, NodeType, StageOutput, StageProgress, TokenDelta, hookimpl, option
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.params import integer
-from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.scheduler import PhaseScheduler, StepScheduler
 from omni_kernel.core.stage import Outputs, Stage
+from omni_kernel.events import StageFinished
 from omni_kernel.plugins import PluginHost
 from omni_wan.params import WanConfig  # torch-free: the production defaults the fake Wan stage is sized from
 
@@ -36,6 +39,22 @@ class FakeWanConfig:
 
 
 @attrs.frozen
+class FakeBridgePolicy:
+    """The PromptBridgePolicy keys omni_bridge's pipelines set (the fake AR stage writes its reply regardless)."""
+
+    json_schema: object = option(None, help="the guidance schema the node's output is constrained to", type=object)
+    max_tokens: int | None = option(None, help="the node's token budget", type=int, validator=integer(1))
+
+
+@attrs.frozen
+class FakeWanPolicy:
+    """The WanPolicy key omni_bridge's pipelines set (the fake Wan stage does not enforce it)."""
+
+    image: str = option("required", help="whether a request brings an image", choices=("required", "none",
+                                                                                        "optional"))
+
+
+@attrs.frozen
 class FakeWanParams:
     """The WanParams fields these tests use, declared the same way."""
 
@@ -45,43 +64,49 @@ class FakeWanParams:
     output: str | None = option(None, help="output file", flag="--output")
 
 
-class FakeARRunner:
-    """One step writes the whole reply."""
+@attrs.frozen
+class FakeAREngineSettings:
+    ar_model: str | None = None
 
-    def __init__(self, node_id):
-        self.node_id = node_id
+
+@attrs.frozen
+class FakeWanEngineSettings:
+    model: str | None = None
+
+
+class FakeARRunner:
+    """One step writes the whole reply: (text, stop reason)."""
 
     def add_request(self, record):
         pass
 
     def run(self, batch):
-        results = {}
-        for job in batch.records:
-            rid = job.request_id
-            text, stop = REPLIES[job.item.prompt]
-            results[rid] = StageOutput(rid, self.node_id, text=text, stop_reason=stop,
-                                       contract="supplemental_guidance",
-                                       trace={"ar.stop_reason": stop, "ar.output_tokens": len(text.split())})
-        return results
+        return {job.request_id: REPLIES[job.item.prompt] for job in batch.records}
 
     def free(self, record):
         pass
 
 
 class FakeAROutputs(Outputs):
-    """The reply as one TokenDelta, then the kernel's StageFinished (its StageOutput)."""
+    """The reply as one TokenDelta, then its StageFinished (failures: the kernel's Outputs)."""
 
     def process(self, outputs):
-        deltas = [TokenDelta(o.request_id, self.node_id, o.result.text) for o in outputs if o.error is None]
-        events, stops = super().process(outputs)
-        return deltas + events, stops
+        events, stops = super().process([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            text, stop = out.result
+            result = StageOutput(out.request_id, self.node_id, text=text, stop_reason=stop,
+                                 contract="supplemental_guidance",
+                                 trace={"ar.stop_reason": stop, "ar.output_tokens": len(text.split())})
+            events += [TokenDelta(out.request_id, self.node_id, text), StageFinished(out.request_id, self.node_id,
+                                                                                     result)]
+        return events, stops
 
 
 @attrs.define
 class FakeWanRunner:
-    """Phases as the real WanRunner sees them: prepare, one denoise step per engine step, decode, export."""
+    """Phases as the real WanRunner sees them: prepare, one denoise step per engine step, decode, export (its result:
+    the file's path)."""
 
-    node_id: str
     items: dict = attrs.Factory(dict)  # the requests it holds
     received: dict = attrs.Factory(dict)  # every input it was given, kept for the tests
     phases: list = attrs.Factory(list)  # (request id, phase, step) of every step run
@@ -101,8 +126,7 @@ class FakeWanRunner:
             elif batch.phase == "decode":
                 results[rid] = None
             else:
-                results[rid] = StageOutput(rid, self.node_id, path=params.output or "video.mp4",
-                                           trace={"diffusion.num_inference_steps": params.num_inference_steps})
+                results[rid] = params.output or "video.mp4"
         return results
 
     def free(self, record):
@@ -110,39 +134,68 @@ class FakeWanRunner:
 
 
 class FakeWanOutputs(Outputs):
-    """Progress for the prepare and denoise steps, then the kernel's StageFinished (the export's StageOutput)."""
+    """Progress for the prepare and denoise steps, then the export's StageFinished (failures: the kernel's
+    Outputs)."""
 
     def process(self, outputs):
-        progress = [StageProgress(o.request_id, self.node_id, *o.result, "denoise") for o in outputs
-                    if o.error is None and isinstance(o.result, tuple)]
-        events, stops = super().process(outputs)
-        return progress + events, stops
+        events, stops = super().process([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            if isinstance(out.result, tuple):
+                events.append(StageProgress(out.request_id, self.node_id, *out.result, "denoise"))
+            elif out.finished is not None:
+                steps = out.item.params.num_inference_steps
+                result = StageOutput(out.request_id, self.node_id, path=out.result,
+                                     trace={"diffusion.num_inference_steps": steps})
+                events.append(StageFinished(out.request_id, self.node_id, result))
+        return events, stops
+
+
+def ar_engine_settings(node, config: FakeARConfig, policy) -> FakeAREngineSettings:
+    return FakeAREngineSettings(config.ar_model)
+
+
+def ar_engine(settings: FakeAREngineSettings) -> Engine:
+    return Engine(StepScheduler(max_batch=16), FakeARRunner())
+
+
+def ar_stage(node, config, policy, engine: Engine) -> Stage:
+    return Stage(node, "ar", None, engine, FakeAROutputs(node.id))
+
+
+def wan_engine_settings(node, config: FakeWanConfig, policy) -> FakeWanEngineSettings:
+    return FakeWanEngineSettings(config.model)
+
+
+def wan_phases(item) -> tuple[str, ...]:
+    """A request's steps as omni_wan names them (runner.phases)."""
+    return ("prepare", *["denoise"] * item.params.num_inference_steps, "decode", "export")
+
+
+def wan_stage(node, config, policy, engine: Engine) -> Stage:
+    return Stage(node, "diffusion", None, engine, FakeWanOutputs(node.id))
 
 
 class FakeModels:
-    """Registers fake stages under the names omni_qwen / omni_wan use; `only` limits which ones."""
+    """Registers fake stages under the names omni_qwen / omni_wan use; `only` limits which ones. `wan` is the fake
+    Wan runner every fake Wan engine of it runs on, kept for the tests to look at."""
 
     def __init__(self, only=("ar.prompt_bridge", "diffusion.wan22_i2v")):
         self.only = only
-        self.wan = FakeWanRunner("video")
+        self.wan = FakeWanRunner()
 
-    def _ar(self, node, config):
-        return Stage(node, "ar", None, Engine(StepScheduler(max_batch=16), FakeARRunner(node.id)),
-                     FakeAROutputs(node.id))
-
-    def _wan(self, node, config):
-        self.wan.node_id = node.id
-        scheduler = DiffusionScheduler(max_batch=WanConfig().wan_max_batch,
-                                       num_steps=lambda item: item.params.num_inference_steps,
-                                       phase_order=("export", "decode", "prepare", "denoise"))  # as omni_wan/build.py
-        return Stage(node, "diffusion", None, Engine(scheduler, self.wan), FakeWanOutputs(node.id))
+    def _wan_engine(self, settings: FakeWanEngineSettings) -> Engine:
+        scheduler = PhaseScheduler(max_batch=WanConfig().wan_max_batch, phases=wan_phases,
+                                   phase_order=("export", "decode", "prepare", "denoise"))  # as omni_wan/runner.py
+        return Engine(scheduler, self.wan)
 
     @hookimpl
     def omni_register_node_types(self, register):
-        types = [NodeType("ar.prompt_bridge", "ar", self._ar, config=FakeARConfig, params=ARParams,
+        types = [NodeType("ar.prompt_bridge", "ar", engine_settings=ar_engine_settings, engine=ar_engine,
+                          stage=ar_stage, config=FakeARConfig, params=ARParams, policy=FakeBridgePolicy,
                           output_contract="supplemental_guidance"),
-                 NodeType("diffusion.wan22_i2v", "diffusion", self._wan, config=FakeWanConfig, params=FakeWanParams,
-                          inputs={"image"})]
+                 NodeType("diffusion.wan22_i2v", "diffusion", engine_settings=wan_engine_settings,
+                          engine=self._wan_engine, stage=wan_stage, config=FakeWanConfig, params=FakeWanParams,
+                          policy=FakeWanPolicy, inputs={"image"})]
         for node_type in types:
             if node_type.name in self.only:
                 register(node_type)

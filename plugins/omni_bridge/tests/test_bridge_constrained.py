@@ -7,9 +7,8 @@ import pytest
 
 from omni_bridge.guidance import GUIDANCE_MAX_CHARS
 from omni_bridge.pipeline import BRIDGE_POLICY, QWEN_TO_WAN_I2V
-from omni_kernel import InvalidParameter, NodeSpec, PipelinePlan, Request, RequestFinished
+from omni_kernel import GraphError, NodeSpec, Omni, PipelinePlan, RequestFinished
 from omni_kernel.core.planner import GraphBuilder
-from omni_kernel.core.stage_scheduler import StageScheduler
 from omni_kernel.plugins import load_host
 
 PROMPTS = ("a red fox trotting through fresh snow", "雨の東京", "a lighthouse at dusk", "x")
@@ -22,13 +21,13 @@ def host():
 
 def bridge_outputs(host, policy, **params):
     plan = PipelinePlan("bridge_only", [NodeSpec("bridge", "ar.prompt_bridge", policy=policy, final=True)])
-    scheduler = StageScheduler(GraphBuilder(host.registry).build(plan, {"ar_device": "cpu"}))
-    requests = [Request(plan.name, p, params={"temperature": 1.0, "seed": i, **params}) for i, p in enumerate(PROMPTS)]
+    omni = Omni(plan, host=host, ar_device="cpu")
+    requests = [omni.request(p, temperature=1.0, seed=i, **params) for i, p in enumerate(PROMPTS)]
     for request in requests:
-        scheduler.submit(request)
+        omni.submit(request)
     outputs = {}
-    while scheduler.has_unfinished():
-        for event in scheduler.step():
+    while omni.has_unfinished():
+        for event in omni.step():
             assert isinstance(event, RequestFinished) or not hasattr(event, "error"), event
             if isinstance(event, RequestFinished):
                 outputs[event.request_id] = event.result.output
@@ -45,7 +44,7 @@ def test_constrained_bridge_answers_always_parse(host):
         trace = connector.convert(output, request).trace
         assert trace["diffusion.bridge_constrained"] is True
         assert trace["diffusion.bridge_parse_success"], output.text
-        assert output.stop_reason == "grammar" and output.text.startswith('{"guidance": "')
+        assert output.stop_reason == "stop" and output.text.startswith('{"guidance": "')
         assert 1 <= len(trace["diffusion.ar_guidance_prompt"]) <= GUIDANCE_MAX_CHARS
 
 
@@ -55,11 +54,13 @@ def test_unconstrained_bridge_says_so(host):
     assert connector.convert(output, request).trace["diffusion.bridge_constrained"] is False
 
 
-def test_a_bad_policy_schema_is_refused_when_the_stage_is_built(host):
+def test_a_bad_policy_schema_is_refused_when_the_plan_is_built(host):
     plan = PipelinePlan("bad", [NodeSpec("bridge", "ar.prompt_bridge", policy={"json_schema": {"type": "nope"}},
                                          final=True)])
-    with pytest.raises(InvalidParameter, match='policy json_schema of node bridge: .*Unsupported type "nope"'):
-        GraphBuilder(host.registry).build(plan, {"ar_device": "cpu"})
+    refused = "node 'bridge': policy invalid json_schema: .*Unsupported type \"nope\""
+    with pytest.raises(GraphError, match=refused) as info:
+        GraphBuilder(host.registry).prepare(plan, {"ar_device": "cpu"})  # nothing loads
+    assert info.value.rule == "node_policy"
 
 
 def test_a_shared_engine_keeps_each_requests_own_prefix(omni_cache):
@@ -74,16 +75,15 @@ def test_a_shared_engine_keeps_each_requests_own_prefix(omni_cache):
     text = Omni("ar_text", host=host, ar_model=model, ar_device="cpu")
     bridge = Omni(PipelinePlan("bridge_only", [NodeSpec("bridge", "ar.prompt_bridge", policy=BRIDGE_POLICY,
                                                         final=True)]), host=host, ar_model=model, ar_device="cpu")
-    assert text.graph.stages["generate"].engine.engine is bridge.graph.stages["bridge"].engine.engine
+    assert text.graph.stages["generate"].engine is bridge.graph.stages["bridge"].engine
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     text.submit(text.request("x", request_id="t", json_schema=schema))
     bridge.submit(bridge.request("a lighthouse at dusk", request_id="b", temperature=1.0, seed=2))
     results = {}
-    while text.has_unfinished() or bridge.has_unfinished():
-        for o in (text, bridge):
-            for event in o.step() if o.has_unfinished() else ():
-                if isinstance(event, RequestFinished):
-                    results[event.request_id] = event.result.output
+    while text.scheduler.has_unfinished():  # the host's one scheduler: one round steps the shared engine once
+        for event in text.scheduler.step():
+            if isinstance(event, RequestFinished):
+                results[event.request_id] = event.result.output
     assert isinstance(json.loads(results["t"].text)["ok"], bool)
     guidance = json.loads(results["b"].text)["guidance"]
     assert results["b"].text.startswith('{"guidance": "') and 1 <= len(guidance) <= GUIDANCE_MAX_CHARS

@@ -202,7 +202,7 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     assert isinstance(events[-1], RequestFinished)
 
     bridge = result.outputs["bridge"]
-    assert bridge.text == GOOD_REPLY and bridge.stop_reason == "grammar" and bridge.contract == "supplemental_guidance"
+    assert bridge.text == GOOD_REPLY and bridge.stop_reason == "stop" and bridge.contract == "supplemental_guidance"
     assert "".join(e.text for e in events if isinstance(e, TokenDelta) and e.node_id == "bridge") == GOOD_REPLY
     trace = result.trace
     assert_bridge_trace(trace, PROMPT)
@@ -211,7 +211,7 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
     merged = f"{PROMPT}\n\nSupplemental guidance: {guidance}"
     assert trace["diffusion.prompt"] == merged
     assert result.outputs["video"].trace["diffusion.prompt"] == merged  # what the Wan stage itself encoded
-    assert trace["ar.stop_reason"] == "grammar" and trace["ar.output_tokens"] == len(script)
+    assert trace["ar.stop_reason"] == "stop" and trace["ar.output_tokens"] == len(script)
     assert trace["diffusion.bridge_constrained"] is True and trace["ar.structured_output"] == "json_schema"
     assert result.path == str(video) and video.is_file()
     assert result.output.data["frames"].shape == (9, 128, 128, 3)

@@ -17,9 +17,8 @@ import attrs
 import click
 
 from omni_kernel.cli.flags import Flag, collect, declared, values
-from omni_kernel.cli.options import placement_options
+from omni_kernel.cli.options import placement_options, run_setting_names
 from omni_kernel.core.errors import GraphError, OmniError, UserError
-from omni_kernel.core.placement import RUN_KEYS
 from omni_kernel.plugins import load_host
 
 log = logging.getLogger("omni")
@@ -36,13 +35,17 @@ def _host(ctx: click.Context):
 
 
 class ServeCommand(click.Command):
-    """Adds the node types' config flags when the command is parsed or its help is shown."""
+    """Adds the node types' config flags and the installed placements' run-setting flags when the command is
+    parsed or its help is shown."""
 
     def get_params(self, ctx: click.Context):
         params = super().get_params(ctx)
+        registry = _host(ctx).registry
         if not hasattr(ctx, "_omni_flags"):
-            ctx._omni_flags = [f for f in collect(_host(ctx).registry) if f.where == "config"]
-        return params[:-1] + [_option(f) for f in ctx._omni_flags] + params[-1:]  # --help stays last
+            ctx._omni_flags = [f for f in collect(registry) if f.where == "config"]
+            ctx._omni_settings = run_setting_names(registry)
+        added = [_option(f) for f in ctx._omni_flags] + placement_options(registry)
+        return params[:-1] + added + params[-1:]  # --help stays last
 
 
 def _option(flag: Flag) -> click.Option:
@@ -81,7 +84,6 @@ def serve_command() -> click.Command:
         *timeout_options(),
         click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
                      help="A model-level setting of the pipelines' nodes (repeatable), e.g. -c ar_dtype=bf16."),
-        *placement_options(),
         click.Option(["--log-level"], default="info", show_default=True,
                      type=click.Choice(["debug", "info", "warning", "error"])),
     ]
@@ -90,7 +92,7 @@ def serve_command() -> click.Command:
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, max_text_body_mb,
               allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
               config_pairs, log_level, **given):
-        run_settings = {key: given.pop(key) for key in RUN_KEYS}
+        run_settings = {key: given.pop(key) for key in ctx._omni_settings}
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
         try:
@@ -143,10 +145,9 @@ def timeout_options() -> list[click.Option]:
 def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dict[str, tuple[str, dict]]:
     """name -> (pipeline, config) for each pipeline to serve; a flag or -c key that no served pipeline uses is
     refused. With no --pipeline: every registered pipeline whose graph validates."""
-    from omni_kernel.core.planner import GraphBuilder, Planner
+    from omni_kernel.core.planner import Planner
 
     registry = host.registry
-    builder = GraphBuilder(registry)
     explicit = bool(names)
     if not names:
         names = sorted(registry.pipelines)
@@ -154,7 +155,7 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
     for name in names:
         plan = Planner(registry).plan(name)
         try:
-            builder.validate(plan)
+            host.builder.validate(plan)
         except GraphError as exc:
             if explicit:
                 raise
@@ -191,31 +192,19 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
     from .server import create_app
     from .timeouts import TimedH11Protocol
 
-    if max_body_mb <= 0:
-        raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")
-    if max_text_body_mb <= 0:
-        raise UserError(f"invalid --max-text-body-mb: {max_text_body_mb} is not > 0")
-    if shutdown_timeout < 0:
-        raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
+    _check_limits(max_body_mb, max_text_body_mb, shutdown_timeout)
     timeouts = timeouts or Timeouts()
     _return_large_blocks()
     plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs)
     run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
     plan = {name: (pipeline, {**config, **run_settings}) for name, (pipeline, config) in plan.items()}
-    alias_map = {}
-    for alias in aliases:
-        name, sep, target = alias.partition("=")
-        target = target if sep else (next(iter(plan)) if len(plan) == 1 else "")
-        if target not in plan:
-            raise UserError(f"invalid --served-model-name {alias!r}: name a served pipeline as NAME=PIPELINE "
-                            f"(served: {', '.join(plan)})")
-        alias_map[name] = target
+    alias_map = parse_aliases(aliases, list(plan))
     started = time.perf_counter()
-    engine = AsyncOmni.build(plan, plugin_host, max_in_flight)
-    for stage in engine.snapshot.stages:  # what each stage reports of itself (its worker's, if placed in one)
-        if stage.kv_blocks_total is not None:
-            log.info("%s/%s: %d KV blocks", stage.pipeline, stage.node, stage.kv_blocks_total)
-    log.info("built %s in %.1fs", ", ".join(engine.omnis), time.perf_counter() - started)
+    async_omni = AsyncOmni.build(plan, plugin_host, max_in_flight)  # checks every pipeline, then builds
+    for stage in async_omni.snapshot.stages:  # what each stage reports of itself (its worker's, if placed in one)
+        if stage.stats.kv_blocks_total is not None:
+            log.info("%s/%s: %d KV blocks", stage.pipeline, stage.node, stage.stats.kv_blocks_total)
+    log.info("built %s in %.1fs", ", ".join(async_omni.omnis), time.perf_counter() - started)
     temp_dir = None
     if output_dir is None:
         temp_dir = tempfile.mkdtemp(prefix="omni-serve-")
@@ -223,23 +212,45 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
     settings = ServeSettings(Path(output_dir).expanduser().absolute(), api_key or None, video_ttl or None,
                              max_body_mb, max_text_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map,
                              timeouts.body or None)
-    app = create_app(engine, settings)
+    app = create_app(async_omni, settings)
     # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):
     # the app fails what is left at --shutdown-timeout itself (server.py), so uvicorn waits a little longer.
     config = uvicorn.Config(app.state.asgi, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on",
                             http=TimedH11Protocol, timeout_keep_alive=timeouts.keep_alive)
     config.omni_header_timeout = timeouts.header  # read by TimedH11Protocol
-    server = _Server(config, app, engine)
+    server = _Server(config, app, async_omni)
     try:
         server.run()
     finally:
-        engine.shutdown(0)
-        for omni in engine.omnis.values():  # stop the stage workers, if any
+        async_omni.shutdown(0)
+        for omni in async_omni.omnis.values():  # stop the placed stages, if any
             omni.close()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
     log.info("stopped")
+
+
+def _check_limits(max_body_mb: float, max_text_body_mb: float, shutdown_timeout: float) -> None:
+    if max_body_mb <= 0:
+        raise UserError(f"invalid --max-body-mb: {max_body_mb} is not > 0")
+    if max_text_body_mb <= 0:
+        raise UserError(f"invalid --max-text-body-mb: {max_text_body_mb} is not > 0")
+    if shutdown_timeout < 0:
+        raise UserError(f"invalid --shutdown-timeout: {shutdown_timeout} is not >= 0")
+
+
+def parse_aliases(aliases, served: list[str]) -> dict[str, str]:
+    """--served-model-name NAME[=PIPELINE] -> {NAME: PIPELINE}; without =PIPELINE, the one served pipeline."""
+    alias_map = {}
+    for alias in aliases:
+        name, sep, target = alias.partition("=")
+        target = target if sep else (served[0] if len(served) == 1 else "")
+        if target not in served:
+            raise UserError(f"invalid --served-model-name {alias!r}: name a served pipeline as NAME=PIPELINE "
+                            f"(served: {', '.join(served)})")
+        alias_map[name] = target
+    return alias_map
 
 
 MMAP_THRESHOLD = 1 << 20
@@ -263,7 +274,7 @@ class _Server:
     """uvicorn.Server that notes when the exit signal came (the shutdown timeout runs from then) and stops the
     engine admitting new requests at once."""
 
-    def __new__(cls, config, app, engine):
+    def __new__(cls, config, app, async_omni):
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -284,7 +295,7 @@ class _Server:
             def handle_exit(self, sig, frame):
                 if getattr(app.state, "exit_at", None) is None:
                     app.state.exit_at = time.monotonic()
-                    engine._admitting = False  # a plain assignment: safe in a signal handler
+                    async_omni.stop_admitting()
                     exiting = getattr(app.state, "exiting", None)  # the lifespan's drain (server.py) waits on it
                     if exiting is not None:
                         exiting()

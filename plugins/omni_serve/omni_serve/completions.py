@@ -70,7 +70,7 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
     streams = []
     try:
         for i, (prompt, extra) in enumerate(prompts):
-            streams.append(await served.engine.open(name, prompt, request_id=rid if len(prompts) == 1 else
+            streams.append(await served.async_omni.open(name, prompt, request_id=rid if len(prompts) == 1 else
                                                     f"{rid}-{i}", **{**params, **extra}))
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer; the prompts already in go away
         for stream in streams:
@@ -95,7 +95,7 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
         text, logprobs = echoes[i].whole(out.text or "", out.output.data or {})
         choices.append({"index": i, "text": text, "logprobs": logprobs,
                         "finish_reason": "length" if echoes[i].prompt_only else
-                        FINISH.get(out.output.stop_reason or "eos", "stop")})
+                        FINISH[out.output.stop_reason or "eos"]})
         usage = add_usage(usage, watches[i].usage(out))
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": usage}
@@ -118,11 +118,65 @@ async def collect_all(streams, final: str, watches: list[Watch]):
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class CompletionChunks:
+    """The `text_completion` chunks of one streamed completions request of several prompts, each choice with its
+    prompt's `index`, and the usage summed over the prompts that finished."""
+
+    def __init__(self, rid: str, model: str, final: str, watches: list[Watch], echoes: list[Echo]):
+        self.rid, self.model, self.final = rid, model, final
+        self.created = int(time.time())
+        self.watches, self.echoes = watches, echoes
+        self.logprobs = [StreamedLogprobs(echo) for echo in echoes]
+        self.usage: dict | None = None
+
+    def chunk(self, choices: list, usage: dict | None = None) -> str:
+        body = {"id": self.rid, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+    def of(self, i: int, event) -> list[str]:
+        """The chunks of prompt `i`'s event (none for an event of another node, or one that says nothing)."""
+        if isinstance(event, TokenDelta) and event.node_id == self.final:
+            return self._delta(i, event)
+        if isinstance(event, RequestFinished):
+            return self._finished(i, event)
+        return []
+
+    def _head(self, i: int, event=None, data: dict | None = None) -> list[str]:
+        """The echoed prompt (and its logprobs) before the prompt's first text, once (it sets where the text's
+        logprobs offsets start: before them)."""
+        head = self.logprobs[i].start(event, data)
+        if head is None:
+            return []
+        return [self.chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])]
+
+    def _delta(self, i: int, event: TokenDelta) -> list[str]:
+        self.watches[i].delta()
+        if self.echoes[i].prompt_only:
+            return []
+        head = self._head(i, event)
+        text = self.chunk([{"index": i, "text": event.text, "finish_reason": None,
+                            "logprobs": self.logprobs[i].delta(event)}])
+        return [*head, text]
+
+    def _finished(self, i: int, event: RequestFinished) -> list[str]:
+        out = event.result
+        self.watches[i].done(out, "completions")
+        self.usage = add_usage(self.usage, self.watches[i].usage(out))
+        data = out.output.data or {}
+        prompt_only = self.echoes[i].prompt_only
+        head = self._head(i, data=data)
+        last = self.chunk([{"index": i, "text": "", "logprobs": None if prompt_only else self.logprobs[i].rest(data),
+                            "finish_reason": "length" if prompt_only else FINISH[out.output.stop_reason or "eos"]}])
+        return [*head, last]
+
+
 async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: str, include_usage: bool,
                    echoes: list[Echo]) -> AsyncIterator[str]:
     """The prompts' deltas as `text_completion` chunks as they come, each with its prompt's `index`; the
     usage chunk (summed) after the last prompt finished."""
-    created = int(time.time())
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream) -> None:
@@ -133,44 +187,23 @@ async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: s
         finally:
             await queue.put((i, None))
 
-    def chunk(choices: list, usage: dict | None = None) -> str:
-        body = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
-
+    chunks = CompletionChunks(rid, model, final, watches, echoes)
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    logprobs = [StreamedLogprobs(echo) for echo in echoes]
-    usage, open_ = None, len(streams)
+    open_ = len(streams)
     try:
         while open_:
             i, event = await queue.get()
             if event is None:
                 open_ -= 1
-            elif isinstance(event, TokenDelta) and event.node_id == final:
-                watches[i].delta()
-                if echoes[i].prompt_only:
-                    continue
-                if (head := logprobs[i].start(event)) is not None:
-                    yield chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])
-                yield chunk([{"index": i, "text": event.text, "finish_reason": None,
-                              "logprobs": logprobs[i].delta(event)}])
-            elif isinstance(event, RequestFinished):
-                out = event.result
-                watches[i].done(out, "completions")
-                usage = add_usage(usage, watches[i].usage(out))
-                data = out.output.data or {}
-                if (head := logprobs[i].start(data=data)) is not None:
-                    yield chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])
-                yield chunk([{"index": i, "text": "", "logprobs": None if echoes[i].prompt_only else
-                              logprobs[i].rest(data), "finish_reason": "length" if echoes[i].prompt_only else
-                              FINISH.get(out.output.stop_reason or "eos", "stop")}])
             elif isinstance(event, RequestFailed):
                 yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
                 break
+            else:
+                for line in chunks.of(i, event):
+                    yield line
         else:
-            if include_usage and usage is not None:
-                yield chunk([], usage)
+            if include_usage and chunks.usage is not None:
+                yield chunks.chunk([], chunks.usage)
     finally:
         for task in tasks:
             task.cancel()

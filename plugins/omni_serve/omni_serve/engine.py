@@ -1,14 +1,14 @@
-"""AsyncOmni: one engine thread owns the StageSchedulers of several pipelines and steps them.
+"""AsyncOmni: one engine thread owns the plugin host's StageScheduler, on which every served pipeline runs.
 
-Everything that touches a scheduler (submit, step, abort) runs on the engine thread; other threads and the
+Everything that touches the scheduler (submit, step, abort) runs on the engine thread; other threads and the
 asyncio loop hand it commands through a queue guarded by a Condition, so the thread blocks (no spinning) while
-nothing is in flight. Each loop iteration runs the queued commands, then steps every pipeline that has work
-once (round robin, so no pipeline starves another), hands each event to the callback of its request, and
-publishes a snapshot of the stages (requests running/waiting, KV blocks) for /metrics and /health.
+nothing is in flight. Each loop iteration runs the queued commands, then steps the scheduler once (every engine
+that holds a request steps once, whichever served pipelines share it), hands each event to the callback of its
+request, and publishes a snapshot of the stages (requests running/waiting, KV blocks) for /metrics and /health.
 
-An exception that escapes a StageScheduler step leaves its state untrustworthy: the whole engine is marked
-dead, every request in flight fails with `EngineDead`, and new requests are refused; the thread stays up to
-answer them. A stage whose own engine died (its scheduler raised) makes its pipeline dead in the same way.
+An exception that escapes a scheduler step leaves its state untrustworthy: the whole engine is marked dead,
+every request in flight fails with `EngineDead`, and new requests are refused; the thread stays up to answer
+them. A stage whose own engine died (its scheduler raised) makes its pipeline dead in the same way.
 No torch here: models load when the pipelines' graphs are built.
 """
 
@@ -27,15 +27,17 @@ import attrs
 
 from omni_kernel.api import Omni
 from omni_kernel.core.errors import EngineDead, InvalidParameter, RequestError
+from omni_kernel.core.placement import RunSettings
+from omni_kernel.core.planner import Planner
 from omni_kernel.core.request import Request
-from omni_kernel.events import RequestFailed, RequestFinished, StageFailed
+from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.plugins import PluginHost
 
 from .snapshot import Snapshot, StageSnapshot
 from .stream import EventStream
 
 log = logging.getLogger("omni")
-WATCH_S = 1.0  # idle, the stage workers are looked at this often: one that died restarts before the next request
+WATCH_S = 1.0  # idle, the placed stages are looked at this often: one that died restarts before the next request
 OnEvent = Callable[[Any], None]
 
 
@@ -54,21 +56,25 @@ class _Flight:
 
 
 class AsyncOmni:
-    """Several pipelines (Omni objects of one plugin host, so loaded models are shared) behind one engine loop.
+    """Several pipelines (Omni objects of one plugin host, so loaded models and engines are shared) behind one
+    engine loop over the host's one StageScheduler.
 
-    `omnis` maps the served name to its Omni. Use `start()` (or `with AsyncOmni(...)`), then `submit`/`abort`
-    from any thread, or `async for event in engine.generate(pipeline, prompt, **params)` from asyncio.
+    `omnis` maps the served name to its Omni; two names may serve one pipeline with different configs (each its
+    own Omni and graph). Use `start()` (or `with AsyncOmni(...)`), then `submit`/`abort` from any thread, or
+    `async for event in async_omni.generate(name, prompt, **params)` from asyncio.
     """
 
     def __init__(self, omnis: Mapping[str, Omni], max_in_flight: int | None = None):
         if not omnis:
             raise InvalidParameter("pipeline", "no pipeline to serve")
         self.omnis = dict(omnis)
+        schedulers = {id(omni.scheduler): omni.scheduler for omni in self.omnis.values()}
+        if len(schedulers) != 1:
+            raise InvalidParameter("pipeline", "the served pipelines must be Omni of one plugin host (one scheduler)")
+        self.scheduler = next(iter(schedulers.values()))
         self.max_in_flight = max_in_flight  # requests submitted and not finished (None: no limit)
-        for omni in self.omnis.values():  # one thread serves every pipeline: a call to a restarting stage worker
-            workers = omni.graph.workers  # fails at once (503) instead of stalling them all for its model load
-            if workers is not None and hasattr(workers, "wait_for_restarts"):
-                workers.wait_for_restarts = False
+        for omni in self.omnis.values():
+            _fail_fast_while_restarting(omni)
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
         self._flights: dict[str, _Flight] = {}  # engine thread only
@@ -85,7 +91,11 @@ class AsyncOmni:
     @classmethod
     def build(cls, pipelines: Mapping[str, tuple[str, Mapping[str, Any]]], host: PluginHost,
               max_in_flight: int | None = None) -> AsyncOmni:
-        """`pipelines`: served name -> (pipeline name, config). One host: a model loads once for all of them."""
+        """`pipelines`: served name -> (pipeline name, config and run settings). One host: a model loads once for
+        all of them. Every pipeline's plan, config and run settings are checked before any is built, so a bad
+        setting of the last costs no model load of the first."""
+        for pipeline, config in pipelines.values():
+            check_before_building(host, pipeline, config)
         return cls({name: Omni(pipeline, host=host, **config) for name, (pipeline, config) in pipelines.items()},
                    max_in_flight)
 
@@ -106,6 +116,10 @@ class AsyncOmni:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (ShuttingDown). A plain assignment, no lock: safe in a signal handler."""
+        self._admitting = False
 
     def shutdown(self, timeout: float = 0.0) -> int:
         """Stop admitting, let requests in flight finish for up to `timeout` seconds, abort the rest, stop the
@@ -212,7 +226,7 @@ class AsyncOmni:
     # The engine thread.
 
     def _loop(self) -> None:
-        watched = any(omni.graph.workers is not None for omni in self.omnis.values())
+        watched = any(omni.graph.placed for omni in self.omnis.values())
         while True:
             with self._cond:
                 while not self._commands and not self._has_work() and not self._stop:
@@ -225,18 +239,21 @@ class AsyncOmni:
             if stop and not self._has_work():
                 self._publish()
                 break
+            if self._has_work():
+                self._step()
             if self.dead is None:
-                for name, omni in self.omnis.items():
-                    if omni.has_unfinished():
-                        self._step(name, omni)
-                        if self.dead is not None:
-                            break
-                    else:
-                        omni.graph.watch()
+                self._watch_idle()
             self._publish()
 
     def _has_work(self) -> bool:
-        return self.dead is None and any(omni.has_unfinished() for omni in self.omnis.values())
+        return self.dead is None and self.scheduler.has_unfinished()
+
+    def _watch_idle(self) -> None:
+        """Let the placements of the pipelines with nothing in flight look at their stages, so a worker that died
+        while idle is replaced before the next request instead of at it."""
+        for omni in self.omnis.values():
+            if not self.scheduler.has_unfinished(omni.graph):
+                omni.graph.watch()
 
     def _run_command(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
         try:
@@ -283,36 +300,42 @@ class AsyncOmni:
         flight = self._flights.get(request_id)
         if flight is None:
             return
-        self.omnis[flight.pipeline].abort(request_id)
+        self.scheduler.abort(request_id)
         self._aborted += 1
         if reason is not None:  # its caller learns why now; the scheduler's own event finds no flight
             del self._flights[request_id]
             self._deliver(flight, RequestFailed(request_id, None, reason, "aborted"))
-        # else the abort's RequestFailed event comes out of the next step of that pipeline
+        # else the abort's RequestFailed event comes out of the next step
 
-    def _step(self, name: str, omni: Omni) -> None:
+    def _step(self) -> None:
+        """One round of the scheduler (every busy engine steps once); each event to its request's callback."""
         try:
-            events = omni.step()
+            events = self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - the scheduler's state can no longer be trusted
-            log.error("engine loop failed on pipeline %s and was stopped: %s: %s", name, type(exc).__name__, exc,
-                      exc_info=exc)
-            self.dead = EngineDead(f"the engine failed and takes no more requests ({type(exc).__name__}: "
-                                   f"{' '.join(str(exc).split())})")
-            for rid, flight in list(self._flights.items()):
-                self._deliver(flight, RequestFailed(rid, None, str(self.dead), "engine_dead"))
-            self._flights.clear()
+            self._die(exc)
             return
         self._steps += 1
         for event in events:
             flight = self._flights.get(event.request_id)
-            if isinstance(event, StageFailed) and not (event.node_id is None and event.kind == "aborted"):
-                if isinstance(event, RequestFailed):
-                    self._errors[(name, event.node_id or "-", event.kind)] += 1
             if flight is None:
-                continue
+                continue  # aborted with a reason (its caller was told), or of an Omni this loop does not serve
+            if isinstance(event, RequestFailed):
+                self._count_failure(flight, event)
             if isinstance(event, (RequestFinished, RequestFailed)):
                 del self._flights[event.request_id]
             self._deliver(flight, event)
+
+    def _count_failure(self, flight: _Flight, event: RequestFailed) -> None:
+        if not (event.node_id is None and event.kind == "aborted"):  # an abort is counted by `_abort`
+            self._errors[(flight.pipeline, event.node_id or "-", event.kind)] += 1
+
+    def _die(self, exc: Exception) -> None:
+        log.error("engine loop failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        self.dead = EngineDead(f"the engine failed and takes no more requests ({type(exc).__name__}: "
+                               f"{' '.join(str(exc).split())})")
+        for rid, flight in list(self._flights.items()):
+            self._deliver(flight, RequestFailed(rid, None, str(self.dead), "engine_dead"))
+        self._flights.clear()
 
     def _deliver(self, flight: _Flight, event) -> None:
         try:
@@ -341,3 +364,20 @@ class AsyncOmni:
                 stages.append(StageSnapshot.of(name, node_id, omni.graph.stages[node_id]))
         return Snapshot(tuple(stages), len(self._flights), None if self.dead is None else str(self.dead),
                         self._steps, dict(self._errors), self._aborted)
+
+
+def check_before_building(host: PluginHost, pipeline: str, config: Mapping[str, Any]) -> None:
+    """A served pipeline's plan, config and run settings, checked with nothing loaded (Omni checks them again as it
+    builds)."""
+    plan = Planner(host.registry).plan(pipeline)
+    config = dict(config)
+    settings = RunSettings.pop(config, host.builder.placements())
+    host.builder.prepare(plan, config, settings)
+
+
+def _fail_fast_while_restarting(omni: Omni) -> None:
+    """One thread serves every pipeline: a call to a stage whose worker is restarting fails at once (503) instead
+    of stalling them all for its model load (a placement handle that has restarts says so by this attribute)."""
+    for handle in omni.graph.placed:
+        if hasattr(handle, "wait_for_restarts"):
+            handle.wait_for_restarts = False

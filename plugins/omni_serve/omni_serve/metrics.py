@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .snapshot import Snapshot
+from .snapshot import Snapshot, restarts_of
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -40,7 +40,7 @@ class _EngineCollector:
                 key = [s.pipeline, s.node, str(index)]
                 running.add_metric(key, replica.running)
                 waiting.add_metric(key, replica.waiting)
-                restarts.add_metric(key, replica.restarts)
+                restarts.add_metric(key, restarts_of(replica))
                 alive.add_metric(key, int(replica.dead is None))
         return running, waiting, restarts, alive
 
@@ -54,13 +54,13 @@ class _EngineCollector:
         hits = CounterMetricFamily("omni_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                    labels=labels)
         for s in snap.stages:
-            key = [s.pipeline, s.node]
-            running.add_metric(key, s.running)
-            waiting.add_metric(key, s.waiting)
-            if s.kv_blocks_total is not None:
-                used.add_metric(key, s.kv_blocks_used)
-                total.add_metric(key, s.kv_blocks_total)
-                hits.add_metric(key, s.prefix_hit_tokens or 0)
+            key, stats = [s.pipeline, s.node], s.stats
+            running.add_metric(key, stats.running)
+            waiting.add_metric(key, stats.waiting)
+            if stats.kv_blocks_total is not None:
+                used.add_metric(key, stats.kv_blocks_used)
+                total.add_metric(key, stats.kv_blocks_total)
+                hits.add_metric(key, stats.prefix_hit_tokens or 0)
         restarts = CounterMetricFamily("omni_stage_restarts", "restarts of a stage's worker process or Ray actor",
                                        labels=labels)
         restarting = GaugeMetricFamily("omni_stage_restarting", "1 while a stage's restarted worker builds its stage",

@@ -34,10 +34,10 @@ def model_card(served, model: str) -> dict:
 
 @router.get("/health")
 async def health(served: State):
-    engine = served.engine
-    snap = engine.snapshot
-    dead = {n: d for n in engine.omnis if (d := snap.pipeline_dead(n))}
-    if snap.dead or dead or not engine.alive:
+    async_omni = served.async_omni
+    snap = async_omni.snapshot
+    dead = {n: d for n in async_omni.omnis if (d := snap.pipeline_dead(n))}
+    if snap.dead or dead or not async_omni.alive:
         reason = snap.dead or "; ".join(f"{n}: {d}" for n, d in dead.items()) or "the engine thread stopped"
         return JSONResponse({"status": "dead", "error": reason, "dead_models": sorted(dead)}, status_code=503)
     restarting = sorted(f"{s.pipeline}/{s.node}" for s in snap.stages if s.restarting)

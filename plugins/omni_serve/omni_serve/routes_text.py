@@ -25,7 +25,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest, served: State):
-    return await answer(request, served, body, chat=True)
+    return await answer_chat(request, served, body)
 
 
 @router.post("/v1/completions")
@@ -93,25 +93,22 @@ def chat_prompt(body: ChatCompletionRequest, served: Served, name: str) -> tuple
     raise APIError(400, f"invalid messages: model {body.model!r} takes one user message", "messages")
 
 
-async def answer(request: Request, served: Served, body: SamplingFields, chat: bool):
+async def answer_chat(request: Request, served: Served, body: ChatCompletionRequest):
     arrival = time.perf_counter()
     name = served.resolve(body.model, "text")
     params = sampling(body)
-    if chat:
-        prompt, extra = chat_prompt(body, served, name)
-        params.update(extra, **chat_params(body))
-    else:
-        prompt = body.prompt
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    prompt, extra = chat_prompt(body, served, name)
+    params.update(extra, **chat_params(body))
+    rid = "chatcmpl-" + uuid.uuid4().hex[:24]
     try:
-        stream = await served.engine.open(name, prompt, request_id=rid, **params)
+        stream = await served.async_omni.open(name, prompt, request_id=rid, **params)
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         raise api_error(exc) from None
     final = served.final(name)
     watch = Watch(served.metrics, body.model, arrival)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(sse(stream, final, watch, rid, body.model, chat, usage),
+        return StreamingResponse(sse(stream, final, watch, rid, body.model, usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     result = await until_disconnect(request, collect(stream, final, watch))
@@ -121,14 +118,9 @@ async def answer(request: Request, served: Served, body: SamplingFields, chat: b
     if isinstance(finished, RequestFailed):
         raise APIError.of_failure(finished.kind, finished.error, finished.field)
     out = finished.result
-    watch.done(out, "chat" if chat else "completions")
-    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(out.output.stop_reason or "eos", "stop"),
-                              "logprobs": None}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": out.text or "", "refusal": None}
-        if body.logprobs:
-            choice["logprobs"] = chat_content(chat_entries(out.output))
-    else:
-        choice["text"] = out.text or ""
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": body.model, "choices": [choice], "usage": watch.usage(out)}
+    watch.done(out, "chat")
+    choice = {"index": 0, "finish_reason": FINISH[out.output.stop_reason or "eos"],
+              "logprobs": chat_content(chat_entries(out.output)) if body.logprobs else None,
+              "message": {"role": "assistant", "content": out.text or "", "refusal": None}}
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
+            "choices": [choice], "usage": watch.usage(out)}

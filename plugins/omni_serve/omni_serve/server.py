@@ -26,10 +26,10 @@ from .videos import VideoJobs
 log = logging.getLogger("omni")
 
 
-def create_app(engine: AsyncOmni, settings: ServeSettings) -> FastAPI:
+def create_app(async_omni: AsyncOmni, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="omni serve", version="0.1.0", lifespan=lifespan, exception_handlers=HANDLERS,
                   description="OpenAI-compatible API over omni pipelines")
-    app.state.served = served = Served.build(engine, settings)
+    app.state.served = served = Served.build(async_omni, settings)
     for routes in (routes_ops, routes_text, routes_videos):
         app.include_router(routes.router)
     if settings.allowed_origins:
@@ -44,8 +44,8 @@ def create_app(engine: AsyncOmni, settings: ServeSettings) -> FastAPI:
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI):
     served: Served = app.state.served
-    engine, settings = served.engine, served.settings
-    engine.start()
+    async_omni, settings = served.async_omni, served.settings
+    async_omni.start()
     served.jobs.sweep()  # what a server or worker killed mid-write left in --output-dir
     janitor = asyncio.create_task(_expire(served.jobs, settings.video_ttl))
     exiting = asyncio.Event()
@@ -59,7 +59,7 @@ async def lifespan(app: FastAPI):
         drainer.cancel()
         exit_at = getattr(app.state, "exit_at", None)  # set by the command when the exit signal came
         left = settings.shutdown_timeout - (time.monotonic() - exit_at if exit_at else 0)
-        aborted = await asyncio.to_thread(engine.shutdown, max(left, 0.0))
+        aborted = await asyncio.to_thread(async_omni.shutdown, max(left, 0.0))
         await served.jobs.close()
         if aborted:
             log.info("shutdown: aborted %d request(s) still in flight after %gs", aborted, settings.shutdown_timeout)
@@ -72,7 +72,7 @@ async def _drain_on_exit(app: FastAPI, exiting: asyncio.Event) -> None:
     served: Served = app.state.served
     timeout = served.settings.shutdown_timeout
     left = timeout - (time.monotonic() - getattr(app.state, "exit_at", time.monotonic()))
-    failed = await asyncio.to_thread(served.engine.drain, max(left, 0.0),
+    failed = await asyncio.to_thread(served.async_omni.drain, max(left, 0.0),
                                      f"the server shut down before this request finished (--shutdown-timeout "
                                      f"{timeout:g}s)")
     if failed:

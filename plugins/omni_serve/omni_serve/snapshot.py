@@ -1,6 +1,12 @@
 """What the engine thread publishes after each step for /metrics and /health: a `StageSnapshot` per stage (its
 `Stage.stats()`, labelled with its pipeline and node) and the engine-wide `Snapshot`. Frozen, so a thread that
-reads `AsyncOmni.snapshot` never sees one half-built."""
+reads `AsyncOmni.snapshot` never sees one half-built.
+
+What a placement adds to a stage's stats (`StageStats.placed`, an attrs value of the placement plugin's own) is
+read by field name with a default, so this plugin imports no placement plugin: `restarts` (of the stage's worker
+process or Ray actor), `restarting` (that worker is building its stage again: requests to it get 503 meanwhile)
+and `replicas` (a replicated stage's: each replica's own StageStats). A stage in this process has none of them.
+"""
 
 from __future__ import annotations
 
@@ -11,27 +17,42 @@ import attrs
 from omni_kernel.core.request import StageStats
 
 
+def restarts_of(stats: StageStats) -> int:
+    return int(getattr(stats.placed, "restarts", 0))
+
+
+def restarting_of(stats: StageStats) -> bool:
+    return bool(getattr(stats.placed, "restarting", False))
+
+
+def replicas_of(stats: StageStats) -> tuple[StageStats, ...]:
+    return tuple(getattr(stats.placed, "replicas", ()))
+
+
 @attrs.frozen
 class StageSnapshot:
-    """One stage's `StageStats` (see omni_kernel/request.py), with the pipeline, node and kind it belongs to."""
+    """One stage's `StageStats` (omni_kernel/core/request.py), with the pipeline, node and kind it belongs to."""
 
     pipeline: str
     node: str
     kind: str
-    running: int = 0
-    waiting: int = 0
-    dead: str | None = None
-    kv_blocks_total: int | None = None
-    kv_blocks_used: int | None = None
-    prefix_hit_tokens: int | None = None
-    restarts: int = 0  # of its worker process or Ray actor (placement process or ray)
-    restarting: bool = False  # that worker is building its stage again: requests to it get 503 meanwhile
-    replicas: tuple[StageStats, ...] = ()  # a replicated stage's (--replicas): each replica's own stats
+    stats: StageStats = StageStats()
 
     @classmethod
     def of(cls, pipeline: str, node_id: str, stage) -> StageSnapshot:
-        stats: StageStats = stage.stats()
-        return cls(pipeline, node_id, stage.kind, **attrs.asdict(stats, recurse=False))
+        return cls(pipeline, node_id, stage.kind, stage.stats())
+
+    @property
+    def restarts(self) -> int:
+        return restarts_of(self.stats)
+
+    @property
+    def restarting(self) -> bool:
+        return restarting_of(self.stats)
+
+    @property
+    def replicas(self) -> tuple[StageStats, ...]:
+        return replicas_of(self.stats)
 
 
 @attrs.frozen
@@ -44,4 +65,4 @@ class Snapshot:
     aborted: int = 0
 
     def pipeline_dead(self, pipeline: str) -> str | None:
-        return self.dead or next((s.dead for s in self.stages if s.pipeline == pipeline and s.dead), None)
+        return self.dead or next((s.stats.dead for s in self.stages if s.pipeline == pipeline and s.stats.dead), None)

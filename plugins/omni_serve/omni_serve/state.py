@@ -23,7 +23,7 @@ ROUTES = {"text": "/v1/chat/completions or /v1/completions", "video": "/v1/video
 
 @attrs.define
 class Served:
-    engine: AsyncOmni
+    async_omni: AsyncOmni
     settings: ServeSettings
     jobs: VideoJobs
     metrics: Metrics
@@ -32,11 +32,11 @@ class Served:
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @classmethod
-    def build(cls, engine: AsyncOmni, settings: ServeSettings) -> Served:
-        jobs = VideoJobs(engine, settings.output_dir, settings.video_ttl)
-        jobs.metrics = Metrics(lambda: engine.snapshot, jobs.counts)
-        names = {**{n: n for n in engine.omnis}, **dict(settings.aliases)}
-        return cls(engine, settings, jobs, jobs.metrics, names, {n: _kind(engine, n) for n in engine.omnis})
+    def build(cls, async_omni: AsyncOmni, settings: ServeSettings) -> Served:
+        jobs = VideoJobs(async_omni, settings.output_dir, settings.video_ttl)
+        jobs.metrics = Metrics(lambda: async_omni.snapshot, jobs.counts)
+        names = {**{n: n for n in async_omni.omnis}, **dict(settings.aliases)}
+        return cls(async_omni, settings, jobs, jobs.metrics, names, {n: _kind(async_omni, n) for n in async_omni.omnis})
 
     def resolve(self, model: str, kind: str) -> str:
         """The pipeline a request's `model` names, refused (404 / 400) unless it is served and of `kind`."""
@@ -50,17 +50,17 @@ class Served:
         return name
 
     def final(self, name: str) -> str:
-        return self.engine.omnis[name].graph.final
+        return self.async_omni.omnis[name].graph.final
 
     def options(self, name: str) -> dict[str, OptionInfo]:
         """The request options the pipeline's node types declare, by name."""
-        graph = self.engine.omnis[name].graph
+        graph = self.async_omni.omnis[name].graph
         return {k: info for t in graph.node_types.values() for k, info in options_of(t.params).items()}
 
 
-def _kind(engine: AsyncOmni, name: str) -> str:
+def _kind(async_omni: AsyncOmni, name: str) -> str:
     """"video" when the final node is a diffusion node told the path of the file it writes (`output`)."""
-    graph = engine.omnis[name].graph
+    graph = async_omni.omnis[name].graph
     node_type = graph.node_types.get(graph.final)
     writes = "output" in options_of(getattr(node_type, "params", None))
     return "video" if writes and getattr(node_type, "kind", None) == "diffusion" else "text"

@@ -16,8 +16,8 @@ class EventStream:
     RequestFailed. Closing it (`aclose`, leaving `async with`, or cancellation) before the end aborts the
     request in the engine."""
 
-    def __init__(self, engine: AsyncOmni, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
+    def __init__(self, async_omni: AsyncOmni, loop: asyncio.AbstractEventLoop):
+        self.async_omni = async_omni
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_id = ""
@@ -43,7 +43,7 @@ class EventStream:
     async def aclose(self) -> None:
         if not self.done:
             self.done = True
-            self.engine.abort(self.request_id)
+            self.async_omni.abort(self.request_id)
 
     async def __aenter__(self) -> EventStream:
         return self

@@ -76,41 +76,37 @@ async def collect(stream, final: str, watch: Watch):
     return "".join(parts), RequestFailed(stream.request_id, None, "aborted", "aborted")
 
 
-async def sse(stream, final: str, watch: Watch, rid: str, model: str, chat: bool, include_usage: bool
-              ) -> AsyncIterator[str]:
+async def sse(stream, final: str, watch: Watch, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """A chat's events as `chat.completion.chunk` SSE lines: the assistant's role first, each text delta (with its
+    logprobs when the request asked), the finish reason (with the logprobs not streamed yet), the usage when asked,
+    an error event if it failed, then [DONE]."""
     created = int(time.time())
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
     sent = 0  # logprobs entries streamed (omni_serve.logprobs)
 
-    def chunk(delta: str | None, finish: str | None = None, first: bool = False, logprobs=None) -> str:
-        if chat:
-            body = {"role": "assistant", "content": delta or ""} if first else (
-                {} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": body, "finish_reason": finish,
-                      "logprobs": None if logprobs is None else chat_content(logprobs)}
-        else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
-        return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                      "choices": [choice]}, ensure_ascii=False) + "\n\n"
+    def line(choices: list, **extra) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices, **extra}
+        return "data: " + json.dumps(body, ensure_ascii=False) + "\n\n"
+
+    def chunk(delta: dict, finish: str | None = None, logprobs=None) -> str:
+        return line([{"index": 0, "delta": delta, "finish_reason": finish,
+                      "logprobs": None if logprobs is None else chat_content(logprobs)}])
 
     async with stream:
-        if chat:
-            yield chunk("", first=True)
+        yield chunk({"role": "assistant", "content": ""})
         async for event in stream:
             if isinstance(event, TokenDelta) and event.node_id == final:
                 watch.delta()
                 entries = getattr(event, "logprobs", None)  # a stage's ARTokenDelta, when the request asked
                 sent += len(entries or ())
-                yield chunk(event.text, logprobs=entries or None)
+                yield chunk({"content": event.text}, logprobs=entries or None)
             elif isinstance(event, RequestFinished):
                 out = event.result
-                watch.done(out, "chat" if chat else "completions")
-                rest = chat_entries(out.output)[sent:] if chat else []
-                yield chunk(None, FINISH.get(out.output.stop_reason or "eos", "stop"), logprobs=rest or None)
+                watch.done(out, "chat")
+                rest = chat_entries(out.output)[sent:]
+                yield chunk({}, FINISH[out.output.stop_reason or "eos"], logprobs=rest or None)
                 if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": model,
-                                                 "choices": [], "usage": watch.usage(out)}) + "\n\n"
+                    yield line([], usage=watch.usage(out))
             elif isinstance(event, RequestFailed):
                 yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
     yield "data: [DONE]\n\n"

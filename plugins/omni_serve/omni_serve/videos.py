@@ -66,8 +66,8 @@ class VideoJobRecord:
 
 
 class VideoJobs:
-    def __init__(self, engine: AsyncOmni, output_dir: Path, ttl: float | None, metrics=None):
-        self.engine = engine
+    def __init__(self, async_omni: AsyncOmni, output_dir: Path, ttl: float | None, metrics=None):
+        self.async_omni = async_omni
         self.output_dir = output_dir
         self.uploads = output_dir / ".uploads"
         self.ttl = ttl
@@ -118,8 +118,8 @@ class VideoJobs:
         path = self.output_dir / f"{job_id}.mp4"
         job = VideoJobRecord(job_id, model, int(time.time()), size, seconds, prompt or None, path=path, upload=image)
         try:
-            stream = await self.engine.open(model, prompt, image=None if image is None else str(image),
-                                            request_id=job_id, output=str(path), **params)
+            stream = await self.async_omni.open(model, prompt, image=None if image is None else str(image),
+                                                request_id=job_id, output=str(path), **params)
         except BaseException:
             self._remove_files(job)
             raise
@@ -128,35 +128,17 @@ class VideoJobs:
         return job
 
     async def _follow(self, job: VideoJobRecord, stream) -> None:
-        last = time.perf_counter()
-        final = self.engine.omnis[job.model].graph.final
+        last = time.perf_counter()  # when the final node's last progress came (a denoise step's time)
+        final = self.async_omni.omnis[job.model].graph.final
         try:
             async with stream:
                 async for event in stream:
                     if isinstance(event, StageProgress) and event.node_id == final:
-                        now = time.perf_counter()
-                        if self.metrics is not None and event.step > 0:
-                            self.metrics.denoise.labels(job.model).observe(now - last)
-                        last = now
-                        job.status = "in_progress"
-                        job.progress = min(99, int(100 * event.step / max(event.total, 1)))
+                        last = self._progress(job, event, last)
                     elif isinstance(event, RequestFinished):
-                        trace = event.result.trace
-                        if job.size is None and "diffusion.width" in trace:
-                            job.size = f"{trace['diffusion.width']}x{trace['diffusion.height']}"
-                        if job.seconds is None and "diffusion.num_frames" in trace:
-                            fps = trace.get("diffusion.fps") or 24
-                            job.seconds = f"{trace['diffusion.num_frames'] / fps:g}"
-                        job.path = Path(event.result.path) if event.result.path else job.path
-                        self._end(job, "completed")
-                        job.progress = 100
+                        self._completed(job, event.result)
                     elif isinstance(event, RequestFailed):
-                        self._remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
-                        error = self.about_upload(APIError.of_failure(event.kind, event.error, event.field),
-                                                  job.upload)
-                        param = "input_reference" if error.param == "image" else error.param  # the API's name
-                        job.error = {"code": event.kind, "message": error.message, "param": param}
-                        self._end(job, "failed")
+                        self._failed(job, event)
                     elif job.status == "queued":
                         job.status = "in_progress"
         except asyncio.CancelledError:
@@ -169,6 +151,34 @@ class VideoJobs:
             if job.upload is not None:
                 job.upload.unlink(missing_ok=True)
                 job.upload = None
+
+    def _progress(self, job: VideoJobRecord, event: StageProgress, last: float) -> float:
+        """A step of the final node: the job's progress, and the step's time into the metrics; returns now."""
+        now = time.perf_counter()
+        if self.metrics is not None and event.step > 0:
+            self.metrics.denoise.labels(job.model).observe(now - last)
+        job.status = "in_progress"
+        job.progress = min(99, int(100 * event.step / max(event.total, 1)))
+        return now
+
+    def _completed(self, job: VideoJobRecord, result) -> None:
+        """The video's size and length as rendered, where the request did not say them."""
+        trace = result.trace
+        if job.size is None and "diffusion.width" in trace:
+            job.size = f"{trace['diffusion.width']}x{trace['diffusion.height']}"
+        if job.seconds is None and "diffusion.num_frames" in trace:
+            fps = trace.get("diffusion.fps") or 24
+            job.seconds = f"{trace['diffusion.num_frames'] / fps:g}"
+        job.path = Path(result.path) if result.path else job.path
+        self._end(job, "completed")
+        job.progress = 100
+
+    def _failed(self, job: VideoJobRecord, event: RequestFailed) -> None:
+        self._remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
+        error = self.about_upload(APIError.of_failure(event.kind, event.error, event.field), job.upload)
+        param = "input_reference" if error.param == "image" else error.param  # the API's name
+        job.error = {"code": event.kind, "message": error.message, "param": param}
+        self._end(job, "failed")
 
     def _end(self, job: VideoJobRecord, status: str) -> None:
         job.status = status
@@ -204,7 +214,7 @@ class VideoJobs:
                 pass
         self._remove_files(job)
         # A step that was writing the file when the abort arrived finishes first: remove it again after that.
-        self.engine.call(lambda: self._remove_files(job))
+        self.async_omni.call(lambda: self._remove_files(job))
 
     def _remove_files(self, job: VideoJobRecord) -> None:
         for path in (job.path, job.upload):

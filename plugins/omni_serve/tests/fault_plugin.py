@@ -1,6 +1,8 @@
 """A test plugin whose scheduler raises: pipeline `fault` echoes the prompt, except that a prompt containing
 "explode" makes the scheduler raise on its second step (the stage's engine is then dead)."""
 
+import attrs
+
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.builtin.echo import EchoInputs, EchoOutputs, IdentityRunner
 from omni_kernel.core.engine import Engine
@@ -16,15 +18,29 @@ class ExplodingScheduler(StepScheduler):
         return super().schedule()
 
 
-def build(node, config):
-    scheduler = ExplodingScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps)
-    return Stage(node, "ar", EchoInputs(), Engine(scheduler, IdentityRunner()), EchoOutputs(node.id))
+@attrs.frozen
+class FaultEngineSettings:
+    max_batch: int = 4
+
+
+def engine_settings(node, config, policy) -> FaultEngineSettings:
+    return FaultEngineSettings()
+
+
+def build_engine(settings: FaultEngineSettings) -> Engine:
+    scheduler = ExplodingScheduler(max_batch=settings.max_batch, num_steps=lambda i: i.processed.num_steps)
+    return Engine(scheduler, IdentityRunner())
+
+
+def build_stage(node, config, policy, engine: Engine) -> Stage:
+    return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
 
 
 class FaultPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("fault.echo", "ar", build, params=ARParams, description="echo with an injected fault"))
+        register(NodeType("fault.echo", "ar", engine_settings=engine_settings, engine=build_engine, stage=build_stage,
+                          params=ARParams, description="echo with an injected fault"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

@@ -1,7 +1,7 @@
 """A test plugin for a worker restart under `omni serve`: pipeline `steady` echoes its prompt one word per 20 ms
-step (a long stream); pipeline `flaky` echoes at once, and its factory waits while the file named by the config
-`flaky_gate` exists, so a restarted worker's model load lasts as long as the test wants. Each factory logs its
-pid, so the test knows which worker to kill."""
+step (a long stream); pipeline `flaky` echoes at once, and its engine factory waits while the file named by the
+config `flaky_gate` exists, so a restarted worker's model load lasts as long as the test wants. Each engine factory
+logs its pid, so the test knows which worker to kill."""
 
 import logging
 import os
@@ -22,7 +22,15 @@ log = logging.getLogger("omni")
 
 @attrs.frozen
 class FlakyConfig:
-    flaky_gate: str = option("", help="while this file exists, the flaky stage's factory waits (a model load)")
+    flaky_gate: str = option("", help="while this file exists, the flaky stage's engine factory waits (a model load)")
+
+
+@attrs.frozen
+class EchoEngineSettings:
+    """What an echo engine here is built from: the node it is named after, and the flaky one's gate file."""
+
+    node_id: str
+    gate: str = ""
 
 
 class SlowRunner(IdentityRunner):
@@ -31,29 +39,43 @@ class SlowRunner(IdentityRunner):
         return super().run(batch)
 
 
-def _echo(node: NodeSpec, runner) -> Stage:
-    log.info("loading %s (pid %d)", node.id, os.getpid())
+def _engine(settings: EchoEngineSettings, runner) -> Engine:
+    log.info("loading %s (pid %d)", settings.node_id, os.getpid())
     scheduler = StepScheduler(max_batch=4, num_steps=lambda i: i.processed.num_steps)
-    return Stage(node, "ar", EchoInputs(), Engine(scheduler, runner), EchoOutputs(node.id))
+    return Engine(scheduler, runner)
 
 
-def build_steady(node, config):
-    return _echo(node, SlowRunner())
+def steady_settings(node: NodeSpec, config, policy) -> EchoEngineSettings:
+    return EchoEngineSettings(node.id)
 
 
-def build_flaky(node, config: FlakyConfig):
-    if config.flaky_gate:
-        wait_until(lambda: not os.path.exists(config.flaky_gate), 60,
-                   f"the test to remove the build gate {config.flaky_gate}", interval=0.02)
-    return _echo(node, IdentityRunner())
+def flaky_settings(node: NodeSpec, config: FlakyConfig, policy) -> EchoEngineSettings:
+    return EchoEngineSettings(node.id, config.flaky_gate)
+
+
+def build_steady(settings: EchoEngineSettings) -> Engine:
+    return _engine(settings, SlowRunner())
+
+
+def build_flaky(settings: EchoEngineSettings) -> Engine:
+    if settings.gate:
+        wait_until(lambda: not os.path.exists(settings.gate), 60,
+                   f"the test to remove the build gate {settings.gate}", interval=0.02)
+    return _engine(settings, IdentityRunner())
+
+
+def echo_stage(node: NodeSpec, config, policy, engine: Engine) -> Stage:
+    return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
 
 
 class RestartPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType("restart.steady", "ar", build_steady, params=ARParams, description="a slow echo"))
-        register(NodeType("restart.flaky", "ar", build_flaky, config=FlakyConfig, params=ARParams,
-                          description="an echo whose build waits on a file"))
+        register(NodeType("restart.steady", "ar", engine_settings=steady_settings, engine=build_steady,
+                          stage=echo_stage, params=ARParams, description="a slow echo"))
+        register(NodeType("restart.flaky", "ar", engine_settings=flaky_settings, engine=build_flaky,
+                          stage=echo_stage, config=FlakyConfig, params=ARParams,
+                          description="an echo whose engine build waits on a file"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

@@ -12,14 +12,25 @@ from omni_serve.snapshot import Snapshot, StageSnapshot
 
 
 @attrs.frozen
+class PlacedStats:
+    """A placement's own part of a StageStats (`placed`), shaped as omni-workers' WorkerStats; omni_serve reads it
+    by field name, importing no placement plugin."""
+
+    restarts: int = 0
+    restarting: bool = False
+    replicas: tuple[StageStats, ...] = ()
+
+
+@attrs.frozen
 class Replicated:
     """What a ReplicaStage reports (omni_workers/replicas.py): the sum, and each replica's stats."""
 
     kind: str = "diffusion"
 
     def stats(self) -> StageStats:
-        each = (StageStats(running=2, waiting=1), StageStats(dead="stage 'video': its worker died", restarts=1))
-        return StageStats(running=2, waiting=1, restarts=1, replicas=each)
+        each = (StageStats(running=2, waiting=1, placed=PlacedStats()),
+                StageStats(dead="stage 'video': its worker died", placed=PlacedStats(restarts=1)))
+        return StageStats(running=2, waiting=1, placed=PlacedStats(restarts=1, replicas=each))
 
 
 def samples(metrics: Metrics) -> dict:
@@ -37,6 +48,7 @@ def test_a_replicated_stage_has_a_series_per_replica():
         return got[(name, tuple(sorted(labels.items())))]
 
     assert at("omni_requests_running") == 2 and at("omni_requests_waiting") == 1
+    assert at("omni_stage_restarts_total") == 1 and at("omni_stage_restarting") == 0
     assert [at("omni_replica_requests_running", r) for r in "01"] == [2, 0]
     assert [at("omni_replica_requests_waiting", r) for r in "01"] == [1, 0]
     assert [at("omni_replica_restarts_total", r) for r in "01"] == [0, 1]
@@ -45,5 +57,9 @@ def test_a_replicated_stage_has_a_series_per_replica():
 
 def test_a_stage_without_replicas_has_no_replica_series():
     snap = Snapshot(stages=(StageSnapshot.of("ar_text", "generate", attrs.evolve(Replicated(), kind="ar")),))
-    plain = Snapshot(stages=(attrs.evolve(snap.stages[0], replicas=()),))
-    assert not [k for k in samples(Metrics(lambda: plain, dict)) if k[0].startswith("omni_replica_")]
+    in_process = attrs.evolve(snap.stages[0].stats, placed=None)  # a stage in this process: no placed stats
+    plain = Snapshot(stages=(attrs.evolve(snap.stages[0], stats=in_process),))
+    got = samples(Metrics(lambda: plain, dict))
+    assert not [k for k in got if k[0].startswith("omni_replica_")]
+    labels = (("model", "ar_text"), ("stage", "generate"))
+    assert got[("omni_stage_restarts_total", labels)] == 0 and got[("omni_stage_restarting", labels)] == 0
