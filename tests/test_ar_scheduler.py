@@ -66,9 +66,9 @@ def item(rid, prompt, max_tokens):
     return StageInput(rid, "p", processed=ARPrompt(prompt, max_tokens))
 
 
-def collect(outputs, stats=None, tokens=None):
-    """Each finished request's generated tokens (and, into `stats`, its trace counters) from an engine's
-    RequestOutputs; `tokens` holds what earlier steps already generated."""
+def collect(outputs, records=None, tokens=None):
+    """Each finished request's generated tokens (and, into `records`, its ARSequence with its step counters) from
+    an engine's RequestOutputs; `tokens` holds what earlier steps already generated."""
     tokens, finished = {} if tokens is None else tokens, {}
     for out in outputs:
         assert out.error is None, out.error
@@ -76,13 +76,13 @@ def collect(outputs, stats=None, tokens=None):
         if out.finished:
             assert out.finished == "max_tokens"
             finished[out.request_id] = tokens.pop(out.request_id)
-            if stats is not None:
-                stats[out.request_id] = out.record.stats()
+            if records is not None:
+                records[out.request_id] = out.record
     return finished
 
 
-def run_all(engine, stats=None, tokens=None):
-    return collect(drain(engine), stats, tokens)
+def run_all(engine, records=None, tokens=None):
+    return collect(drain(engine), records, tokens)
 
 
 def random_requests(n, seed=0, max_prompt=40, max_out=12):
@@ -177,10 +177,10 @@ def test_shared_prefix_hits_are_counted_and_outputs_unchanged():
     engine.add_request(item("first", system + [9], 3))
     run_all(engine)
     engine.add_request(item("second", system + [8, 7], 3))
-    stats = {}
-    finished = run_all(engine, stats=stats)
+    records = {}
+    finished = run_all(engine, records=records)
     first_chunk = [c for b in runner.steps for c in b.chunks if c.request_id == "second"][0]
-    assert first_chunk.start == 24 and stats["second"]["prefix_cache_hit_tokens"] == 24
+    assert first_chunk.start == 24 and records["second"].prefix_hit_tokens == 24
     assert finished["second"] == solo(system + [8, 7], 3)
     assert bm.hit_tokens == 24
 
@@ -190,9 +190,9 @@ def test_a_request_done_in_its_first_step_still_feeds_the_prefix_cache():
     engine.add_request(item("a", list(range(20)), 1))
     run_all(engine)
     engine.add_request(item("b", list(range(20)) + [5], 1))
-    stats = {}
-    run_all(engine, stats=stats)
-    assert stats["b"]["prefix_cache_hit_tokens"] == 20 and runner.steps[-1].chunks[0].start == 20
+    records = {}
+    run_all(engine, records=records)
+    assert records["b"].prefix_hit_tokens == 20 and runner.steps[-1].chunks[0].start == 20
 
 
 def test_a_failed_step_commits_nothing():
@@ -211,15 +211,15 @@ def test_the_scheduler_decides_eos_budget_and_context_window():
         engine = Engine(scheduler, FakeRunner(4))
         engine.add_request(StageInput("r", "p", processed=ARPrompt(prompt, max_tokens, ignore_eos)))
         outs = [o for _ in range(steps) for o in engine.step()]
-        return [o.finished for o in outs if o.finished], sum(1 for o in outs), outs[-1].record.stats()
+        return [o.finished for o in outs if o.finished], sum(1 for o in outs), outs[-1].record
     first = solo([1, 2, 3], 1)[0]
     assert finish([1, 2, 3], eos={first})[:2] == (["eos"], 1)
     assert finish([1, 2, 3], max_tokens=1, eos={first}, ignore_eos=True)[:2] == (["max_tokens"], 1)
     assert finish([1, 2, 3], max_tokens=4, window=5)[:2] == (["context_window"], 2)
     assert finish([1, 2, 3], max_tokens=2, window=5)[:2] == (["max_tokens"], 2)  # a tie: the budget wins
-    reasons, count, stats = finish([1, 2, 3], max_tokens=5)
+    reasons, count, seq = finish([1, 2, 3], max_tokens=5)
     assert reasons == ["max_tokens"] and count == 5
-    assert (stats["input_tokens"], stats["generated_tokens"], stats["decode_model_calls"]) == (3, 5, 4)
+    assert (seq.num_prompt, seq.num_output, seq.num_prefill_steps, seq.num_decode_steps) == (3, 5, 1, 4)
 
 
 def test_an_unprocessed_input_and_a_pool_too_small_are_reported():

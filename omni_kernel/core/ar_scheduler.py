@@ -7,8 +7,9 @@ preempted by recompute: its blocks are freed and it waits again with prompt + ge
 prompt, so it later yields exactly the tokens it would have (its computed full blocks usually come back as
 prefix-cache hits). The model runner learns what to compute from `ScheduledChunk`s and returns the sampled
 token of each chunk that `samples`; `update` appends it and decides whether the sequence is finished.
-The ARSequence is the request's one record: its tokens (prompt + generated, stored once), its KV progress, and a
-slot each for the model runner (`state`: the sampler's generator) and the output processor (`output`: the text).
+The ARSequence is the request's one record: its tokens (prompt + generated, stored once), its KV progress, the
+counters of its steps (which a plugin's output processor turns into its trace), and a slot each for the model
+runner (`state`) and the output processor (`output`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ScheduledChunk:
 class ARSchedulerOutput(SchedulerOutput):
     chunks: tuple[ScheduledChunk, ...] = attrs.field(default=(), converter=tuple)
     block_size: int = 16
-    preempted: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # the records of the sequences preempted this step (they recompute from their first token later)
+    preempted: tuple[ARSequence, ...] = attrs.field(default=(), converter=tuple, eq=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +77,7 @@ class ARPrompt:
 
 @attrs.define(eq=False)
 class ARSequence:
-    """One request's record, owned by the scheduler: its tokens, KV progress and the counters of its trace."""
+    """One request's record, owned by the scheduler: its tokens, KV progress and the counters of its steps."""
 
     item: StageInput
     token_ids: list[int]  # prompt + generated so far
@@ -114,7 +116,8 @@ class ARSequence:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
 
-    def record(self, chunk: ScheduledChunk, step_ms: float, step_seqs: int, step_tokens: int) -> None:
+    def count_step(self, chunk: ScheduledChunk, step_ms: float, step_seqs: int, step_tokens: int) -> None:
+        """Count one step that computed `chunk` of this sequence (`step_seqs` sequences, `step_tokens` tokens)."""
         if chunk.num_tokens == 1 and self.num_output and chunk.start == len(self.token_ids) - 1:
             self.num_decode_steps += 1
             self.decode_ms += step_ms
@@ -127,20 +130,6 @@ class ARSequence:
         self.batch_seqs_max = max(self.batch_seqs_max, step_seqs)
         self.batch_tokens += step_tokens
         self.num_blocks_max = max(self.num_blocks_max, len(chunk.block_table))
-
-    def stats(self) -> dict[str, Any]:
-        """The scheduler's ar.* trace fields (without the prefix)."""
-        steps = max(self.num_steps, 1)
-        decode_mean = round(self.decode_ms / self.num_decode_steps, 3) if self.num_decode_steps else 0.0
-        return {"input_tokens": self.num_prompt, "generated_tokens": self.num_output,
-                "prefill_tokens": self.num_prefill_tokens, "prefill_ms": round(self.prefill_ms, 3),
-                "decode_ms": round(self.decode_ms, 3), "scheduler_steps": self.num_steps,
-                "prefill_steps": self.num_prefill_steps, "decode_model_calls": self.num_decode_steps,
-                "decode_scheduler_steps": self.num_decode_steps, "decode_step_mean_ms": decode_mean,
-                "token_budget": self.max_tokens, "kv_blocks_used": self.num_blocks_max,
-                "prefix_cache_hit_tokens": max(self.prefix_hit_tokens, 0), "preemptions": self.num_preemptions,
-                "batch_size_mean": round(self.batch_seqs / steps, 2), "batch_size_max": self.batch_seqs_max,
-                "batch_tokens_mean": round(self.batch_tokens / steps, 2)}
 
 
 class ARScheduler:
@@ -182,18 +171,18 @@ class ARScheduler:
     def schedule(self) -> ARSchedulerOutput:
         """Decodes first, then running prompts in chunks, then new prompts while blocks and budget last."""
         picked: list[tuple[ARSequence, int]] = []
-        preempted: list[str] = []
+        preempted: list[ARSequence] = []
         budget = self._schedule_decodes(self.max_num_batched_tokens, picked, preempted)
         budget = self._schedule_prefills(budget, picked, preempted)
         if not preempted:  # admitting while others were just preempted would only preempt them again
             self._admit(budget, picked)
         return self._output(picked, preempted)
 
-    def _schedule_decodes(self, budget: int, picked: list, preempted: list[str]) -> int:
+    def _schedule_decodes(self, budget: int, picked: list, preempted: list[ARSequence]) -> int:
         for seq in [s for s in self.running if s.num_pending == 1]:
             if budget == 0:
                 break
-            if seq.request_id in preempted:
+            if seq in preempted:
                 continue  # preempted for an earlier sequence in this loop
             while not self.blocks.can_append(seq.request_id, seq.num_computed + 1):
                 victim = self._victim(seq, picked)
@@ -201,7 +190,7 @@ class ARScheduler:
                     raise RuntimeError("the KV pool cannot hold a single sequence; check prompt + max_tokens "
                                        "against the pool's capacity before adding")
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted.append(victim)
                 if victim is seq:
                     break
             else:
@@ -210,13 +199,13 @@ class ARScheduler:
                 budget -= 1
         return budget
 
-    def _schedule_prefills(self, budget: int, picked: list, preempted: list[str]) -> int:
+    def _schedule_prefills(self, budget: int, picked: list, preempted: list[ARSequence]) -> int:
         for seq in [s for s in self.running if s.num_pending > 1]:
-            if budget == 0 or seq.request_id in preempted:
+            if budget == 0 or seq in preempted:
                 continue
             while self._room(seq) <= 0 and (victim := self._victim(seq, picked)) is not seq:
                 self._preempt(victim)
-                preempted.append(victim.request_id)
+                preempted.append(victim)
             n = min(seq.num_pending, budget, self._room(seq))
             if n > 0:
                 self.blocks.append_slots(seq.request_id, seq.num_computed + n)
@@ -253,7 +242,7 @@ class ARScheduler:
         for seq, chunk in self.scheduled:
             if self.sequences.get(seq.request_id) is not seq:
                 continue  # aborted or failed since: its K/V may be unwritten, so none of it enters the prefix cache
-            seq.record(chunk, step_ms, num_seqs, num_tokens)
+            seq.count_step(chunk, step_ms, num_seqs, num_tokens)
             seq.num_computed += chunk.num_tokens
             if chunk.samples and seq.request_id in results:
                 seq.token_ids.append(int(results[seq.request_id]))
@@ -322,7 +311,7 @@ class ARScheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _output(self, picked: list[tuple[ARSequence, int]], preempted: list[str]) -> ARSchedulerOutput:
+    def _output(self, picked: list[tuple[ARSequence, int]], preempted: list[ARSequence]) -> ARSchedulerOutput:
         chunks, scheduled = [], []
         for seq, n in picked:
             start = seq.num_computed

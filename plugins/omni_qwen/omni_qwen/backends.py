@@ -3,8 +3,9 @@ of many requests) and return the logits of the chunks that sample; the runner ne
 
 - PagedBackend: the runtime owns K/V in a preallocated KVPool of blocks; ONE PagedDecoder forward per engine
   step covers every scheduled chunk. The scheduler's BlockManager is the pool's real allocator.
-- DynamicCacheBackend: one transformers DynamicCache per request and one model call per chunk (any causal
-  LM). The BlockManager is then pure bookkeeping that keeps the caches within the same memory budget.
+- DynamicCacheBackend: one transformers DynamicCache per request, in the request's record
+  (ARRunnerState.kv_cache), and one model call per chunk (any causal LM). The BlockManager is then pure
+  bookkeeping that keeps the caches within the same memory budget.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from omni_kernel.core.ar_scheduler import ARSchedulerOutput
+from omni_kernel.core.ar_scheduler import ARSchedulerOutput, ARSequence
 
 from .paged.batch import build_step
 from .paged.decoder import PagedDecoder
@@ -34,8 +35,8 @@ class ARBackend(Protocol):
                      ) -> tuple[tuple[str, ...], torch.Tensor, dict[str, torch.Tensor]]:
         """forward, plus the logits of every row of the chunks of `every_row`'s requests (prompt logprobs)."""
 
-    def free(self, request_id: str) -> None:
-        """Drop everything the backend holds for the request."""
+    def free(self, seq: ARSequence) -> None:
+        """Drop everything the backend holds for the request (a finished one, or one preempted to recompute)."""
 
 
 class DynamicCacheBackend:
@@ -45,7 +46,6 @@ class DynamicCacheBackend:
     def __init__(self, lm):
         self.model = lm.model
         self.device = lm.device
-        self.caches: dict[str, DynamicCache] = {}
 
     def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
         return self.forward_rows(batch, frozenset())[:2]
@@ -54,8 +54,8 @@ class DynamicCacheBackend:
     def forward_rows(self, batch: ARSchedulerOutput, every_row: frozenset[str]
                      ) -> tuple[tuple[str, ...], torch.Tensor, dict[str, torch.Tensor]]:
         ids, rows, every = [], [], {}
-        for chunk in batch.chunks:
-            cache = self.caches.get(chunk.request_id)
+        for chunk, seq in zip(batch.chunks, batch.records):
+            cache = seq.state.kv_cache
             if cache is None or chunk.start == 0:  # new, or recomputed after preemption
                 cache = DynamicCache(config=self.model.config)
             if cache.get_seq_length() != chunk.start:
@@ -66,14 +66,14 @@ class DynamicCacheBackend:
             out = self.model(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=0 if wide else 1)
             if wide:
                 every[chunk.request_id] = out.logits[0]
-            self.caches[chunk.request_id] = out.cache if out.cache is not None else cache
+            seq.state.kv_cache = out.cache if out.cache is not None else cache
             if chunk.samples:
                 ids.append(chunk.request_id)
                 rows.append(out.logits[0, -1])
         return tuple(ids), torch.stack(rows) if rows else torch.empty(0), every
 
-    def free(self, request_id: str) -> None:
-        self.caches.pop(request_id, None)
+    def free(self, seq: ARSequence) -> None:
+        seq.state.kv_cache = None
 
 
 class PagedBackend:
@@ -98,5 +98,5 @@ class PagedBackend:
             row += n
         return step.sample_ids, logits[:len(step.sample_ids)], every
 
-    def free(self, request_id: str) -> None:
+    def free(self, seq: ARSequence) -> None:
         """Nothing: the request's blocks belong to the scheduler's BlockManager, which frees them."""

@@ -1,7 +1,7 @@
-"""build_stage: an AR node's Stage(ARInputProcessor, Engine(GrammarScheduler(BlockManager), ARModelRunner(backend,
-grammars)), AROutputProcessor). The engine (build_engine) is shared by every AR node of the plugin host with the
-same model and engine settings, whichever pipeline it is in: each stage gets a view of it
-(omni_kernel.core.engine.EngineView). Its Grammars (structured output) are shared with it.
+"""build_engine: an AR engine, Engine(GrammarScheduler(BlockManager), ARModelRunner(backend, KVCacheSpec, Grammars)),
+which the kernel shares among every AR node of the plugin host with the same model and engine settings, whichever
+pipeline it is in; build_stage: an AR node's Stage(ARInputProcessor, that engine, AROutputProcessor). The engine's
+Grammars (the structured-output compile cache) are shared by its stages.
 
 Both KV backends run under the same scheduler and runner. The pool is sized from the memory budget
 (QwenConfig.kv_memory_for) and the model's K/V bytes per token.
@@ -13,10 +13,9 @@ import copy
 import logging
 from collections.abc import Callable
 
-import attrs
 import torch
 
-from omni_kernel.core.engine import Engine, EngineView
+from omni_kernel.core.engine import Engine
 from omni_kernel.core.errors import InvalidParameter, ModelError
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.kv_blocks import BlockManager
@@ -32,7 +31,7 @@ from .model import CausalLM
 from .outputs import AROutputProcessor
 from .paged.decoder import PagedDecoder
 from .paged.pool import KVPool
-from .runner import ARModelRunner
+from .runner import ARModelRunner, KVCacheSpec
 
 log = logging.getLogger("omni")
 
@@ -56,28 +55,11 @@ def kv_bytes_per_token(config, element_size: int) -> int:
     return text.num_hidden_layers * 2 * kv_heads * head_dim * element_size
 
 
-@attrs.frozen
-class AREngine:
-    """The engine of every AR stage with the same model and engine settings (pipelines share it: one batch, one
-    KV pool), with what its stages report of it."""
-
-    engine: Engine
-    backend: str
-    kv_trace: dict
-    num_blocks: int
-    per_token: int
-    caching: bool
-    max_num_seqs: int
-    grammars: Grammars  # structured output, shared like the engine (grammar.py)
-
-    @property
-    def capacity(self) -> int:
-        return self.num_blocks * BLOCK_SIZE
-
-
-def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int,
-                 paged_model: Callable[[], PagedDecoder]) -> AREngine:
-    """`paged_model()` gives the (shared) PagedDecoder over `lm`'s weights, built on first use."""
+def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_model: Callable[[], PagedDecoder],
+                 tokenizer=None) -> Engine:
+    """The Engine of every AR stage with this model and these engine settings (the kernel shares it: one batch, one
+    KV pool). `paged_model()` gives the (shared) PagedDecoder over `lm`'s weights, built on first use; `tokenizer`
+    is the model's tokenizer copy for work beside the steps (own_tokenizer; None: it cannot be copied)."""
     model, context_window = lm.model, lm.context_window
     backend_name = choose_backend(config, model)
     per_token = kv_bytes_per_token(model.config, torch.empty((), dtype=model.dtype).element_size())
@@ -92,40 +74,40 @@ def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int,
     else:
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
-    # Structured output: xgrammar's vocabulary is the logits' width (lm.vocab_size), built on first use.
-    grammars = Grammars.for_tokenizer(_own_tokenizer(lm) or lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
+    kv = KVCacheSpec(backend_name, backend.kv_trace, num_blocks, BLOCK_SIZE, per_token, caching)
+    # Structured output: xgrammar's vocabulary is the logits' width (lm.vocab_size), built on first use (on the
+    # compile thread, hence the copy).
+    grammars = Grammars.for_tokenizer(tokenizer or lm.tokenizer, lm.vocab_size, lm.eos_token_ids)
     scheduler = GrammarScheduler(BlockManager(num_blocks, BLOCK_SIZE, caching), config.ar_max_num_batched_tokens,
                                  max_num_seqs, eos_token_ids=lm.eos_token_ids, context_window=context_window,
                                  grammars=grammars)
-    return AREngine(Engine(scheduler, ARModelRunner(backend, grammars)), backend_name, backend.kv_trace, num_blocks,
-                    per_token, caching, max_num_seqs, grammars)
+    return Engine(scheduler, ARModelRunner(backend, kv, grammars))
 
 
-def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, config: QwenConfig, engine: AREngine) -> Stage:
-    """An AR node's stage over `engine`, which other nodes' stages (of other pipelines) may share."""
-    context_window, capacity = lm.context_window, engine.capacity
-    own = _own_tokenizer(lm)
-    inputs = ARInputProcessor(own or lm.tokenizer, settings, context_window, lm.vocab_size, capacity)
-    inputs.grammars = engine.grammars
-    model_trace = {**engine.kv_trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
+def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, engine: Engine, tokenizer=None) -> Stage:
+    """An AR node's stage over `engine` (build_engine's, for `lm`), which other nodes' stages (of other pipelines)
+    may share. `tokenizer`: as for build_engine; with it, input processing may run beside a step."""
+    context_window, scheduler, runner = lm.context_window, engine.scheduler, engine.runner
+    kv = runner.kv
+    inputs = ARInputProcessor(tokenizer or lm.tokenizer, settings, context_window, lm.vocab_size, kv.capacity,
+                              grammars=runner.grammars, concurrent=tokenizer is not None)
+    model_trace = {**kv.trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
                    "context_window": context_window}
-    logprobs = LogprobsOutput(engine.engine.runner.logprobs, TokenTexts(lm.tokenizer))  # the shared engine's book
-    outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, logprobs)
-    outputs.extra_trace = engine.grammars.trace
+    outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, LogprobsOutput(TokenTexts(lm.tokenizer)))
     summary = (
-        f"{node.id}: {engine.backend} KV backend, {engine.num_blocks} blocks x {BLOCK_SIZE} tokens = {capacity} tokens "
-        f"({capacity * engine.per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "
-        f"{capacity / context_window:.1f} requests at the full {context_window}-token context; up to "
-        f"{engine.max_num_seqs} sequences and {config.ar_max_num_batched_tokens} tokens per step; prefix caching "
-        f"{'on' if engine.caching else 'off'}")
-    inputs.concurrent = own is not None
-    return Stage(node, "ar", inputs, EngineView(engine.engine), outputs, summary)
+        f"{node.id}: {kv.backend} KV backend, {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.capacity} tokens "
+        f"({kv.capacity * kv.bytes_per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "
+        f"{kv.capacity / context_window:.1f} requests at the full {context_window}-token context; up to "
+        f"{scheduler.max_num_seqs} sequences and {scheduler.max_num_batched_tokens} tokens per step; prefix caching "
+        f"{'on' if kv.prefix_caching else 'off'}")
+    return Stage(node, "ar", inputs, engine, outputs, summary)
 
 
-def _own_tokenizer(lm: CausalLM):
-    """A copy of the model's tokenizer for input processing alone, so a stage worker may tokenize a new request
-    beside a step that decodes with the model's (a Hugging Face fast tokenizer used from two threads at once can
-    fail with "Already borrowed"); None if it cannot be copied: then processing waits for the steps."""
+def own_tokenizer(lm: CausalLM):
+    """A copy of the model's tokenizer for the work beside the steps (input processing, the grammar compile
+    thread), so a stage worker may tokenize a new request beside a step that decodes with the model's (a Hugging
+    Face fast tokenizer used from two threads at once can fail with "Already borrowed"); None if it cannot be
+    copied: then processing waits for the steps."""
     try:
         return copy.deepcopy(lm.tokenizer)
     except Exception:  # noqa: BLE001 - a custom (trust_remote_code) tokenizer may not copy

@@ -1,7 +1,8 @@
 """What the AR node types declare (no torch): the run's config keys, the request parameters and node policies.
 
 QwenConfig holds the model-level keys of every AR node of a run (one flat namespace with the other plugins',
-hence the `ar_` prefix); QwenParams are one request's; a node's policy fixes its ARNodeSettings.
+hence the `ar_` prefix); QwenParams are one request's; TextGenerationPolicy and PromptBridgePolicy are a node's
+policy (`NodeSpec.policy`, validated by the kernel when the plan is built), which fixes its ARNodeSettings.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import attrs
 from omni_hf import DTYPE_NAMES
 
 from omni_kernel.core.errors import InvalidParameter
-from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.params import ARParams, boolean, integer, option, text
 
 from . import structured
@@ -76,8 +76,9 @@ class QwenConfig:
     def kv_memory_for(self, bytes_per_token: int, context_window: int) -> int:
         return self.ar_kv_memory or bytes_per_token * max(context_window, DEFAULT_KV_TOKENS)
 
-    def max_num_seqs_for(self, settings: ARNodeSettings) -> int:
-        return self.ar_max_num_seqs or settings.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    def max_num_seqs_for(self, policy_max_num_seqs: int | None) -> int:
+        """The engine's sequences per step: the run's ar_max_num_seqs, else the node policy's, else the default."""
+        return self.ar_max_num_seqs or policy_max_num_seqs or DEFAULT_MAX_NUM_SEQS
 
 
 def _token_ids(value: Any) -> tuple[int, ...] | None:
@@ -108,32 +109,35 @@ def _messages(value: Any) -> tuple[tuple[str, str], ...] | None:
         items = tuple(value)
     except TypeError:
         raise InvalidParameter("messages", f"{value!r} is not a list of messages") from None
-    out = []
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            role, sep, content = item.partition(":")
-            if not sep:
-                raise InvalidParameter(f"messages[{i}]", f"{item!r} is not 'role: content'")
-            role, content = role.strip(), content.strip()
-        elif isinstance(item, Mapping):
-            role, content = item.get("role"), _content(i, item.get("content"))
-            extra = sorted(set(item) - {"role", "content", "name"})
-            if extra:
-                raise InvalidParameter(f"messages[{i}].{extra[0]}", "is not supported")
-        elif isinstance(item, (tuple, list)) and len(item) == 2:
-            role, content = item[0], _content(i, item[1])
-        else:
-            raise InvalidParameter(f"messages[{i}]", f"{item!r} is not a message (role and content)")
-        if role not in CHAT_ROLES:
-            raise InvalidParameter(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(content, str):
-            raise InvalidParameter(f"messages[{i}].content", "must be text")
-        if not _utf8(content):  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
-            raise InvalidParameter(f"messages[{i}].content", "is not valid UTF-8 text (it holds a lone surrogate)")
-        out.append((role, content))
+    out = [_message(i, item) for i, item in enumerate(items)]
     if not out:
         raise InvalidParameter("messages", "is empty")
     return tuple(out)
+
+
+def _message(i: int, item: Any) -> tuple[str, str]:
+    """Message i as (role, content), from any of the forms `_messages` takes."""
+    if isinstance(item, str):
+        role, sep, content = item.partition(":")
+        if not sep:
+            raise InvalidParameter(f"messages[{i}]", f"{item!r} is not 'role: content'")
+        role, content = role.strip(), content.strip()
+    elif isinstance(item, Mapping):
+        role, content = item.get("role"), _content(i, item.get("content"))
+        extra = sorted(set(item) - {"role", "content", "name"})
+        if extra:
+            raise InvalidParameter(f"messages[{i}].{extra[0]}", "is not supported")
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        role, content = item[0], _content(i, item[1])
+    else:
+        raise InvalidParameter(f"messages[{i}]", f"{item!r} is not a message (role and content)")
+    if role not in CHAT_ROLES:
+        raise InvalidParameter(f"messages[{i}].role", f"{role!r} is not one of {', '.join(CHAT_ROLES)}")
+    if not isinstance(content, str):
+        raise InvalidParameter(f"messages[{i}].content", "must be text")
+    if not _utf8(content):  # a lone surrogate (JSON's "\ud800"): no tokenizer takes it
+        raise InvalidParameter(f"messages[{i}].content", "is not valid UTF-8 text (it holds a lone surrogate)")
+    return role, content
 
 
 def _utf8(text: str) -> bool:
@@ -202,28 +206,40 @@ class ARNodeSettings:
     messages: Callable[[str], Sequence[tuple[str, str]]] | None = None
     answer_prefix: str = ""
     max_tokens: int | None = None  # the node's token budget; None: EOS or the context window
-    max_num_seqs: int | None = None  # None: the run's ar_max_num_seqs, else DEFAULT_MAX_NUM_SEQS
     contract: str | None = None
     prompt_label: str = ""  # prefixed to ar.prompt_mode (e.g. "bridge_")
     json_schema: str | None = None  # the node's own output constraint, for requests that give none (canonical JSON)
 
 
-# Node policy keys and their defaults. max_tokens is the node's token budget (None: EOS or context window).
-TEXT_GENERATION_POLICY = {"max_tokens": None, "chat": True, "max_num_seqs": None}
-# json_schema: the node's output is constrained to it (omni_bridge's pipelines give the guidance contract's).
-PROMPT_BRIDGE_POLICY = {"max_tokens": 128, "chat": True, "max_num_seqs": None, "json_schema": None}
+@attrs.frozen
+class TextGenerationPolicy:
+    """The policy of an ar.text_generation node."""
+
+    chat: bool = option(True, help="the prompt goes in as one user message through the chat template", type=bool,
+                        validator=boolean)
+    max_tokens: int | None = option(None, help="the node's token budget (default: EOS or the context window)",
+                                    type=int, validator=integer(1))
+    max_num_seqs: int | None = option(None, help=f"sequences per engine step unless the run sets ar_max_num_seqs "
+                                                 f"(default {DEFAULT_MAX_NUM_SEQS})", type=int, validator=integer(1))
 
 
-def node_policy(node: NodeSpec, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(node.policy) - set(defaults))
-    if unknown:
-        raise InvalidParameter(f"policy of node {node.id}", f"unknown key(s) {', '.join(unknown)}; "
-                               f"known: {', '.join(sorted(defaults))}")
-    policy = {**defaults, **node.policy}
-    for key in ("max_tokens", "max_num_seqs"):
-        value = policy[key]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise InvalidParameter(f"policy {key} of node {node.id}", f"{value!r} is not an integer >= 1")
-    if not isinstance(policy["chat"], bool):
-        raise InvalidParameter(f"policy chat of node {node.id}", f"{policy['chat']!r} is not True or False")
-    return policy
+def _grammar_schema(instance, attribute, value) -> None:
+    """A policy's json_schema must be one xgrammar can take (checked when the plan is built)."""
+    if value is not None:
+        from .grammar import grammar_of  # xgrammar: imported only for a node that has a schema
+
+        grammar_of(structured.Structure("json_schema", value))
+
+
+@attrs.frozen
+class PromptBridgePolicy:
+    """The policy of an ar.prompt_bridge node. json_schema: the node's output is constrained to it (omni_bridge's
+    pipelines give the guidance contract's)."""
+
+    chat: bool = option(True, help="the bridge's chat goes through the chat template", type=bool, validator=boolean)
+    max_tokens: int | None = option(128, help="the node's token budget", type=int, validator=integer(1))
+    max_num_seqs: int | None = option(None, help=f"sequences per engine step unless the run sets ar_max_num_seqs "
+                                                 f"(default {DEFAULT_MAX_NUM_SEQS})", type=int, validator=integer(1))
+    json_schema: str | None = option(None, help="constrain the node's output to JSON valid under this JSON schema "
+                                                "(JSON text or a mapping)", converter=structured.json_schema,
+                                     validator=_grammar_schema)

@@ -1,13 +1,14 @@
-"""Grammar-constrained decoding with xgrammar: one `Grammars` per AR engine (shared, like it, by its stages).
+"""Grammar-constrained decoding with xgrammar: one `Grammars` per AR engine (its compile cache, shared by its
+requests), and one `Constrained` per constrained request, in the request's record (ARRunnerState.constrained).
 
 - At submit, `check` converts the request's Structure into an xgrammar Grammar (no tokenizer needed, about a
   millisecond), so an invalid or unsupported schema or regex is refused before any work, and starts compiling it.
 - Compiling (against the model's vocabulary) runs on one background thread; compiled grammars are kept in an
   LRU keyed by the canonical Structure, so each distinct schema compiles once. A request whose grammar is not
-  compiled yet waits unscheduled (`ready`), so compiling never stalls other requests' steps.
+  compiled yet waits unscheduled (`Constrained.ready`), so compiling never stalls other requests' steps.
 - Each step, `mask` applies every constrained row's token bitmask to its own row of the logits (the others are
   untouched) before sampling; `accept` advances each constrained request's matcher by its sampled token and
-  fills its next bitmask, so `complete` knows when only a stop token could follow: the grammar is done.
+  fills its next bitmask, so its `done` says when only a stop token could follow: the grammar is complete.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import attrs
@@ -80,16 +81,33 @@ class Compile:
 
 @attrs.define(eq=False)
 class Constrained:
-    """One constrained request: its matcher and the bitmask of the tokens it may take next."""
+    """One constrained request's grammar (ARRunnerState.constrained): its structure and compile, the answer prefix
+    its matcher accepts first (its PrefixedPrompt's), and, once it decodes, its matcher and the bitmask of the tokens
+    it may take next; `done` when only a stop token could follow."""
 
-    matcher: xgr.GrammarMatcher
-    bitmask: torch.Tensor
+    structure: Structure
+    compile: Compile
+    prefix: str = ""
+    matcher: xgr.GrammarMatcher | None = None
+    bitmask: torch.Tensor | None = None
     done: bool = False
+
+    @property
+    def ready(self) -> bool:
+        """Whether it can be scheduled: its grammar is compiled (or failed: then its first step fails it)."""
+        return self.matcher is not None or self.compile.future.done()
+
+    def trace(self, request_id: str) -> dict:
+        """The ar.* trace fields of structured output: the constraint's kind and, for the request that compiled its
+        grammar, the compile time (None: compiled before)."""
+        ms = self.compile.ms if self.compile.owner == request_id else None
+        return {"structured_output": self.structure.kind, "grammar_compile_ms": ms}
 
 
 class Grammars:
-    """`tokenizer_info()` builds xgrammar's view of the vocabulary (`vocab_size` = the logits' width, which may
-    exceed the tokenizer's) on the compile thread, on first use."""
+    """The compile cache of an AR engine's grammars, shared by its requests (each request's own grammar state is
+    its Constrained). `tokenizer_info()` builds xgrammar's view of the vocabulary (`vocab_size` = the logits'
+    width, which may exceed the tokenizer's) on the compile thread, on first use."""
 
     def __init__(self, tokenizer_info: Callable[[], xgr.TokenizerInfo], cache_size: int = CACHE_SIZE):
         self._tokenizer_info = tokenizer_info
@@ -99,9 +117,6 @@ class Grammars:
         self._cache: OrderedDict[tuple[str, str], Compile] = OrderedDict()
         self._lock = threading.Lock()  # submit (input processing) and steps may run on different threads
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
-        self.structures: dict[str, Structure] = {}  # the constrained requests the engine holds
-        self.prefixes: dict[str, str] = {}
-        self.active: dict[str, Constrained] = {}  # those that have started decoding
 
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, stop_token_ids: Iterable[int]) -> Grammars:
@@ -132,22 +147,15 @@ class Grammars:
                 self._cache.popitem(last=False)
             return entry
 
-    def add(self, item) -> None:
-        """A request the engine took (a StageInput with its ARPrompt); where its text begins with its node's answer
-        prefix (a PrefixedPrompt), the grammar covers the prefix too (its matcher starts by accepting it)."""
+    def constrain(self, item) -> Constrained | None:
+        """The grammar state of a request the engine took (a StageInput with its ARPrompt), None when unconstrained;
+        where its text begins with its node's answer prefix (a PrefixedPrompt), the grammar covers the prefix too
+        (its matcher starts by accepting it)."""
         structure = Structure.of(item.params)
-        if structure is not None:
-            self.structures[item.request_id] = structure
-            prefix = getattr(item.processed, "answer_prefix", "")  # a structured.PrefixedPrompt's
-            if prefix:
-                self.prefixes[item.request_id] = prefix
-            self.entry(structure, item.request_id)
-
-    def compile_ms(self, request_id: str, structure: Structure) -> float | None:
-        """The compile time of the request's grammar when this request compiled it (None: it was cached)."""
-        with self._lock:
-            entry = self._cache.get(structure.key)
-        return entry.ms if entry is not None and entry.owner == request_id else None
+        if structure is None:
+            return None
+        prefix = getattr(item.processed, "answer_prefix", "")  # a structured.PrefixedPrompt's
+        return Constrained(structure, self.entry(structure, item.request_id), prefix)
 
     def _compile(self, structure: Structure, entry: Compile) -> xgr.CompiledGrammar:
         start = time.perf_counter()
@@ -163,33 +171,27 @@ class Grammars:
         entry.ms = round((time.perf_counter() - start) * 1000, 3)
         return compiled
 
-    def ready(self, request_id: str) -> bool:
-        """Whether the request can be scheduled: unconstrained, or its grammar is compiled (or failed: then its
-        first step fails it)."""
-        structure = self.structures.get(request_id)
-        return structure is None or request_id in self.active or self.entry(structure, request_id).future.done()
-
     def pending(self) -> list[Future]:
         with self._lock:
             return [e.future for e in self._cache.values() if not e.future.done()]
 
-    def mask(self, request_ids: list[str], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Exception]]:
-        """`logits` (one row per request id) with each constrained row's disallowed tokens at -inf; the
-        requests whose grammar failed to compile, with the error."""
+    def mask(self, rows: Sequence[Constrained | None], logits: torch.Tensor
+             ) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """`logits` (row i: the request of `rows[i]`, None for an unconstrained one) with each constrained row's
+        disallowed tokens at -inf; the rows whose grammar failed to compile, with the error."""
         indices, masks, failed = [], [], {}
-        for i, rid in enumerate(request_ids):
-            structure = self.structures.get(rid)
-            if structure is None:
+        for i, constrained in enumerate(rows):
+            if constrained is None:
                 continue
-            state = self.active.get(rid)
-            if state is None:
+            if constrained.matcher is None:
                 try:
-                    state = self._start(rid, structure)
+                    self._start(constrained)
                 except Exception as exc:  # noqa: BLE001 - a grammar that failed to compile fails its request alone
-                    failed[rid] = InvalidParameter(structure.kind, f"cannot be compiled: {_xgrammar_error(exc)}")
+                    failed[i] = InvalidParameter(constrained.structure.kind,
+                                                 f"cannot be compiled: {_xgrammar_error(exc)}")
                     continue
             indices.append(i)
-            masks.append(state.bitmask)
+            masks.append(constrained.bitmask)
         if indices:
             logits = logits.float()
             # xgrammar indexes the bitmask and the logits alike: one row per logits row, all-allowed (-1) rows
@@ -200,47 +202,29 @@ class Grammars:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=width, indices=indices)
         return logits, failed
 
-    def _start(self, request_id: str, structure: Structure) -> Constrained:
-        compiled = self.entry(structure, request_id).future.result()
+    def _start(self, constrained: Constrained) -> None:
+        compiled = constrained.compile.future.result()
         matcher = xgr.GrammarMatcher(compiled)
-        prefix = self.prefixes.get(request_id, "")
+        prefix = constrained.prefix
         if prefix and not matcher.accept_string(prefix):
             raise ValueError(f"the node's answer prefix {prefix!r} does not start any text the grammar allows")
         bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)[0]
         matcher.fill_next_token_bitmask(bitmask.unsqueeze(0))
-        state = self.active[request_id] = Constrained(matcher, bitmask)
-        return state
+        constrained.matcher, constrained.bitmask = matcher, bitmask
 
-    def accept(self, request_ids: list[str], tokens: list) -> list:
-        """`tokens` with each constrained request's token accepted by its matcher (an exception in its place
-        when the grammar refuses it); afterwards `complete(request_id)` says whether its grammar is done."""
+    def accept(self, rows: Sequence[Constrained | None], tokens: list) -> list:
+        """`tokens` with each constrained row's token accepted by its matcher (an exception in its place when the
+        grammar refuses it); afterwards its Constrained's `done` says whether its grammar is complete."""
         out = list(tokens)
-        for i, rid in enumerate(request_ids):
-            state = self.active.get(rid)
-            if state is None or isinstance(tokens[i], Exception):
+        for i, constrained in enumerate(rows):
+            if constrained is None or constrained.matcher is None or isinstance(tokens[i], Exception):
                 continue
-            if not state.matcher.accept_token(int(tokens[i])):
+            if not constrained.matcher.accept_token(int(tokens[i])):
                 out[i] = RuntimeError(f"the grammar refused sampled token {tokens[i]}")
                 continue
-            if state.matcher.is_terminated():
-                state.done = True
+            if constrained.matcher.is_terminated():
+                constrained.done = True
                 continue
-            state.matcher.fill_next_token_bitmask(state.bitmask.unsqueeze(0))
-            state.done = bool(torch.equal(state.bitmask, self._stop_only))
+            constrained.matcher.fill_next_token_bitmask(constrained.bitmask.unsqueeze(0))
+            constrained.done = bool(torch.equal(constrained.bitmask, self._stop_only))
         return out
-
-    def complete(self, request_id: str) -> bool:
-        state = self.active.get(request_id)
-        return state is not None and state.done
-
-    def trace(self, seq) -> dict:
-        """The ar.* trace fields of structured output: the constraint's kind (None: unconstrained) and, for the
-        request that compiled its grammar, the compile time (None: compiled before, or unconstrained)."""
-        structure = Structure.of(seq.item.params)
-        ms = self.compile_ms(seq.request_id, structure) if structure is not None else None
-        return {"structured_output": structure.kind if structure else None, "grammar_compile_ms": ms}
-
-    def free(self, request_id: str) -> None:
-        self.structures.pop(request_id, None)
-        self.prefixes.pop(request_id, None)
-        self.active.pop(request_id, None)

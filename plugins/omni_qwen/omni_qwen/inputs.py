@@ -8,6 +8,7 @@ checked against the context window and the KV pool, and an unseeded sampled requ
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -17,6 +18,9 @@ from omni_kernel.core.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
 from .structured import PrefixedPrompt, Structure
+
+if TYPE_CHECKING:
+    from .grammar import Grammars
 
 
 def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | None) -> None:
@@ -40,19 +44,19 @@ def longest_token(tokenizer) -> int:
 
 
 class ARInputProcessor:
-    """`concurrent`: whether `process` may run beside a step (build.py sets it when the tokenizer is the stage's own
-    copy, not the one the output side decodes with)."""
-
-    concurrent = False
+    """`grammars`: the engine's compile cache, which checks a request's structured output and starts compiling it.
+    `concurrent`: whether `process` may run beside a step (build.py gives True when the tokenizer is a copy of its
+    own, not the one the output side decodes with)."""
 
     def __init__(self, tokenizer, settings: ARNodeSettings, context_window: int, vocab_size: int,
-                 capacity_tokens: int | None = None):
+                 capacity_tokens: int | None = None, grammars: Grammars | None = None, concurrent: bool = False):
         self.tokenizer = tokenizer
         self.settings = settings
         self.context_window = context_window
         self.vocab_size = vocab_size
         self.capacity_tokens = capacity_tokens
-        self.grammars = None  # grammar.Grammars: checks and starts compiling a request's structured output
+        self.grammars = grammars
+        self.concurrent = concurrent
         self._longest: int | None = None
 
     @property

@@ -1,16 +1,14 @@
 """Logprobs of an AR stage (docs/qwen.md, "Logprobs"): the log-softmax of the model's raw logits (before
 temperature, top-k and top-p), for the generated tokens (`logprobs`) and the prompt's (`prompt_logprobs`).
 
-The runner computes them in its step for the rows of the requests that asked, into the engine's LogprobsBook,
-keyed by the request's record (weakly: they go with it); the output processor that gets the record's output
-takes them (whichever step delivers it: stages of several pipelines may share one engine), turns them into text
-(TokenTexts) and carries them on ARTokenDelta events and in the StageOutput's data. Requests that did not ask
-pay nothing.
+The runner computes them in its step for the rows of the requests that asked, into each one's StepLogprobs in its
+record (ARRunnerState.logprobs); the output processor that gets the record's output takes them (stages of several
+pipelines may share one engine), turns them into text (TokenTexts) and carries them on ARTokenDelta events and in
+the StageOutput's data. Requests that did not ask pay nothing.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,55 +48,76 @@ def _entries(logprobs: torch.Tensor, targets: Sequence[int], tops: Sequence[int]
     return [Logprob(t, c, tuple(zip(i[:n], v[:n]))) for t, c, i, v, n in zip(targets, chosen, ids, values, tops)]
 
 
-class LogprobsBook:
-    """The runner's side: what its steps computed per request record, until the output processor takes it."""
+@attrs.define
+class StepLogprobs:
+    """What the runner's steps computed of one request's logprobs (ARRunnerState.logprobs), until the output
+    processor that gets its output takes them."""
 
-    def __init__(self):
-        self.tokens = weakref.WeakKeyDictionary()  # record -> [Logprob] of its sampled tokens not yet taken
-        self.prompts = weakref.WeakKeyDictionary()  # record -> its prompt's entries, once complete
-        self.partial = weakref.WeakKeyDictionary()  # record -> [Logprob | None] of a prompt being prefilled
+    tokens: list[Logprob] = attrs.Factory(list)  # of its sampled tokens not yet taken
+    prompt: tuple[Logprob | None, ...] | None = None  # its prompt's entries, once complete
+    partial: list[Logprob | None] | None = None  # those of a prompt being prefilled
 
-    def every_row(self, batch: ARSchedulerOutput) -> frozenset[str]:
-        """Requests whose chunk this step needs logits at every row: prompt positions not yet delivered."""
-        seqs = {s.request_id: s for s in batch.records}
-        return frozenset(c.request_id for c in batch.chunks
-                         if asked(seqs[c.request_id], "prompt_logprobs") is not None
-                         and seqs[c.request_id].num_output == 0 and c.start < seqs[c.request_id].num_prompt - 1)
+    def take_tokens(self) -> list[Logprob]:
+        tokens, self.tokens = self.tokens, []
+        return tokens
 
-    def raw(self, logits: torch.Tensor, request_ids: Sequence[str], batch: ARSchedulerOutput
-            ) -> tuple[list[int], torch.Tensor | None]:
-        """The rows that asked and their log-softmax, taken before sampling can change the logits."""
-        seqs = {s.request_id: s for s in batch.records}
-        rows = [i for i, rid in enumerate(request_ids) if asked(seqs[rid], "logprobs") is not None]
-        return rows, logits[rows].float().log_softmax(dim=-1) if rows else None
+    def take_prompt(self) -> tuple[Logprob | None, ...] | None:
+        prompt, self.prompt = self.prompt, None
+        return prompt
 
-    def record(self, batch: ARSchedulerOutput, request_ids: Sequence[str], raw, tokens: Sequence,
-               every: dict[str, torch.Tensor]) -> None:
-        seqs = {s.request_id: s for s in batch.records}
-        rows, logprobs = raw
-        keep = [j for j, i in enumerate(rows) if isinstance(tokens[i], int)]  # a failed row has none
-        if keep:
-            picked = [seqs[request_ids[rows[j]]] for j in keep]
-            found = _entries(logprobs[keep], [tokens[rows[j]] for j in keep], [asked(s, "logprobs") for s in picked])
-            for seq, entry in zip(picked, found):
-                self.tokens.setdefault(seq, []).append(entry)
-        for chunk in batch.chunks:
-            seq = seqs[chunk.request_id]
-            if chunk.request_id in every:
-                self._prompt(seq, chunk.start, every[chunk.request_id])
-            if chunk.samples and seq in self.partial:
-                self.prompts[seq] = tuple(self.partial.pop(seq))
 
-    def _prompt(self, seq: ARSequence, start: int, logits: torch.Tensor) -> None:
-        """Row j predicts position start + j + 1: the prompt's own tokens only (a recompute may hold more)."""
-        entries = self.partial.setdefault(seq, [None] * seq.num_prompt)
-        count = min(logits.shape[0], seq.num_prompt - 1 - start)
-        if count > 0:
-            targets = seq.token_ids[start + 1:start + 1 + count]
-            found = _entries(logits[:count].float().log_softmax(dim=-1), targets,
-                             [asked(seq, "prompt_logprobs")] * count)
-            entries[start + 1:start + 1 + count] = found
+def wanted(params) -> StepLogprobs | None:
+    """A new request's StepLogprobs, None unless it asked for logprobs or prompt logprobs."""
+    if getattr(params, "logprobs", None) is None and getattr(params, "prompt_logprobs", None) is None:
+        return None
+    return StepLogprobs()
 
+
+def every_row(batch: ARSchedulerOutput) -> frozenset[str]:
+    """Requests whose chunk this step needs logits at every row: prompt positions not yet delivered."""
+    return frozenset(c.request_id for c, seq in zip(batch.chunks, batch.records)
+                     if asked(seq, "prompt_logprobs") is not None
+                     and seq.num_output == 0 and c.start < seq.num_prompt - 1)
+
+
+def raw(logits: torch.Tensor, rows: Sequence[ARSequence]) -> tuple[list[int], torch.Tensor | None]:
+    """The logits rows (rows[i]: row i's request) that asked and their log-softmax, taken before sampling can change
+    the logits."""
+    asking = [i for i, seq in enumerate(rows) if asked(seq, "logprobs") is not None]
+    return asking, logits[asking].float().log_softmax(dim=-1) if asking else None
+
+
+def write(batch: ARSchedulerOutput, rows: Sequence[ARSequence], found_raw, tokens: Sequence,
+          every: dict[str, torch.Tensor]) -> None:
+    """Each asking request's entries of this step into its StepLogprobs: its sampled token's (from `raw`) and its
+    prompt's (from `every`, the logits of every row of its chunk)."""
+    asking, logprobs = found_raw
+    keep = [j for j, i in enumerate(asking) if isinstance(tokens[i], int)]  # a failed row has none
+    if keep:
+        picked = [rows[asking[j]] for j in keep]
+        found = _entries(logprobs[keep], [tokens[asking[j]] for j in keep], [asked(s, "logprobs") for s in picked])
+        for seq, entry in zip(picked, found):
+            seq.state.logprobs.tokens.append(entry)
+    for chunk, seq in zip(batch.chunks, batch.records):
+        computed = seq.state.logprobs
+        if computed is None:
+            continue
+        if chunk.request_id in every:
+            _prompt(seq, chunk.start, every[chunk.request_id])
+        if chunk.samples and computed.partial is not None:
+            computed.prompt, computed.partial = tuple(computed.partial), None
+
+
+def _prompt(seq: ARSequence, start: int, logits: torch.Tensor) -> None:
+    """Row j predicts position start + j + 1: the prompt's own tokens only (a recompute may hold more)."""
+    computed = seq.state.logprobs
+    if computed.partial is None:
+        computed.partial = [None] * seq.num_prompt
+    count = min(logits.shape[0], seq.num_prompt - 1 - start)
+    if count > 0:
+        targets = seq.token_ids[start + 1:start + 1 + count]
+        found = _entries(logits[:count].float().log_softmax(dim=-1), targets, [asked(seq, "prompt_logprobs")] * count)
+        computed.partial[start + 1:start + 1 + count] = found
 
 
 def _byte_table() -> dict[str, int]:
@@ -158,10 +177,10 @@ class RequestLogprobs:
 
 
 class LogprobsOutput:
-    """The output processor's side: this step's entries into text, onto deltas and the final data."""
+    """The output processor's side: the entries the runner computed for a request (its StepLogprobs) into text, onto
+    deltas and the final data."""
 
-    def __init__(self, book: LogprobsBook, texts: TokenTexts):
-        self.book = book
+    def __init__(self, texts: TokenTexts):
         self.texts = texts
 
     def start(self, seq: ARSequence) -> RequestLogprobs | None:
@@ -170,8 +189,9 @@ class LogprobsOutput:
         return RequestLogprobs()
 
     def take(self, req: RequestLogprobs, seq: ARSequence) -> None:
-        req.tokens.extend(self.texts.entry(found) for found in self.book.tokens.pop(seq, ()))
-        prompt = self.book.prompts.pop(seq, None)
+        computed = seq.state.logprobs
+        req.tokens.extend(self.texts.entry(found) for found in computed.take_tokens())
+        prompt = computed.take_prompt()
         if prompt is not None and req.prompt is None:  # the first token has no logprob, but has its text
             first = {**self.texts.one(seq.token_ids[0], None), "top_logprobs": []}
             req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))

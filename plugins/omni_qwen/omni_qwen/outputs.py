@@ -1,9 +1,10 @@
 """AROutputProcessor: sampled tokens -> streamed text and the final StageOutput with its ar.* trace.
 
 Per request it keeps, in the scheduler's record (`ARSequence.output`), the detokenizer, the text so far and how much
-of it was streamed; the tokens are the record's own. Token-level stops (EOS, token budget, context window) are the
-scheduler's; stop strings need text, so they are found here and the stage then stops the request. Text that could
-still be the start of a stop string is held back.
+of it was streamed; the tokens are the record's own, and so are the step counters, the grammar state and the
+logprobs the runner computed (`ARSequence.state`), which it reads from the record of each output. Token-level stops
+(EOS, token budget, context window, a complete grammar) are the scheduler's; stop strings need text, so they are
+found here and the stage then stops the request. Text that could still be the start of a stop string is held back.
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ class AROutputProcessor:
         self.decode = decode
         self.settings = settings
         self.model_trace = dict(model_trace)  # ar.* fields of the model and KV backend, without the prefix
-        self.extra_trace: Callable[[ARSequence], Mapping[str, Any]] | None = None  # grammar.Grammars.trace
 
     def add(self, seq: ARSequence) -> None:
         """A new request; its text starts with the node's answer prefix (written for the model, streamed first)
@@ -103,17 +103,40 @@ class AROutputProcessor:
         return delta, reason
 
     def finish(self, seq: ARSequence, reason: str) -> StageOutput:
-        """The request's StageOutput, with the scheduler's trace counters of it."""
-        req, stats = seq.output, seq.stats()
-        params, prompt = seq.item.params, seq.item.processed
+        """The request's StageOutput, with its ar.* trace."""
+        req, params, prompt = seq.output, seq.item.params, seq.item.processed
         greedy = params is None or params.greedy
-        fields = {**stats, "output_tokens": stats["generated_tokens"] - (1 if reason == "eos" else 0),
+        fields = {**step_trace(seq), "output_tokens": seq.num_output - (1 if reason == "eos" else 0),
                   "ttft_ms": round(req.ttft_ms, 3), "stop_reason": reason,
                   "streaming": bool(params is not None and params.stream), "prompt_mode": prompt.mode,
                   "sampling": "greedy" if greedy else "sample", "seed": None if greedy else params.seed,
-                  **self.model_trace, **(self.extra_trace(seq) if self.extra_trace else {})}
+                  **self.model_trace, **structure_trace(seq)}
         return StageOutput(seq.request_id, self.node_id, text=req.text, stop_reason=reason,
                            contract=self.settings.contract,
                            data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids),
                                  **LogprobsOutput.data(req.logprobs)},
                            trace=prefixed("ar", fields))
+
+
+def step_trace(seq: ARSequence) -> dict[str, Any]:
+    """The ar.* trace fields (without the prefix) of the scheduler's counters of the request's steps."""
+    steps = max(seq.num_steps, 1)
+    decode_mean = round(seq.decode_ms / seq.num_decode_steps, 3) if seq.num_decode_steps else 0.0
+    return {"input_tokens": seq.num_prompt, "generated_tokens": seq.num_output,
+            "prefill_tokens": seq.num_prefill_tokens, "prefill_ms": round(seq.prefill_ms, 3),
+            "decode_ms": round(seq.decode_ms, 3), "scheduler_steps": seq.num_steps,
+            "prefill_steps": seq.num_prefill_steps,
+            # One model call per decode step on both backends, so the two documented keys are one counter.
+            "decode_model_calls": seq.num_decode_steps, "decode_scheduler_steps": seq.num_decode_steps,
+            "decode_step_mean_ms": decode_mean, "token_budget": seq.max_tokens, "kv_blocks_used": seq.num_blocks_max,
+            "prefix_cache_hit_tokens": max(seq.prefix_hit_tokens, 0), "preemptions": seq.num_preemptions,
+            "batch_size_mean": round(seq.batch_seqs / steps, 2), "batch_size_max": seq.batch_seqs_max,
+            "batch_tokens_mean": round(seq.batch_tokens / steps, 2)}
+
+
+def structure_trace(seq: ARSequence) -> dict[str, Any]:
+    """The ar.* trace fields of structured output (grammar.Constrained.trace; None for an unconstrained request)."""
+    constrained = seq.state.constrained
+    if constrained is None:
+        return {"structured_output": None, "grammar_compile_ms": None}
+    return constrained.trace(seq.request_id)

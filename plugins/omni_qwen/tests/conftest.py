@@ -148,18 +148,15 @@ def host():
 
 @pytest.fixture(scope="session")
 def run_plan(host):
-    """Build a one-node plan of an omni_qwen node type (on CPU) and run a request through the StageScheduler."""
-    from omni_kernel import NodeSpec, PipelinePlan, Request
-    from omni_kernel.core.planner import GraphBuilder
-    from omni_kernel.core.stage_scheduler import StageScheduler
+    """Build a one-node plan of an omni_qwen node type (on CPU) and run a request through it."""
+    from omni_kernel import NodeSpec, Omni, PipelinePlan
 
     def run(node_type: str, prompt: str, config: dict, policy=None, events=None, **params):
         plan = PipelinePlan("test_" + node_type, [NodeSpec("n", node_type, policy=policy or {}, final=True)])
-        scheduler = StageScheduler(GraphBuilder(host.registry).build(plan, {"ar_device": "cpu", **config}))
-        request = Request(plan.name, prompt, params=params)
+        omni = Omni(plan, host=host, **{"ar_device": "cpu", **config})
         if events is None:
-            return scheduler.generate(request)
-        for event in scheduler.generate_stream(request):
+            return omni.generate(prompt, **params)
+        for event in omni.generate_stream(prompt, **params):
             events.append(event)
         return events[-1].result
 

@@ -18,6 +18,8 @@ from omni_qwen.detokenize import REPLACEMENT, IncrementalDetokenizer
 from omni_qwen.inputs import ARInputProcessor
 from omni_qwen.model import CausalLM
 from omni_qwen.outputs import AROutputProcessor
+from omni_qwen.runner import ARRunnerState
+from omni_qwen.sampling import Sampling
 
 TEXTS = {
     "chinese": "生成1000字的文本，描述一所学校",
@@ -76,6 +78,7 @@ def run_output(tokenizer, decode, ids: list[int], stop: tuple[str, ...] = ()):
         StageInput("r", "x", params=QwenParams(stop=stop)))
     outputs = AROutputProcessor("n", decode, settings_, {})
     seq = ARScheduler(BlockManager(64, 16)).add(item)  # the request's record, as the engine's scheduler keeps it
+    seq.state = ARRunnerState(Sampling.of(item.params))  # and the runner's state of it (unconstrained)
     outputs.add(seq)
     deltas, reason = [], None
     for n, token in enumerate(ids, 1):

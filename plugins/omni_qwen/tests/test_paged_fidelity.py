@@ -92,20 +92,35 @@ def drain(omni, arrivals=(), every=1):
 
 
 def assert_all_freed(omni):
-    stage, scheduler, runner = parts(omni)
+    """No blocks and no records left (a DynamicCache lives in its request's record, so it went with it)."""
+    _, scheduler, _ = parts(omni)
     assert scheduler.blocks.num_used == 0 and not scheduler.blocks.tables and not scheduler.sequences
-    if runner.backend.kv_trace["kv_cache_backend"] == "dynamic_cache":
-        assert not runner.backend.caches
+
+
+def steps_of(runner, steps: list):
+    """Wrap `runner.run` so each step's (sequences, tokens) goes into `steps`; `del runner.run` unwraps it."""
+    real = runner.run
+
+    def run(batch):
+        steps.append((len(batch.chunks), batch.num_tokens))
+        return real(batch)
+
+    runner.run = run
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_requests_equal_generate_alone(make_omni, reference, backend):
     reqs = requests()
     omni = make_omni(backend)
-    for rid, prompt, m in reqs:
-        submit(omni, rid, prompt, m)
-    finished = drain(omni)
     _, _, runner = parts(omni)
+    steps = []
+    steps_of(runner, steps)
+    try:
+        for rid, prompt, m in reqs:
+            submit(omni, rid, prompt, m)
+        finished = drain(omni)
+    finally:
+        del runner.run
     for rid, prompt, m in reqs:
         assert finished[rid].data["token_ids"] == reference(prompt, m), rid
         trace = finished[rid].trace
@@ -113,8 +128,8 @@ def test_concurrent_requests_equal_generate_alone(make_omni, reference, backend)
         assert trace["ar.prompt_mode"] == "token_ids" and trace["ar.input_tokens"] == len(prompt)
         assert trace["ar.prefill_steps"] >= -(-len(prompt) // 128)  # chunks of at most the step budget
         assert trace["ar.prefill_tokens"] == len(prompt)
-    assert max(n for n, _, _ in runner.step_log) > 8  # really batched
-    assert max(t for _, t, _ in runner.step_log) <= 128
+    assert max(n for n, _ in steps) > 8  # really batched
+    assert max(t for _, t in steps) <= 128
     assert_all_freed(omni)
 
 
@@ -155,13 +170,13 @@ def test_aborted_requests_free_blocks_and_spare_the_others(make_omni, reference,
     pool = scheduler.blocks  # the paged backend's KV lives in these blocks; a DynamicCache keeps its own
     held = {rid: list(pool.table(rid)) if rid in pool.tables else [] for rid in doomed}
     assert held[doomed[0]], "a running request holds blocks"
+    records = {rid: scheduler.sequences[rid] for rid in doomed}
     for rid in doomed:
         omni.abort(rid)
         assert rid not in pool.tables and rid not in scheduler.sequences
         live = [b for table in pool.tables.values() for b in table.blocks]
         assert all(pool.blocks[b].ref_count == live.count(b) for b in held[rid])  # its references are dropped
-        if backend == "dynamic_cache":
-            assert rid not in runner.backend.caches
+        assert records[rid].state.kv_cache is None  # the DynamicCache is dropped (the paged backend keeps none)
     finished = drain(omni)
     assert not set(doomed) & set(finished)
     for rid, prompt, m in reqs:
@@ -229,7 +244,7 @@ def test_request_that_never_fits_fails_alone(make_omni, reference):
     params = QwenParams(max_tokens=10)
     stage.add_request(StageInput("big2", "", params=params, processed=ARPrompt(range(60), 10)))
     assert any(isinstance(e, StageFailed) and e.user_error and "KV pool holds 64 tokens" in e.error
-               for e in stage.step())
+               for e in stage.events_for(stage.engine.step()))
     finished = drain(omni, [("ok", list(range(40)), 8)])
     assert finished["ok"].data["token_ids"] == reference(list(range(40)), 8)
     assert_all_freed(omni)

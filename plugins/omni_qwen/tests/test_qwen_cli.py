@@ -101,7 +101,7 @@ def test_bad_model_dir_is_one_line_exit_2(bad_dirs, name, message):
     (["--prompt", ""], "the prompt is empty"),
     (["--prompt", " \n "], "the prompt is empty"),
     (["--prompt", "school " * 300], "context window is 256 tokens"),
-    (["--prompt", "hi", "--image", "x.png"], "does not use --image"),
+    (["--prompt", "hi", "--image", "x.png"], "invalid --image: pipeline 'ar_text' takes no input image"),
     (["--prompt", "hi", "--ar-dtype", "fp32"], "No such option"),
     (["--prompt", "hi", "--top-k", "5"], "No such option"),
     (["--prompt", "hi", "-c", "ar_kv_memroy=1MiB"], "has no config key 'ar_kv_memroy'"),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omni_kernel import ARParams
+from omni_kernel import ARParams, NodeSpec
 from omni_kernel.core.errors import InvalidParameter
 from omni_qwen.config import QwenConfig
 from omni_qwen.detokenize import IncrementalDetokenizer
@@ -88,22 +88,33 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
 
 
 def test_node_policy_is_checked():
-    from omni_kernel import NodeSpec
-    from omni_qwen.config import PROMPT_BRIDGE_POLICY, node_policy
+    from omni_kernel.core.errors import GraphError
+    from omni_kernel.core.planner import node_policy
+    from omni_qwen.plugin import QwenPlugin
 
-    assert node_policy(NodeSpec("b", "ar.prompt_bridge"), PROMPT_BRIDGE_POLICY)["max_tokens"] == 128
-    with pytest.raises(InvalidParameter, match="unknown key"):
-        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"budget": 3}), PROMPT_BRIDGE_POLICY)
-    with pytest.raises(InvalidParameter, match="max_tokens"):
-        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"max_tokens": 0}), PROMPT_BRIDGE_POLICY)
-    with pytest.raises(InvalidParameter, match="chat"):
-        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"chat": "no"}), PROMPT_BRIDGE_POLICY)
+    registered = []
+    QwenPlugin().omni_register_node_types(registered.append)
+    bridge = next(t for t in registered if t.name == "ar.prompt_bridge")
+    policy = node_policy(NodeSpec("b", "ar.prompt_bridge"), bridge)
+    assert (policy.max_tokens, policy.chat, policy.max_num_seqs, policy.json_schema) == (128, True, None, None)
+    text = node_policy(NodeSpec("t", "ar.text_generation"), next(t for t in registered if t is not bridge))
+    assert (text.max_tokens, text.chat, text.max_num_seqs) == (None, True, None)
+    with pytest.raises(GraphError, match="no policy key 'budget'"):
+        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"budget": 3}), bridge)
+    with pytest.raises(GraphError, match="max_tokens: 0 is not an integer >= 1"):
+        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"max_tokens": 0}), bridge)
+    with pytest.raises(GraphError, match="chat: 'no' is not True or False"):
+        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"chat": "no"}), bridge)
+    with pytest.raises(GraphError, match='json_schema: is not supported: .*Unsupported type "nope"'):
+        node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"json_schema": {"type": "nope"}}), bridge)
+    schema = node_policy(NodeSpec("b", "ar.prompt_bridge", policy={"json_schema": '{"type": "object"}'}), bridge)
+    assert schema.json_schema == '{"type":"object"}'  # canonical JSON
 
 
 def test_config_reads_sizes_and_defaults():
     from omni_hf import torch_dtype
 
-    from omni_qwen.config import DEFAULT_KV_TOKENS, DTYPE_NAMES, ARNodeSettings, parse_bytes
+    from omni_qwen.config import DEFAULT_KV_TOKENS, DTYPE_NAMES, parse_bytes
 
     assert DTYPE_NAMES and all(torch_dtype(name) in (None, torch.float32, torch.bfloat16, torch.float16)
                                for name in DTYPE_NAMES)  # the torch-free config offers what the loader maps
@@ -115,11 +126,11 @@ def test_config_reads_sizes_and_defaults():
             parse_bytes(bad)
     config = QwenConfig()
     assert (config.ar_kv_backend, config.ar_max_num_batched_tokens, config.ar_prefix_caching) == (None, 512, True)
-    assert config.max_num_seqs_for(ARNodeSettings()) == 64
+    assert config.max_num_seqs_for(None) == 64
     assert config.kv_memory_for(100, 512) == 100 * DEFAULT_KV_TOKENS and config.kv_memory_for(100, 10**6) == 10**8
     assert QwenConfig(ar_kv_memory="1KiB").ar_kv_memory == 1024
-    assert config.max_num_seqs_for(ARNodeSettings(max_num_seqs=4)) == 4
-    assert QwenConfig(ar_max_num_seqs=8).max_num_seqs_for(ARNodeSettings(max_num_seqs=4)) == 8
+    assert config.max_num_seqs_for(4) == 4
+    assert QwenConfig(ar_max_num_seqs=8).max_num_seqs_for(4) == 8
 
 
 def test_request_params_declare_prompt_token_ids():

@@ -18,8 +18,8 @@ def test_ar_text_and_the_bridge_share_one_engine_and_one_decode_batch(omni_cache
     bridge = Omni(BRIDGE_ONLY, host=host, ar_model=model, ar_device="cpu")
     other = Omni("ar_text", host=host, ar_model=model, ar_device="cpu", ar_max_num_seqs=3)
     a, b = text.graph.stages["generate"], bridge.graph.stages["bridge"]
-    assert a.engine.engine is b.engine.engine and a.inputs is not b.inputs and a.outputs is not b.outputs
-    assert other.graph.stages["generate"].engine.engine is not a.engine.engine  # other engine settings
+    assert a.engine is b.engine and a.inputs is not b.inputs and a.outputs is not b.outputs
+    assert other.graph.stages["generate"].engine is not a.engine  # other engine settings
     assert a.stats().kv_blocks_total == b.stats().kv_blocks_total  # one pool, reported by both
 
     runner = a.engine.runner
@@ -50,4 +50,4 @@ def test_ar_text_and_the_bridge_share_one_engine_and_one_decode_batch(omni_cache
     solo_bridge = bridge.generate("a lighthouse at dusk", temperature=0)
     assert together[text].outputs["generate"].data["token_ids"] == solo_text.outputs["generate"].data["token_ids"]
     assert together[bridge].outputs["bridge"].data["token_ids"] == solo_bridge.outputs["bridge"].data["token_ids"]
-    assert not a.engine.engine.owners
+    assert not a.engine.scheduler.sequences

@@ -66,7 +66,7 @@ def run_together(omni, requests):
 
 
 def assert_valid(result, schema) -> None:
-    assert result.trace["ar.stop_reason"] in ("grammar", "eos"), (schema, result.text)
+    assert result.trace["ar.stop_reason"] in ("stop", "eos"), (schema, result.text)
     assert result.trace["ar.structured_output"] == "json_schema"
     jsonschema.validate(json.loads(result.text), schema)
 
@@ -86,10 +86,10 @@ def test_every_constrained_output_validates_alone_and_in_a_mixed_batch(omni, sol
 
 def test_regex_choice_and_json_object(omni):
     out = omni.generate("x", regex=r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", max_tokens=BUDGET)
-    assert out.trace["ar.stop_reason"] == "grammar" and out.trace["ar.structured_output"] == "regex"
+    assert out.trace["ar.stop_reason"] == "stop" and out.trace["ar.structured_output"] == "regex"
     assert re.fullmatch(r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", out.text)
     out = omni.generate("x", choice=["yes", "no", "a.b (c)"], temperature=1.0, seed=3)
-    assert out.text in ("yes", "no", "a.b (c)") and out.trace["ar.stop_reason"] == "grammar"
+    assert out.text in ("yes", "no", "a.b (c)") and out.trace["ar.stop_reason"] == "stop"
     # Any JSON object has unbounded strings, which a random model may never close: those end at max_tokens.
     outs = [omni.generate(p, json_object=True, max_tokens=48, temperature=1.0, seed=s)
             for s, p in enumerate(["x", "Describe a school", "y", "z"])]
@@ -136,7 +136,7 @@ def test_cli_takes_the_same_parameters(tiny_ckpt, tmp_path):
     assert result.exit_code == 0, result.output
     assert isinstance(json.loads(result.stdout)["ok"], bool)
     trace = json.loads((tmp_path / "t.json").read_text())
-    assert trace["ar.stop_reason"] == "grammar" and trace["ar.structured_output"] == "json_schema"
+    assert trace["ar.stop_reason"] == "stop" and trace["ar.structured_output"] == "json_schema"
     result = cli("--ar-model", str(tiny_ckpt), "--prompt", "x", "-o", "choice=red", "-o", "choice=green")
     assert result.exit_code == 0 and result.stdout.strip() in ("red", "green"), result.output
 
@@ -156,7 +156,7 @@ def test_a_compiling_grammar_holds_back_only_its_own_request(omni):
     """While a grammar compiles, its request waits unscheduled and the others decode to the end; then it runs."""
     import threading
 
-    engine = omni.graph.stages["generate"].engine.engine
+    engine = omni.graph.stages["generate"].engine
     grammars, release = engine.scheduler.grammars, threading.Event()
     compile_ = grammars._compile
 
@@ -199,13 +199,12 @@ def test_ids_past_the_tokenizer_are_never_allowed(qwen_tokenizer):
     grammars = Grammars.for_tokenizer(qwen_tokenizer, width, [qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")])
     item = StageInput(Request("p", "x").request_id, "x", params=QwenParams(json_object=True),
                       processed=ARPrompt([1]))
-    grammars.add(item)
-    grammars.entry(grammars.structures[item.request_id], item.request_id).future.result(60)
-    logits, failed = grammars.mask([item.request_id, "free"], torch.zeros(2, width))
+    constrained = grammars.constrain(item)
+    constrained.compile.future.result(60)
+    logits, failed = grammars.mask([constrained, None], torch.zeros(2, width))
     assert not failed and torch.isinf(logits[0, len(qwen_tokenizer):]).all()
     assert torch.isfinite(logits[0]).sum() >= 1 and (logits[1] == 0).all()  # the unconstrained row untouched
-    grammars.free(item.request_id)
-    assert not grammars.structures and not grammars.active
+    assert constrained.matcher is not None and grammars.constrain(StageInput("free", "x")) is None
 
 
 def test_real_weights_write_valid_json(smollm2_dir, host):
@@ -218,5 +217,5 @@ def test_real_weights_write_valid_json(smollm2_dir, host):
     for params in ({}, {"temperature": 0.8, "seed": 5}):
         out = omni.generate("Give me a JSON record of the largest city in France.", json_schema=schema,
                             max_tokens=96, **params)
-        assert out.trace["ar.stop_reason"] == "grammar", out.text
+        assert out.trace["ar.stop_reason"] == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
