@@ -1,11 +1,13 @@
-"""StepScheduler and DiffusionScheduler: batch keys, step counts, phases, continuous admission, abort."""
+"""StepScheduler and PhaseScheduler: batch keys, step counts, phases, continuous admission, abort, background work."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import pytest
 
 from omni_kernel.core.request import StageInput
-from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.scheduler import PhaseScheduler, StepScheduler
 
 
 def item(rid: str, steps: int = 2, shape: str = "s") -> StageInput:
@@ -51,24 +53,79 @@ def test_a_request_missing_from_the_results_failed_and_is_not_advanced():
     assert scheduler.request_ids() == {"ok"} and scheduler.schedule().steps == (1,)
 
 
+def phases(item: StageInput) -> tuple[str, ...]:
+    """A plugin's phases: one setup step, `item.processed` work steps, one teardown step."""
+    return ("setup", *["work"] * item.processed, "teardown")
+
+
 def test_a_step_count_below_one_is_refused():
     with pytest.raises(ValueError, match="at least one step"):
         StepScheduler(num_steps=lambda i: 0).add(item("x"))
-    with pytest.raises(ValueError, match=">= 0 denoise steps"):
-        DiffusionScheduler(num_steps=lambda i: -1).add(item("x"))
+    with pytest.raises(ValueError, match="at least one step, named by a phase"):
+        PhaseScheduler(phases=lambda i: ()).add(item("x"))
+    with pytest.raises(TypeError):
+        PhaseScheduler(num_steps=lambda i: 1)  # its steps are its phases
 
 
-def test_diffusion_scheduler_names_the_phases_and_batches_only_one_phase():
-    scheduler = DiffusionScheduler(max_batch=4, num_steps=lambda i: i.processed)
+def test_phase_scheduler_takes_the_plugins_phases_and_batches_only_one_phase():
+    scheduler = PhaseScheduler(max_batch=4, phases=phases)
     scheduler.add(item("a", 2))
     scheduler.add(item("b", 2))
     scheduler.add(item("c", 1))
-    phases = []
+    seen = []
     while scheduler.has_unfinished():
         batch, done = advance(scheduler)
-        phases.append((batch.phase, batch.request_ids, batch.steps, [r for r, f in done if f]))
-    assert phases == [("prepare", ("a", "b", "c"), (0, 0, 0), []),
-                      ("denoise", ("a", "b", "c"), (1, 1, 1), []),
-                      ("denoise", ("a", "b"), (2, 2), []),  # c is at its decode step: a different phase
-                      ("decode", ("a", "b", "c"), (3, 3, 2), []),  # and c waited one step to rejoin them
-                      ("export", ("a", "b", "c"), (4, 4, 3), ["a", "b", "c"])]
+        seen.append((batch.phase, batch.request_ids, batch.steps, [r for r, f in done if f]))
+    assert seen == [("setup", ("a", "b", "c"), (0, 0, 0), []),
+                    ("work", ("a", "b", "c"), (1, 1, 1), []),
+                    ("work", ("a", "b"), (2, 2), []),  # c is at its teardown step: a different phase
+                    ("teardown", ("a", "b", "c"), (3, 3, 2), ["a", "b", "c"])]  # c waited one step for them
+
+
+def test_phase_order_runs_the_first_listed_phase_any_request_is_in():
+    scheduler = PhaseScheduler(max_batch=4, phases=phases, phase_order=("teardown", "setup", "work"))
+    scheduler.add(item("a", 3))
+    assert advance(scheduler)[0].phase == "setup"
+    assert advance(scheduler)[0].phase == "work"
+    scheduler.add(item("b", 3))
+    batch, _ = advance(scheduler)
+    assert (batch.phase, batch.request_ids) == ("setup", ("b",))  # the newcomer goes first ...
+    batch, _ = advance(scheduler)
+    assert (batch.phase, batch.request_ids, batch.steps) == ("work", ("a", "b"), (2, 1))  # ... and joins a
+
+
+def test_a_future_on_an_earlier_step_holds_the_request_until_it_is_done_then_it_goes_on():
+    scheduler = StepScheduler(max_batch=2, num_steps=lambda i: i.processed)
+    scheduler.add(item("bg", 3))
+    scheduler.add(item("other", 3))
+    background: Future = Future()
+    batch = scheduler.schedule()
+    out = scheduler.update(batch, {"bg": background, "other": "o@0"})
+    assert [o.request_id for o in out] == ["other"]  # no output for bg yet: its step is not done
+    assert scheduler.schedule().request_ids == ("other",)  # held: not scheduled again
+    scheduler.update(scheduler.schedule(), {"other": "o@1"})
+    assert scheduler.collect() == [] and scheduler.wait(0) is True  # other is ready
+    background.set_result("made")
+    collected = scheduler.collect()
+    assert [(o.request_id, o.result, o.finished) for o in collected] == [("bg", "made", None)]
+    assert collected[0].record.step == 1 and collected[0].record.pending is None
+    batch = scheduler.schedule()
+    assert (batch.request_ids, batch.steps) == (("bg", "other"), (1, 2))  # bg goes on with its next step
+    done = scheduler.update(batch, {"bg": "b@1", "other": "o@2"})
+    assert [(o.request_id, o.finished) for o in done] == [("bg", None), ("other", "done")]
+    last: Future = Future()
+    assert scheduler.update(scheduler.schedule(), {"bg": last}) == []  # a Future on its last step ...
+    assert scheduler.has_unfinished() and not scheduler.schedule()
+    last.set_result("file")
+    assert [(o.request_id, o.result, o.finished) for o in scheduler.collect()] == [("bg", "file", "done")]
+    assert not scheduler.has_unfinished()  # ... finishes it once done
+
+
+def test_a_failed_background_step_fails_its_request():
+    scheduler = StepScheduler(num_steps=lambda i: i.processed)
+    scheduler.add(item("bg", 3))
+    background: Future = Future()
+    scheduler.update(scheduler.schedule(), {"bg": background})
+    background.set_exception(OSError("disk full"))
+    (out,) = scheduler.collect()
+    assert isinstance(out.error, OSError) and out.finished is None and not scheduler.has_unfinished()

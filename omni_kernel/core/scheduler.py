@@ -2,22 +2,26 @@
 
 Each scheduler keeps one record per request (StepJob here, ARSequence in ar_scheduler.py): the request's input,
 its progress, and a slot each for what the model runner (`state`) and the output processor (`output`) keep of it,
-so freeing a request is one removal. Every request needs a known number of steps (`num_steps(item)`, fixed when
-it is added). StepScheduler runs
-up to `max_batch` requests from the front of its queue that share a batch key, and whose `cost(item)` sums to at
-most `max_cost` (the first always runs); DiffusionScheduler names the steps as phases (prepare, denoise 0..n-1,
-decode, export), only batches requests in the same phase, and with `phase_order` runs the first listed phase
-any request is in (prepare before denoise: newcomers join the denoise batch at the next step). The result of a
-request's last step may be a `concurrent.futures.Future` (work the runner finishes in the background, e.g. an MP4
-export): the request stays held, is not scheduled again, and finishes (`collect`) when it is done. The ARScheduler
-(ar_scheduler.py) is the token-level one.
+so freeing a request is one removal.
+
+- StepScheduler: every request needs a known number of steps (`num_steps(item)`, fixed when it is added). A step
+  runs up to `max_batch` requests from the front of the queue that share a batch key, and whose `cost(item)` sums
+  to at most `max_cost` (the first always runs).
+- PhaseScheduler: a StepScheduler whose steps have names, given by the plugin: `phases(item)` is a request's
+  phase names, one per step (its length is the request's step count). Only requests in the same phase (and batch
+  key) share a step, and with `phase_order` a step runs the first listed phase any ready request is in.
+
+A step's result for a request may be a `concurrent.futures.Future` (work the runner finishes in the background,
+e.g. writing a file): the request is held, not scheduled again, until the Future is done (`collect`); then it
+goes on with its next step, or, after its last step, finishes. The ARScheduler (ar_scheduler.py) is the
+token-level one.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -58,7 +62,8 @@ class RequestOutput:
 @attrs.define(eq=False)
 class StepJob:
     """One request's record in a StepScheduler: its input, `step` of `total` steps done, its share of a step's
-    budget, what the runner and the output processor keep of it, and the future of work running beside the steps."""
+    budget, what the runner and the output processor keep of it, the future of work running beside the steps, and
+    (in a PhaseScheduler) the name of each of its steps."""
 
     item: StageInput
     total: int
@@ -67,10 +72,18 @@ class StepJob:
     state: Any = None
     output: Any = None
     pending: Future | None = None
+    phases: tuple[str, ...] = ()
 
     @property
     def request_id(self) -> str:
         return self.item.request_id
+
+    @property
+    def phase(self) -> str | None:
+        """The name of the step it is at (None: a StepScheduler's steps have none, or every step is done)."""
+        if self.step < len(self.phases):
+            return self.phases[self.step]
+        return None
 
 
 @attrs.define
@@ -83,32 +96,38 @@ class StepScheduler:
     max_cost: int | None = None  # None: no budget, only max_batch
 
     def add(self, item: StageInput) -> StepJob:
-        job = StepJob(item, self._total(item), cost=self.cost(item))
+        job = self._new_job(item)
         self.queue.append(job)
         return job
 
-    def _total(self, item: StageInput) -> int:
+    def _new_job(self, item: StageInput) -> StepJob:
         total = self.num_steps(item)
         if not isinstance(total, int) or total < 1:
             raise ValueError(f"a request needs at least one step, not {total!r}")
-        return total
+        return StepJob(item, total, cost=self.cost(item))
 
     def schedule(self) -> SchedulerOutput:
         ready = [j for j in self.queue if j.pending is None]
         if not ready:
             return SchedulerOutput(())
-        key, batch, spent = self._key(self._front(ready)), [], 0
-        for job in (j for j in ready if self._key(j) == key):
-            if len(batch) == self.max_batch or (batch and self.max_cost is not None
-                                                 and spent + job.cost > self.max_cost):
+        key = self._key(self._front(ready))
+        batch: list[StepJob] = []
+        spent = 0
+        for job in ready:
+            if self._key(job) != key:
+                continue
+            if len(batch) == self.max_batch or (batch and not self._fits(spent + job.cost)):
                 break  # first come, first served: a later request never overtakes one that did not fit
             batch.append(job)
             spent += job.cost
         return self._output(batch)
 
+    def _fits(self, cost: int) -> bool:
+        return self.max_cost is None or cost <= self.max_cost
+
     def update(self, batch: SchedulerOutput, results: Mapping[str, Any], step_ms: float = 0.0) -> list[RequestOutput]:
-        """Advance every request that got a result; a request is finished after its last step (and, if that step
-        left work running beside the steps, once it has ended: `collect`)."""
+        """Advance every request that got a result; a request is finished after its last step. A Future as the
+        result holds the request until it is done (`collect`)."""
         outputs = []
         for job in batch.records:
             rid = job.request_id
@@ -116,7 +135,7 @@ class StepScheduler:
                 continue  # aborted or failed since
             job.step += 1
             result = results[rid]
-            if isinstance(result, Future) and job.step >= job.total:
+            if isinstance(result, Future):
                 job.pending = result
             elif job.step >= job.total:
                 self.queue.remove(job)
@@ -126,15 +145,23 @@ class StepScheduler:
         return outputs
 
     def collect(self) -> list[RequestOutput]:
-        """The requests whose background work ended since the last call: finished, or failed with its error."""
+        """The requests whose background work ended since the last call, with what it made as their step's
+        result: finished after their last step, going on with the next one otherwise, or failed with its error."""
         outputs = []
         for job in [j for j in self.queue if j.pending is not None and j.pending.done()]:
-            self.queue.remove(job)
-            error = job.pending.exception() if not job.pending.cancelled() else RuntimeError("cancelled")
-            result = None if error is not None else job.pending.result()
-            job.pending = None  # delivered: freeing the request now leaves what it made
-            outputs.append(RequestOutput(job.request_id, result, None if error else "done", error, record=job))
+            outputs.append(self._collect(job))
         return outputs
+
+    def _collect(self, job: StepJob) -> RequestOutput:
+        pending, job.pending = job.pending, None  # delivered: freeing the request now leaves what it made
+        error = RuntimeError("cancelled") if pending.cancelled() else pending.exception()
+        if error is not None:
+            self.queue.remove(job)
+            return RequestOutput(job.request_id, error=error, record=job)
+        if job.step >= job.total:
+            self.queue.remove(job)
+            return RequestOutput(job.request_id, pending.result(), "done", record=job)
+        return RequestOutput(job.request_id, pending.result(), record=job)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a step would make progress: at once with work to schedule, else until background work ends."""
@@ -172,39 +199,40 @@ class StepScheduler:
 
 
 @attrs.frozen
-class DiffusionSchedulerOutput(SchedulerOutput):
-    phase: str = "prepare"
+class PhaseSchedulerOutput(SchedulerOutput):
+    """A PhaseScheduler's step: every request in it is at the step named `phase`."""
+
+    phase: str = ""
 
 
-def phase_of(step: int, total: int) -> str:
-    """prepare, denoise (steps 1..total-3), decode, export."""
-    if step == 0:
-        return "prepare"
-    return "denoise" if step < total - 2 else "decode" if step == total - 2 else "export"
+def _no_num_steps(item: StageInput) -> int:
+    raise TypeError("a PhaseScheduler counts a request's steps by its phases(item)")
 
 
 @attrs.define
-class DiffusionScheduler(StepScheduler):
-    """`num_steps(item)` is the request's denoise steps; the scheduler adds prepare, decode and export. The
-    step index of a denoise phase is `step - 1`. `phase_order` () runs the front request's phase."""
+class PhaseScheduler(StepScheduler):
+    """`phases(item)` names a request's steps, one name per step (fixed when it is added; its length is the
+    request's step count, so `num_steps` is not a setting here). A step runs requests of one phase and batch key;
+    `phase_order` (phase names) picks the phase: the first listed one any ready request is in (a phase not listed
+    comes after those listed), else the front request's."""
 
+    phases: Callable[[StageInput], Sequence[str]] = lambda item: ("step",)
     phase_order: tuple[str, ...] = ()
+    num_steps: Callable[[StageInput], int] = attrs.field(default=_no_num_steps, init=False, repr=False)
 
-    def _total(self, item: StageInput) -> int:
-        denoise = self.num_steps(item)
-        if not isinstance(denoise, int) or denoise < 0:
-            raise ValueError(f"a diffusion request needs >= 0 denoise steps, not {denoise!r}")
-        return denoise + 3
+    def _new_job(self, item: StageInput) -> StepJob:
+        phases = tuple(self.phases(item))
+        if not phases or not all(isinstance(p, str) for p in phases):
+            raise ValueError(f"a request needs at least one step, named by a phase, not {phases!r}")
+        return StepJob(item, len(phases), cost=self.cost(item), phases=phases)
 
     def _key(self, job: StepJob) -> object:
-        return phase_of(job.step, job.total), self.batch_key(job.item)
+        return job.phase, self.batch_key(job.item)
 
     def _front(self, ready: list[StepJob]) -> StepJob:
-        order = {p: i for i, p in enumerate(self.phase_order)}
-        phases = [phase_of(j.step, j.total) for j in ready]
-        first = min(phases, key=lambda p: order.get(p, len(order)))
-        return ready[phases.index(first)]
+        order = {phase: i for i, phase in enumerate(self.phase_order)}
+        return min(ready, key=lambda job: order.get(job.phase, len(order)))
 
-    def _output(self, batch: list[StepJob]) -> DiffusionSchedulerOutput:
-        return DiffusionSchedulerOutput([j.request_id for j in batch], [j.step for j in batch], records=batch,
-                                        phase=phase_of(batch[0].step, batch[0].total))
+    def _output(self, batch: list[StepJob]) -> PhaseSchedulerOutput:
+        return PhaseSchedulerOutput([j.request_id for j in batch], [j.step for j in batch], records=batch,
+                                    phase=batch[0].phase)

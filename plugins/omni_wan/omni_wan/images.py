@@ -49,13 +49,7 @@ def _opened(path: str | Path | None):
     """The image file opened lazily (header read, pixels not decoded) and checked for size."""
     from PIL import Image, UnidentifiedImageError
 
-    if path is None or str(path) == "":
-        raise InputError("this pipeline needs an input image: pass --image PATH (PNG, JPEG, WebP, ...)")
-    file = Path(path).expanduser()
-    if not file.exists():
-        raise InputError(f"image {str(file)!r} does not exist")
-    if not file.is_file():
-        raise InputError(f"image {str(file)!r} is not a file")
+    file = _image_file(path)
     try:
         if file.stat().st_size == 0:
             raise InputError(f"image {str(file)!r} is empty (0 bytes)")
@@ -64,11 +58,7 @@ def _opened(path: str | Path | None):
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             try:
                 with Image.open(file) as img:
-                    width, height = img.size
-                    if width == 0 or height == 0:
-                        raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
-                    if width * height > MAX_PIXELS:
-                        raise _too_large(file, width, height)
+                    _check_size(file, *img.size)
                     yield img, file
             finally:
                 for w in caught:
@@ -81,6 +71,25 @@ def _opened(path: str | Path | None):
         raise InputError(f"{str(file)!r} is not an image omni can read (PNG, JPEG, WebP, BMP, ...)") from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise InputError(f"image {str(file)!r} cannot be read: {' '.join(str(exc).split())}") from None
+
+
+def _image_file(path: str | Path | None) -> Path:
+    """The image's path, or InputError when there is none or it names no file."""
+    if path is None or str(path) == "":
+        raise InputError("this pipeline needs an input image: pass --image PATH (PNG, JPEG, WebP, ...)")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise InputError(f"image {str(file)!r} does not exist")
+    if not file.is_file():
+        raise InputError(f"image {str(file)!r} is not a file")
+    return file
+
+
+def _check_size(file: Path, width: int, height: int) -> None:
+    if width == 0 or height == 0:
+        raise InputError(f"image {str(file)!r} has zero size ({width}x{height})")
+    if width * height > MAX_PIXELS:
+        raise _too_large(file, width, height)
 
 
 def _too_large(file: Path, width: int, height: int) -> InputError:

@@ -2,11 +2,12 @@
 
 The prompt must say something, the MP4 (and with `profile` its Chrome trace) must be creatable, the image is
 decoded (EXIF orientation applied) and the preset and overrides are resolved against the model's layout; an
-unseeded request gets its seed here. `check` (a downstream node, at submit) reads only the image header.
+unseeded request gets its seed here. `check` reads only the image header: it is the node type's `check` too
+(build.check_request), which the kernel runs before any model loads, and a downstream node's at submit.
 
-Whether a request must bring an image is the node's policy `image` (IMAGE_POLICIES): `required` (wan_i2v, the
-default), `none` (wan_t2v: the prompt alone; TI2V's text-to-video path) or `optional` (either, per request). A
-request against it fails here, at submit, naming the field `image` (the CLI's --image, the Videos API's
+Whether a request must bring an image is the node's policy `image` (params.IMAGE_POLICIES): `required` (wan_i2v,
+the default), `none` (wan_t2v: the prompt alone; TI2V's text-to-video path) or `optional` (either, per request).
+A request against it fails in `check`, naming the field `image` (the CLI's --image, the Videos API's
 input_reference).
 """
 
@@ -25,7 +26,7 @@ from omni_kernel.util.files import check_output_path
 
 from .images import image_digest, image_size, open_image
 from .layout import ModelLayout
-from .params import WanParams
+from .params import IMAGE_POLICIES, WanParams
 from .presets import Settings, resolve
 from .profiler import profile_path
 
@@ -58,8 +59,6 @@ def check_request(prompt: str, output: str | None, request_id: str, profile: boo
         check_output_path(profile_path(target), "output")
     return target
 
-
-IMAGE_POLICIES = ("required", "none", "optional")
 
 
 def check_image_policy(policy: str, image: str | None) -> bool:

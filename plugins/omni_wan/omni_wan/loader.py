@@ -1,5 +1,5 @@
-"""The model pool: a model loads once and stays loaded across requests and stage rebuilds of its owner
-(WanStages, one per plugin host)."""
+"""Loading a Wan2.2 pipeline for an omni_hf.ModelPool (the plugin's, one per plugin host): a model loads once and
+stays loaded across requests and the engines built on it. A pool's key is `model_key(path, device)`."""
 
 from __future__ import annotations
 
@@ -16,29 +16,25 @@ from .layout import WEIGHTS
 
 log = logging.getLogger("omni")
 
-
-class ModelPool:
-    """Wan2.2 pipelines by (path, placement), kept in an omni_hf.ModelPool (locked; cold or warm, load_ms)."""
-
-    def __init__(self):
-        self.models = omni_hf.ModelPool(lambda key: _load(Path(key[0]), key[1]))
-
-    def acquire(self, path: Path, placement: WanDevice) -> omni_hf.Loaded:
-        return self.models.acquire((str(path), placement))  # the key names the model in prepare-cache keys too
-
-    def clear(self) -> None:
-        self.models.clear()
+ModelKey = tuple[str, WanDevice]
 
 
-def _load(path: Path, placement: WanDevice):
+def model_key(path: Path, device: WanDevice) -> ModelKey:
+    """What a loaded model depends on; it names the model in prepare-cache keys too."""
+    return str(path), device
+
+
+def load(key: ModelKey):
+    """The Wan22I2VPipeline a pool's key names, its tensors checked first."""
     from .model import Wan22I2VPipeline
 
-    log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)", path, placement.device, placement.vae_dtype,
-             placement.offload)
+    path, device = Path(key[0]), key[1]
+    log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)", path, device.device, device.vae_dtype,
+             device.offload)
     try:
         with omni_hf.quiet_hf_load(("transformers", "diffusers")):
             check_tensors(path)
-            return Wan22I2VPipeline.load(path, placement)
+            return Wan22I2VPipeline.load(path, device)
     except ModelError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever breaks a load, the directory is what the user can fix

@@ -65,31 +65,31 @@ class DenoiseState:
 
 
 class Wan22I2VPipeline:
-    def __init__(self, pipe, placement: WanDevice):
+    def __init__(self, pipe, wan_device: WanDevice):
         self.pipe = pipe
-        self.placement = placement
+        self.wan_device = wan_device  # (`device` is the torch device the pipeline runs on)
         # Offloaded, the transformer's weights reach the GPU only inside a forward: project the text there.
-        self.cross_kv = None if placement.offloaded else CrossKV(pipe.transformer)
+        self.cross_kv = None if wan_device.offloaded else CrossKV(pipe.transformer)
         self.parallel = None  # a WanParallel: this process is one rank of a group running each forward together
 
     @classmethod
-    def load(cls, path: str | Path, placement: WanDevice) -> Wan22I2VPipeline:
+    def load(cls, path: str | Path, device: WanDevice) -> Wan22I2VPipeline:
         from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
 
-        dtype = torch_dtype(placement.dtype)
-        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch_dtype(placement.vae_dtype),
+        dtype = torch_dtype(device.dtype)
+        vae = AutoencoderKLWan.from_pretrained(path, subfolder="vae", dtype=torch_dtype(device.vae_dtype),
                                                use_safetensors=True)
         pipe = WanImageToVideoPipeline.from_pretrained(path, vae=vae, dtype=dtype, use_safetensors=True)
         if not pipe.config.expand_timesteps or pipe.transformer_2 is not None:
             raise ValueError("not a Wan2.2 TI2V checkpoint (expand_timesteps with one transformer)")
         pipe.set_progress_bar_config(disable=True)
-        if placement.offloaded:
+        if device.offloaded:
             pipe.enable_model_cpu_offload()
-        elif placement.device != "cpu":
-            pipe.to(placement.device)
+        elif device.device != "cpu":
+            pipe.to(device.device)
         else:
             speed_up_cpu_vae(pipe.vae)
-        return cls(pipe, placement)
+        return cls(pipe, device)
 
     @property
     def device(self) -> torch.device:
@@ -165,22 +165,13 @@ class Wan22I2VPipeline:
         cond = ("cond", inputs, stamps, [s.text.prompt for s in states])
         uncond = ("uncond", [inputs[i] for i in guided], [stamps[i] for i in guided],
                   [states[i].text.negative for i in guided])
-        split = bool(guided) and self.parallel is not None and self.parallel.mesh.cfg > 1
-        if not guided:
-            passes = [cond]
-        elif split:  # a rank of a guidance-parallel group: its own branch, the other's gathered (parallel.py)
-            passes = [self.parallel.branch(cond, uncond)]
-        elif cfg_batched:
-            passes = [("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))]
-        else:
-            passes = [cond, uncond]
         noise = []
-        for name, latents, timesteps, texts in passes:
+        for name, latents, timesteps, texts in self._passes(cond, uncond, cfg_batched):
             with model.cache_context(name), self._context(texts) as context:
                 noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
                                    encoder_hidden_states=context, encoder_hidden_states_image=None,
                                    attention_kwargs=None, return_dict=False)[0].split(1))
-        if split:
+        if guided and self._guidance_parallel():
             noise = self.parallel.gather(noise, [len(states), len(guided)])
         for i, (state, t) in enumerate(zip(states, ts)):
             pred = noise[i]
@@ -188,6 +179,22 @@ class Wan22I2VPipeline:
                 negative = noise[len(states) + guided.index(i)]
                 pred = negative + state.guidance_scale * (pred - negative)
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
+
+    def _passes(self, cond: tuple, uncond: tuple, cfg_batched: bool) -> list[tuple]:
+        """The transformer forwards of one denoise step, each (cache name, latents, timesteps, texts): the cond
+        rows alone when no row is guided; on a rank of a guidance-parallel group, the rank's own branch (the
+        other's is gathered after the forward, parallel.py); else the cond and uncond rows in one forward
+        (`cfg_batched`) or in two."""
+        if not uncond[1]:
+            return [cond]
+        if self._guidance_parallel():
+            return [self.parallel.branch(cond, uncond)]
+        if cfg_batched:
+            return [("cond_uncond", *(a + b for a, b in zip(cond[1:], uncond[1:])))]
+        return [cond, uncond]
+
+    def _guidance_parallel(self) -> bool:
+        return self.parallel is not None and self.parallel.mesh.cfg > 1
 
     @contextmanager
     def _context(self, texts: list[Text]):

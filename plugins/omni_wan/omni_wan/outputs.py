@@ -1,5 +1,6 @@
 """WanOutputProcessor: a Wan engine's outputs -> events: progress after prepare and each denoise step, and the
-StageOutput with its diffusion.* trace once the scheduler finishes a request (its MP4 written)."""
+StageOutput with its diffusion.* trace once the scheduler finishes a request (its MP4 written). The trace is
+built here only: from the request's settings, the model's fields, and what the runner measured (its WanJob)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
-
 from omni_kernel.core.request import StageOutput
 from omni_kernel.core.scheduler import RequestOutput, StepJob
 from omni_kernel.events import StageFailed, StageFinished, StageProgress
 
+from .job import Progress, WanJob
 from .presets import DEFAULT_NEGATIVE_PROMPT
-
-
-@attrs.frozen
-class Progress:
-    """A prepare or denoise step's result: `step` of `total` denoise steps are done."""
-
-    step: int
-    total: int
 
 
 class WanOutputProcessor:
     def __init__(self, node_id: str, model_trace: Mapping[str, Any]):
         self.node_id = node_id
-        self.model_trace = dict(model_trace)  # diffusion.* fields of the model and its placement
+        self.model_trace = dict(model_trace)  # diffusion.* fields of the model and its device
 
     def add(self, job: StepJob) -> None:
         pass
@@ -58,10 +50,27 @@ class WanOutputProcessor:
                  "diffusion.fps": self.model_trace["diffusion.fps"], "diffusion.output": str(processed.output)}
         trace.update(s.trace())
         trace.update({k: v for k, v in self.model_trace.items() if k not in trace})
-        trace.update(wan.trace)
-        sizes = wan.batch_sizes or [0]
-        trace.update({"diffusion.batch_size_mean": round(sum(sizes) / len(sizes), 3),
-                      "diffusion.batch_size_max": max(sizes)})
+        trace.update(measured_trace(wan))
         trace.update(wan.profiler.trace(detailed=job.item.params.profile))
         trace["diffusion.elapsed_ms"] = round((time.perf_counter() - wan.start) * 1000, 3)
         return trace
+
+
+def measured_trace(wan: WanJob) -> dict:
+    """The trace fields of what the runner measured of one request (its WanJob): the load, the prepare cache,
+    batching, and the profile trace's path."""
+    image = wan.input.image is not None
+    image_hit = True if wan.image_hit is None else wan.image_hit
+    trace = {"diffusion.load_was_cold": wan.load_ms is not None,
+             "diffusion.load_ms": round(wan.load_ms or 0.0, 3),
+             "diffusion.text_cache": "hit" if wan.text_hit else "miss",
+             "diffusion.task": "image_to_video" if image else "text_to_video",
+             "diffusion.image_cache": ("hit" if image_hit else "miss") if image else "none",
+             "diffusion.prepare_cache_hit": wan.text_hit and image_hit,
+             "diffusion.cfg_batched": wan.cfg_batched}
+    if wan.profile_trace is not None:
+        trace["diffusion.profile_trace"] = str(wan.profile_trace)
+    sizes = wan.batch_sizes or [0]
+    trace["diffusion.batch_size_mean"] = round(sum(sizes) / len(sizes), 3)
+    trace["diffusion.batch_size_max"] = max(sizes)
+    return trace

@@ -52,7 +52,7 @@ class WanParallel:
         """Make `model` (a Wan22I2VPipeline that only this rank uses) run its forwards as this rank of `mesh`."""
         if mesh.cfg not in (1, NUM_BRANCHES):
             raise ValueError(f"guidance-parallel degree {mesh.cfg}: there are {NUM_BRANCHES} branches")
-        if model.placement.offloaded:
+        if model.wan_device.offloaded:
             raise ValueError("a parallel forward keeps the transformer on its device: CPU offload is off")
         ulysses = Ulysses(model.pipe.transformer, mesh) if mesh.ulysses > 1 else None
         model.parallel = cls(mesh, ulysses)

@@ -1,4 +1,5 @@
-"""What `diffusion.wan22_i2v` declares: its config (model-level, one per stage) and its request parameters.
+"""What `diffusion.wan22_i2v` declares: its config (model-level, one per stage), its node policy (set by a pipeline
+plan, validated when the plan is built) and its request parameters.
 
 Request values left as None are filled from the preset when the request is processed (presets.resolve).
 Config keys share one flat namespace with the other nodes of a pipeline (the Qwen node's are `ar_`-prefixed).
@@ -18,6 +19,9 @@ from .presets import MAX_GUIDANCE, PRESETS
 VAE_DTYPES = ("fp32", "bf16", "fp16")
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 DEVICES = ("auto", "cpu", "cuda")
+# Whether a request brings an image (inputs.check_image_policy): `required` (image-to-video), `none` (text-to-video:
+# TI2V's prompt-only path) or `optional` (either, per request).
+IMAGE_POLICIES = ("required", "none", "optional")
 
 
 def _path(value):
@@ -54,6 +58,14 @@ class WanConfig:
     wan_video_preset: str = option(
         "veryfast", help="x264 preset of the MP4 export: faster presets use less CPU for larger files at the same "
                          "quality (medium is ffmpeg's default)", choices=X264_PRESETS)
+
+
+@attrs.frozen
+class WanPolicy:
+    image: str = option("required", help="whether a request brings an image: required (image-to-video), none "
+                                         "(text-to-video) or optional (either)", choices=IMAGE_POLICIES)
+    preset: str | None = option(None, help="the preset of a request that names none (default: quality; smoke with "
+                                           "the demo model)", choices=tuple(PRESETS))
 
 
 @attrs.frozen

@@ -1,18 +1,21 @@
-"""Entry point of the omni_wan plugin: its node type, pipeline and WanStages, the factory that owns the loaded
-models. Imports no torch: models load when a stage is built (build.py)."""
+"""Entry point of the omni_wan plugin: its node type, pipelines and WanStages, which owns what every engine of a
+plugin host shares: the model pool (loaded weights) and the prepare cache. Imports no torch: models load when
+the kernel builds an engine (build.py)."""
 
 from __future__ import annotations
 
 from omni_kernel import hookimpl
+from omni_kernel.core.engine import Engine
 from omni_kernel.core.graph import NodeSpec, PipelinePlan
 from omni_kernel.core.registry import NodeType
+from omni_kernel.core.request import StageInput
 from omni_kernel.core.stage import Stage
 
-from .params import WanConfig, WanParams
+from .params import WanConfig, WanParams, WanPolicy
 
 NODE_TYPE = "diffusion.wan22_i2v"
-# The node policy `image` says whether a request brings an image (inputs.IMAGE_POLICIES): the same node type, model
-# and stage factory render image-to-video and text-to-video, so the two halves of TI2V-5B batch alike.
+# The node policy `image` says whether a request brings an image (params.IMAGE_POLICIES): the same node type, model
+# and engine render image-to-video and text-to-video, so the two halves of TI2V-5B batch alike.
 WAN_PIPELINE = PipelinePlan("wan_i2v", [NodeSpec("wan", NODE_TYPE, final=True, plugin_hint="omni-wan",
                                                  policy={"image": "required"})],
                             description="image + prompt -> MP4 with Wan2.2 TI2V-5B")
@@ -22,27 +25,37 @@ WAN_T2V_PIPELINE = PipelinePlan("wan_t2v", [NodeSpec("wan", NODE_TYPE, final=Tru
 
 
 class WanStages:
-    """Builds `diffusion.wan22_i2v` stages (image- or text-to-video, by the node's policy). Owns the loaded models,
-    the prepare cache and the engines, so every graph a plugin host builds shares them: a model loads once per
-    process and host and stays loaded, and the stages of one model and config share one engine and its batches."""
+    """The `diffusion.wan22_i2v` node type's factories (build.py), over the loaded models and the prepare cache
+    they own: a model loads once per process and plugin host and stays loaded, whichever engines use it."""
 
     def __init__(self):
-        from .loader import ModelPool
+        import omni_hf
+
+        from .loader import load
         from .prepare_cache import PrepareCache
 
-        self.pool = ModelPool()
+        self.pool = omni_hf.ModelPool(load)
         self.cache = PrepareCache()
-        self.engines: dict = {}  # (model path, device, config) -> the Engine its stages share (build.py)
 
-    def build(self, node: NodeSpec, config: WanConfig | None) -> Stage:
+    def engine_settings(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None):
+        from .build import engine_settings
+
+        return engine_settings(node, config or WanConfig(), policy or WanPolicy())
+
+    def engine(self, settings) -> Engine:
+        from .build import build_engine
+
+        return build_engine(settings, self.pool, self.cache)
+
+    def stage(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None, engine: Engine) -> Stage:
         from .build import build_stage
 
-        return build_stage(node, config or WanConfig(), self.pool, self.cache, self.engines)
+        return build_stage(node, config or WanConfig(), policy or WanPolicy(), engine)
 
+    def check(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None, item: StageInput) -> None:
+        from .build import check_request
 
-def share_key(node: NodeSpec, config: WanConfig | None) -> WanConfig:
-    """Every Wan node of one config shares its engine, whichever pipeline and image policy (build.py)."""
-    return config or WanConfig()
+        check_request(node, config or WanConfig(), policy or WanPolicy(), item)
 
 
 class WanPlugin:
@@ -51,8 +64,10 @@ class WanPlugin:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        register(NodeType(NODE_TYPE, "diffusion", self.stages.build, config=WanConfig, params=WanParams,
-                          inputs={"image"}, share_key=share_key,
+        stages = self.stages
+        register(NodeType(NODE_TYPE, "diffusion", engine_settings=stages.engine_settings, engine=stages.engine,
+                          stage=stages.stage, check=stages.check, config=WanConfig, params=WanParams,
+                          policy=WanPolicy, inputs={"image"},
                           description="Wan2.2 TI2V-5B image- or text-to-video over diffusers, written to MP4"))
 
     @hookimpl

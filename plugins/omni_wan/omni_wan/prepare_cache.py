@@ -1,6 +1,6 @@
 """The prepare-stage cache: text embeddings and image conditioning, reused across requests in one process.
 
-Keys name the model (directory and placement) and what the value depends on: the text for an encoded prompt or
+Keys name the model (directory and device) and what the value depends on: the text for an encoded prompt or
 negative prompt (so every request with Wan's default negative prompt shares one), the image's content hash and
 the target size for the image latent. Entries are read-only, evicted least-recently-used beyond `max_entries`
 or `max_bytes` (an encoded text holds every block's cross-attention keys and values: ~190 MB for the 5B model).

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from omni_kernel.core.errors import ModelError, RequestError
 
 from .comm import Mesh, init_ranks
+from .device import WanDevice
 from .rank_launch import launcher
 
 log = logging.getLogger("omni")
@@ -50,8 +51,12 @@ def free_port(address: str) -> int:
 class RankGroup:
     """Rank 0's side (see the module docstring). `start()` starts the other ranks and joins the group."""
 
-    def __init__(self, node_id: str, model, path, placement, cfg: int, ulysses: int, resources: dict | None = None):
-        self.node_id, self.model, self.path, self.placement = node_id, model, path, placement
+    def __init__(self, node_id: str, model, path, device: WanDevice, cfg: int, ulysses: int,
+                 resources: dict | None = None):
+        self.node_id = node_id
+        self.model = model
+        self.path = path
+        self.device = device
         self.cfg, self.ulysses, self.resources = cfg, ulysses, resources
         self.num_ranks = cfg * ulysses
         self.ranks = None  # the launcher of the other ranks (rank_launch.py)
@@ -65,7 +70,7 @@ class RankGroup:
         self.ranks = launcher(self.resources)
         port = free_port(self.ranks.address)
         spec = {"address": self.ranks.address, "port": port, "num_ranks": self.num_ranks, "cfg": self.cfg,
-                "ulysses": self.ulysses, "path": str(self.path), "placement": attrs.asdict(self.placement),
+                "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),
                 "threads": torch.get_num_threads(), "node_id": self.node_id}
         self.ranks.launch([{**spec, "rank": rank} for rank in range(1, self.num_ranks)])
         self._join(port)
@@ -80,7 +85,7 @@ class RankGroup:
 
         def join() -> None:
             try:
-                init_ranks(0, self.num_ranks, self.ranks.address, port, self.placement.device)
+                init_ranks(0, self.num_ranks, self.ranks.address, port, self.device.device)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 outcome.append(exc)
             joined.set()
@@ -141,7 +146,6 @@ def rank_main(spec: dict) -> None:
 
     import omni_hf
 
-    from .device import WanDevice
     from .model import Wan22I2VPipeline
     from .parallel import WanParallel
 
@@ -149,18 +153,18 @@ def rank_main(spec: dict) -> None:
     if "parent" in spec:  # a process of rank 0's (a Ray actor ends with its owner instead)
         threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     torch.set_num_threads(spec["threads"])
-    placement = WanDevice(**spec["placement"])
-    if placement.device == "cuda":
+    device = WanDevice(**spec["device"])
+    if device.device == "cuda":
         torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
     with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
-        model = Wan22I2VPipeline.load(Path(spec["path"]), placement)
-    device = init_ranks(spec["rank"], spec["num_ranks"], spec["address"], spec["port"], placement.device)
+        model = Wan22I2VPipeline.load(Path(spec["path"]), device)
+    comm_device = init_ranks(spec["rank"], spec["num_ranks"], spec["address"], spec["port"], device.device)
     WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
     states: dict = {}
     while True:
         message = [None]
         try:
-            dist.broadcast_object_list(message, src=0, device=device if placement.device == "cuda" else None)
+            dist.broadcast_object_list(message, src=0, device=comm_device if device.device == "cuda" else None)
         except Exception:  # noqa: BLE001 - rank 0 left the group (stopped, restarting, or gone)
             os._exit(0)
         _, new, request_ids, steps, left, cfg_batched = message[0]

@@ -4,6 +4,7 @@ frames; the per-step token budget; the scheduler's cost budget and phase order."
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from PIL import Image
 
 from omni_kernel import InvalidParameter, Omni, RequestFailed, RequestFinished, StageProgress
 from omni_kernel.core.request import StageInput
-from omni_kernel.core.scheduler import DiffusionScheduler, StepScheduler
+from omni_kernel.core.scheduler import PhaseScheduler, StepScheduler
 
 SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 5}
 # different prompts, images, seeds and guidance scales (all with CFG: one batch key)
@@ -76,7 +77,7 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
     assert all(len(batch) > 1 for batch in calls[:5])
     assert decodes == [["a", "b"], ["c"]]  # a and b finish at the same step: one VAE decode
     assert [e.error for e in events if isinstance(e, RequestFailed)] == ["aborted"]
-    assert not (tmp_path / "d.mp4").exists() and "d" not in omni.graph.stages["wan"].request_ids()
+    assert not (tmp_path / "d.mp4").exists() and "d" not in omni.graph.stages["wan"].engine.request_ids()
     finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
     assert sorted(finished) == ["a", "b", "c"]
     for rid in "abc":
@@ -89,7 +90,7 @@ def test_requests_at_different_steps_share_forwards_and_match_their_solo_runs(om
 
     solo_dir = tmp_path / "solo"
     for rid in "abc":
-        solo = omni.scheduler.generate(_request(omni, rid, images, solo_dir))
+        solo = omni.generate(_request(omni, rid, images, solo_dir))
         assert solo.trace["diffusion.batch_size_max"] == 1
         ours, alone = finished[rid].output.data["frames"], solo.output.data["frames"]
         assert ours.shape == alone.shape == (9, 64, 96, 3)
@@ -120,10 +121,10 @@ def test_cfg_off_and_on_do_not_share_a_forward_but_both_batch(omni, images, tmp_
 
 def test_two_forward_cfg_equals_one_forward_cfg(omni, images, tmp_path):
     runner = omni.graph.stages["wan"].engine.runner
-    one = omni.scheduler.generate(_request(omni, "a", images, tmp_path / "one"))
+    one = omni.generate(_request(omni, "a", images, tmp_path / "one"))
     runner.cfg_batched = False
     try:
-        two = omni.scheduler.generate(_request(omni, "a", images, tmp_path / "two"))
+        two = omni.generate(_request(omni, "a", images, tmp_path / "two"))
     finally:
         runner.cfg_batched = True
     assert two.trace["diffusion.cfg_batched"] is False
@@ -190,9 +191,13 @@ def test_step_scheduler_cost_budget_keeps_arrival_order_and_always_runs_one():
 
 
 def test_phase_order_lets_newcomers_prepare_and_join_the_denoise_batch():
-    scheduler = DiffusionScheduler(max_batch=4, num_steps=lambda i: i.processed[1],
-                                   phase_order=("export", "decode", "prepare", "denoise"))
-    scheduler.add(_item("a", 1, 3))
+    from omni_wan.runner import PHASE_ORDER, phases
+
+    def item(rid: str, steps: int) -> StageInput:  # what phases() reads of a processed request
+        return StageInput(rid, "s", processed=SimpleNamespace(settings=SimpleNamespace(steps=steps)))
+
+    scheduler = PhaseScheduler(max_batch=4, phases=phases, phase_order=PHASE_ORDER)
+    scheduler.add(item("a", 3))
 
     def advance():
         batch = scheduler.schedule()
@@ -201,7 +206,7 @@ def test_phase_order_lets_newcomers_prepare_and_join_the_denoise_batch():
 
     assert advance() == ("prepare", ("a",), (0,))
     assert advance() == ("denoise", ("a",), (1,))
-    scheduler.add(_item("b", 1, 3))
+    scheduler.add(item("b", 3))
     assert advance() == ("prepare", ("b",), (0,))  # the newcomer goes first ...
     assert advance() == ("denoise", ("a", "b"), (2, 1))  # ... and joins a's denoise batch at a's second step
     assert advance() == ("denoise", ("a", "b"), (3, 2))
@@ -241,7 +246,7 @@ def test_requests_prepared_together_share_one_text_encode_and_one_image_encode(o
     assert {rid: r.trace["diffusion.text_cache"] for rid, r in finished.items()} == dict.fromkeys("abc", "miss")
     runner.cache.clear()
     for rid in "abc":  # each prepared alone, from an empty cache: the same frames
-        solo = omni.scheduler.generate(_request(omni, rid, images, tmp_path / "solo"))
+        solo = omni.generate(_request(omni, rid, images, tmp_path / "solo"))
         assert float(np.abs(solo.output.data["frames"] - finished[rid].output.data["frames"]).max()) <= 1e-3
 
 
@@ -292,6 +297,11 @@ def _mixed_request(omni, rid, images, tmp_path):
                         guidance_scale=guidance, output=str(tmp_path / f"{rid}.mp4"), return_frames=True)
 
 
+def _step_until(omni, events: list, done) -> None:
+    while not done():
+        events += omni.step()
+
+
 def test_text_and_image_requests_share_forwards_and_match_their_solo_runs(mixed, images, tmp_path):
     runner = mixed.graph.stages["wan"].engine.runner
     calls, real = [], runner.run
@@ -310,17 +320,13 @@ def test_text_and_image_requests_share_forwards_and_match_their_solo_runs(mixed,
     try:
         for rid in ("i1", "t1", "t3"):
             mixed.submit(_mixed_request(mixed, rid, images, tmp_path))
-        while not progressed("i1", 1):
-            events += mixed.step()
+        _step_until(mixed, events, lambda: progressed("i1", 1))
         mixed.submit(_mixed_request(mixed, "i2", images, tmp_path))  # an image request joins text ones mid-way
-        while not progressed("i1", 2):
-            events += mixed.step()
+        _step_until(mixed, events, lambda: progressed("i1", 2))
         mixed.submit(_mixed_request(mixed, "t2", images, tmp_path))  # and a text request joins later still
-        while not progressed("t3", 3):
-            events += mixed.step()
+        _step_until(mixed, events, lambda: progressed("t3", 3))
         mixed.abort("t3")  # a text request aborted mid-way: its neighbours go on
-        while mixed.has_unfinished():
-            events += mixed.step()
+        _step_until(mixed, events, lambda: not mixed.has_unfinished())
     finally:
         del runner.run
 
@@ -334,7 +340,7 @@ def test_text_and_image_requests_share_forwards_and_match_their_solo_runs(mixed,
         assert result.trace["diffusion.batch_size_max"] >= 4
 
     for rid in sorted(finished):
-        solo = mixed.scheduler.generate(_mixed_request(mixed, rid, images, tmp_path / "solo"))
+        solo = mixed.generate(_mixed_request(mixed, rid, images, tmp_path / "solo"))
         assert solo.trace["diffusion.batch_size_max"] == 1
         ours, alone = finished[rid].output.data["frames"], solo.output.data["frames"]
         assert ours.shape == alone.shape == (9, 64, 96, 3)

@@ -65,11 +65,10 @@ def test_a_progress_bar_cut_short_ends_its_line_before_the_error(monkeypatch):
         class graph:
             final = "wan"
 
-        class scheduler:
-            @staticmethod
-            def generate_stream(request):
-                yield StageProgress("r", "wan", 1, 4, "denoise")
-                yield RequestFailed("r", "wan", "the disk is full", "runtime")
+        @staticmethod
+        def generate_stream(request):
+            yield StageProgress("r", "wan", 1, 4, "denoise")
+            yield RequestFailed("r", "wan", "the disk is full", "runtime")
 
     err = _TTY()
     monkeypatch.setattr(sys, "stderr", err)

@@ -80,15 +80,16 @@ def test_other_requests_denoise_while_a_video_is_exported(omni, image_path, tmp_
         assert not (tmp_path / "short.mp4").exists()
         while exporting(stage) != {"short", "long"}:  # its decode, then its export queued behind the held one
             events += omni.step()
-        assert stage.request_ids() == {"short", "long"} and stage.has_unfinished()
-        assert stage.wait(0.05) is False, "only exports left, the first held: wait blocks and reports no progress"
+        assert stage.engine.request_ids() == {"short", "long"} and stage.engine.has_unfinished()
+        # only exports left, the first held: wait blocks and reports no progress
+        assert stage.engine.wait(0.05) is False
         release.set()
-        assert stage.wait(30) is True
+        assert stage.engine.wait(30) is True
     _drain(omni, events)
     assert [e.request_id for e in events if isinstance(e, RequestFinished)] == ["short", "long"]
     assert_video(tmp_path / "short.mp4")
     assert_video(tmp_path / "long.mp4")
-    assert not stage.has_unfinished()
+    assert not stage.engine.has_unfinished()
 
 
 def test_a_failing_export_fails_its_request_alone(omni, image_path, tmp_path):
@@ -118,7 +119,7 @@ def test_an_aborted_export_leaves_no_mp4(omni, image_path, tmp_path, when):
         assert started.wait(30)
         victim = "second" if when == "queued" else "first"
         omni.abort(victim)
-        assert victim not in stage.request_ids()
+        assert victim not in stage.engine.request_ids()
         release.set()
         _drain(omni, events)
         stage.engine.runner.exports.submit(lambda: None).result(30)  # the export thread is done with both

@@ -104,9 +104,9 @@ def test_cli_case(case, tiny_model, image_path, sandbox):
 
 
 def test_output_in_read_only_dir_is_refused_before_work(tiny_model, image_path, readonly_dir, monkeypatch):
-    from omni_wan.runner import WanRunner
+    from omni_wan.runner import PHASES
 
-    monkeypatch.setattr(WanRunner, "prepare", lambda *a: pytest.fail("the request ran before the output check"))
+    monkeypatch.setitem(PHASES, "prepare", lambda *a: pytest.fail("the request ran before the output check"))
     result = wan(tiny_model, image_path, *SMOKE, "--prompt", "x", "--output", str(readonly_dir / "v.mp4"))
     assert_one_line(result, 2, "cannot write in")
     assert list(readonly_dir.iterdir()) == []
