@@ -19,6 +19,8 @@ from omni_qwen.inputs import ARInputProcessor
 from omni_qwen.model import CausalLM
 from omni_qwen.outputs import AROutputProcessor
 
+pytestmark = [pytest.mark.real_model]
+
 TEXTS = {
     "chinese": "生成1000字的文本，描述一所学校",
     "zwj_emoji": "👩‍👩‍👧‍👦 family 🏳️‍🌈 flag 👨‍💻 coder 🧑🏿‍🤝‍🧑🏻",

@@ -11,6 +11,8 @@ import torch
 
 from omni_kernel import Omni, RequestFailed, RequestFinished
 
+pytestmark = [pytest.mark.real_model]
+
 PROMPTS = (
     "Describe a school.",
     "What is 17 * 23?",

@@ -30,6 +30,8 @@ from omni_workers.process_stage import ProcessStage
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_fakes import make_host  # noqa: E402
 
+pytestmark = [pytest.mark.process]
+
 HERE = Path(__file__).parent
 
 
