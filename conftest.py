@@ -4,10 +4,56 @@ fixtures, and the reliability suites share the small and read-only file systems 
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
 pytest_plugins = ["omni_kernel.testing"]
+
+
+def pytest_addoption(parser):
+    parser.addoption("--durations-file", metavar="PATH", default=None,
+                     help="write every test's time (setup + call + teardown), slowest first, to PATH (make test)")
+
+
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    path = config.getoption("durations_file")
+    if path is None:
+        return
+    slowest = sorted(_durations.items(), key=lambda item: item[1], reverse=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"{seconds:8.2f}s  {nodeid}" for nodeid, seconds in slowest]
+    path.write_text("\n".join(lines) + "\n")
+    terminalreporter.write_sep("=", f"{len(lines)} tests' times in {path}, the slowest 10")
+    for line in lines[:10]:
+        terminalreporter.write_line(line)
+
+
+# The tiers that follow from a fixture (markers in pyproject.toml): a test that asks for one of these is in
+# that tier wherever it lives, so a new test of the real model or of a served module needs no mark of its own.
+TIER_OF_FIXTURE = {
+    "smollm2_dir": "real_model",
+    "qwen25_tokenizer_dir": "real_model",
+    "qwen25_tokenizer": "real_model",
+    "server": "server",
+}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for fixture, tier in TIER_OF_FIXTURE.items():
+            if fixture in fixtures and item.get_closest_marker(tier) is None:
+                item.add_marker(tier)
 
 
 @pytest.fixture(scope="session", autouse=True)

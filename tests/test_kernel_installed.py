@@ -16,6 +16,8 @@ import pytest
 
 from omni_kernel.plugins import ENTRY_POINT_GROUP
 
+pytestmark = [pytest.mark.cli_subprocess]
+
 ROOT = Path(__file__).resolve().parents[1]
 OMNI = Path(sys.executable).parent / "omni"
 HEAVY = ("torch", "transformers", "diffusers")

@@ -47,6 +47,7 @@ def test_wait_until_returns_the_value_or_says_what_it_waited_for():
         wait_until(lambda: False, 0.05, "the moon")
 
 
+@pytest.mark.cli_subprocess
 def test_the_helpers_import_without_pytest():
     code = ("import sys; sys.modules['pytest'] = None\n"
             "from omni_kernel.testing import drain, wait_until\n"

@@ -38,6 +38,7 @@ def test_qwen_without_wan_says_to_install_omni_wan():
     assert "diffusion.wan22_i2v" in line and "install" in line and "omni-wan" in line and "omni-qwen" not in line
 
 
+@pytest.mark.cli_subprocess
 def test_the_installed_omni_script_says_it_in_one_line():
     env = dict(os.environ, OMNI_PLUGINS="omni_bridge", HF_HUB_OFFLINE="1")
     proc = subprocess.run([str(Path(sys.executable).parent / "omni"), *ARGS], env=env, capture_output=True,
@@ -48,6 +49,7 @@ def test_the_installed_omni_script_says_it_in_one_line():
     assert "omni-qwen" in proc.stderr
 
 
+@pytest.mark.cli_subprocess
 def test_the_plugin_module_imports_no_torch():
     code = "import sys, omni_bridge.plugin; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

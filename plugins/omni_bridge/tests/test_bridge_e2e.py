@@ -86,6 +86,7 @@ def cli_run(cache, tmp_path_factory):
     return proc, video, trace
 
 
+@pytest.mark.cli_subprocess
 def test_omni_run_writes_the_mp4_and_a_trace_with_the_bridge_fields(cli_run):
     proc, video, trace_path = cli_run
     assert proc.returncode == 0, proc.stderr
@@ -100,6 +101,7 @@ def test_omni_run_writes_the_mp4_and_a_trace_with_the_bridge_fields(cli_run):
     assert parse_trace(proc.stderr) == trace  # the trace printed on stderr is the one written as JSON
 
 
+@pytest.mark.cli_subprocess
 def test_stream_prints_the_ar_text_on_stderr_and_only_the_video_path_on_stdout(cli_run, omni):
     """The AR node is not final: its deltas go to stderr, whole and on their own line(s), after the Wan model's
     load line (every stage loads its model when the graph is built) and before the Wan stage's first step. The
@@ -263,6 +265,7 @@ def example_runs(cache, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return cwd, {script: (cwd / f"{script}.txt").read_text(encoding="utf-8") for script in EXAMPLES}
 
 
+@pytest.mark.cli_subprocess
 @pytest.mark.parametrize("script", EXAMPLES)
 def test_example_runs_with_no_arguments(script, example_runs):
     tmp_path, outputs = example_runs

@@ -14,6 +14,8 @@ from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished
 from omni_workers.process_stage import ProcessStage
 
+pytestmark = [pytest.mark.process]
+
 IMAGE = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 PROMPT = "a red fox trotting through fresh snow"
 

@@ -36,6 +36,7 @@ def omni_records(omni_logger):
     return handler.records
 
 
+@pytest.mark.cli_subprocess
 def test_importing_omni_hf_imports_no_torch():
     code = "import sys, omni_hf; assert not {'torch', 'transformers', 'diffusers'} & set(sys.modules), sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -21,6 +21,8 @@ from omni_qwen.outputs import AROutputProcessor
 from omni_qwen.runner import ARRunnerState
 from omni_qwen.sampling import Sampling
 
+pytestmark = [pytest.mark.real_model]
+
 TEXTS = {
     "chinese": "生成1000字的文本，描述一所学校",
     "zwj_emoji": "👩‍👩‍👧‍👦 family 🏳️‍🌈 flag 👨‍💻 coder 🧑🏿‍🤝‍🧑🏻",

@@ -7,6 +7,8 @@ import pytest
 
 from omni_kernel import TokenDelta
 
+pytestmark = [pytest.mark.real_model]
+
 PROMPT = "生成1000字的文本，描述一所学校"
 
 

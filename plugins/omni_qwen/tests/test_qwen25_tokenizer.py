@@ -13,6 +13,8 @@ from omni_qwen import qwen25_tokenizer as fixture
 from omni_qwen.config import ARNodeSettings, QwenParams
 from omni_qwen.inputs import ARInputProcessor
 
+pytestmark = [pytest.mark.real_model]
+
 QWEN25_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from omni_kernel import NodeSpec, PipelinePlan
 from omni_kernel.core.params import options_of
 from omni_kernel.core.planner import GraphBuilder
 from omni_qwen.config import QwenConfig, QwenParams
 
 
+@pytest.mark.cli_subprocess
 def test_entry_module_imports_no_torch():
     code = "import sys, omni_qwen.plugin; sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
@@ -64,6 +67,7 @@ def test_demo_checkpoint_is_built_once(omni_cache):
     assert config["max_position_embeddings"] == DEMO_CONTEXT_WINDOW
 
 
+@pytest.mark.cli_subprocess
 def test_installed_script_runs_ar_text_on_the_demo(omni_cache):
     script = Path(sys.executable).with_name("omni")
     # One thread: a tiny model gains nothing from more, and OpenMP spinning on a busy machine costs 10-30x.

@@ -8,6 +8,8 @@ import pytest
 
 from omni_qwen.bridge_prompt import ANSWER_PREFIX, bridge_prompt
 
+pytestmark = [pytest.mark.real_model]
+
 
 @pytest.mark.parametrize("prompt", ["A red fox trotting through fresh snow in a pine forest",
                                     "Waves crashing against black volcanic sand on an Icelandic beach"])

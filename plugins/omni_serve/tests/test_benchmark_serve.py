@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from omni_kernel.testing import wait_until
+
+pytestmark = [pytest.mark.server, pytest.mark.cli_subprocess]
 
 BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "serve.py"
 # The benchmark's own child handling, with a child that would otherwise outlive it (a sleeping process).

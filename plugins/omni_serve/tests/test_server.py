@@ -16,7 +16,7 @@ from omni_kernel.testing import wait_until
 
 from serving import ServerProcess, fuzz
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 from click.testing import CliRunner
 
 from omni_kernel.cli import main
@@ -12,6 +13,7 @@ from omni_kernel.cli import main
 from serving import BackgroundChat, running
 
 
+@pytest.mark.server
 def test_a_request_over_the_limit_gets_429_and_the_next_one_after_is_served(tmp_path):
     args = ["--pipeline", "steady", "--max-concurrent-requests", "1"]
     with running(args, tmp_path / "server.log", plugins=("restart_plugin:RestartPlugin",)) as server:

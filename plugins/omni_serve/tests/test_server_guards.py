@@ -14,6 +14,8 @@ from omni_kernel.testing import wait_until
 
 from serving import ServerProcess, fuzz, running
 
+pytestmark = [pytest.mark.server]
+
 KEY = "sk-test-0123456789"
 
 

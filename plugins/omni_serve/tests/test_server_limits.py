@@ -15,6 +15,8 @@ import pytest
 
 from serving import ServerProcess
 
+pytestmark = [pytest.mark.server]
+
 CHAT = {"model": "ar_text", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
         "messages": [{"role": "user", "content": "Name a colour."}]}
 

@@ -12,6 +12,8 @@ import torch
 
 from serving import ServerProcess
 
+pytestmark = [pytest.mark.server]
+
 TOL = 1e-4
 
 

@@ -22,7 +22,7 @@ from openai_spec import validate
 
 from serving import ServerProcess, video_done
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 DATA_URL = "data:image/png;base64," + base64.b64encode(ASSET.read_bytes()).decode()

@@ -18,6 +18,8 @@ from omni_kernel.testing import wait_until
 
 from serving import ServerProcess, video_done
 
+pytestmark = [pytest.mark.server, pytest.mark.process]
+
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 SMALL = {"model": "qwen_to_wan_i2v", "size": "64x96", "num_frames": "9", "num_inference_steps": "2", "seed": "3"}
 

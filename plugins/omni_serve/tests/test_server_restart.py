@@ -12,10 +12,13 @@ import time
 
 import httpx
 import openai
+import pytest
 
 from omni_kernel.testing import wait_until
 
 from serving import BackgroundChat, running
+
+pytestmark = [pytest.mark.server, pytest.mark.process]
 
 
 def test_a_restarting_worker_stalls_no_other_pipeline_and_its_own_answers_503(tmp_path):

@@ -10,10 +10,13 @@ import time
 import uuid
 
 import httpx
+import pytest
 
 from omni_kernel.testing import wait_until
 
 from serving import ServerProcess
+
+pytestmark = [pytest.mark.server]
 
 PLUGINS = ("restart_plugin:RestartPlugin",)
 

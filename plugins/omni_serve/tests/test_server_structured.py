@@ -12,6 +12,8 @@ import pytest
 
 from serving import ServerProcess
 
+pytestmark = [pytest.mark.server]
+
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4},

@@ -10,7 +10,7 @@ import pytest
 
 from serving import running, video_done
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 SMALL = {"size": "96x64", "num_frames": "9", "num_inference_steps": "2", "seed": "3"}

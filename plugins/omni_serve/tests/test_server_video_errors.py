@@ -14,7 +14,7 @@ from PIL import Image
 
 from serving import running
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
 def _png_claiming(width: int, height: int) -> bytes:

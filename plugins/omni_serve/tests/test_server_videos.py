@@ -15,7 +15,7 @@ from omni_kernel.testing import wait_until
 
 from serving import running, video_done
 
-pytestmark = pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")
+pytestmark = [pytest.mark.server, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 TTL_S = 4.0

@@ -108,6 +108,7 @@ def test_cli_run_writes_mp4_and_trace(tiny_model, image_path, tmp_path):
     assert b"subme=0" in out.read_bytes()  # x264's settings, in the stream: the ultrafast preset
 
 
+@pytest.mark.cli_subprocess
 def test_installed_omni_script_smoke_with_profile(image_path, tmp_path, omni_cache):
     """The command of the issue's "done when", on the demo model, in a subprocess."""
     omni = Path(sys.executable).with_name("omni")

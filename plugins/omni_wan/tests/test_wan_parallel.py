@@ -70,6 +70,7 @@ def _communicate(rank: int, context: dict, cfg: int, ulysses: int) -> dict[str, 
     return errors
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("cfg,ulysses", [(1, 4), (1, 2), (2, 2), (2, 1)])
 def test_communication_is_exact(ranks, cfg, ulysses):
     for rank, errors in enumerate(ranks.run(_communicate, cfg, ulysses)):
@@ -131,6 +132,7 @@ def _compare(rank: int, context: dict, cfg: int, ulysses: int, path: str, image_
     return errors
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("cfg,ulysses", [(2, 1), (1, 2), (2, 2)], ids=["cfg2", "ulysses2", "cfg2-ulysses2"])
 def test_parallel_forward_matches_one_process(ranks, tiny_model, image_path, cfg, ulysses):
     results = ranks.run(_compare, cfg, ulysses, str(tiny_model), str(image_path))
@@ -158,6 +160,7 @@ def _wrong_rank(rank: int, context: dict, swap: str, path: str, image_path: str)
     return max(_max_difference(a, b) for a, b in zip(expected, got))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("swap", ["branch", "shard"])
 def test_a_wrong_rank_is_caught(ranks, tiny_model, image_path, swap):
     differences = ranks.run(_wrong_rank, swap, str(tiny_model), str(image_path))

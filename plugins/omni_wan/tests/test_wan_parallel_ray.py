@@ -10,6 +10,8 @@ import pytest
 
 from omni_kernel import Omni
 
+pytestmark = [pytest.mark.process]
+
 SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 3}
 
 

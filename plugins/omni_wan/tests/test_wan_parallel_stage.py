@@ -16,6 +16,8 @@ import pytest
 from omni_kernel import Omni, RequestFailed, RequestFinished, StageProgress
 from omni_kernel.testing import wait_until
 
+pytestmark = [pytest.mark.process]
+
 # 8 steps: a request submitted after another's first step still meets it, however loaded the machine
 SIZE = {"preset": "smoke", "height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 8}
 REQUESTS = {"i": dict(prompt="a red fox in the snow", seed=1, guidance_scale=5.0),

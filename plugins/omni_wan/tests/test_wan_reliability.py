@@ -185,6 +185,7 @@ SIGNAL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.cli_subprocess
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGHUP"])
 def test_signal_during_export_cleans_up(signame, tiny_model, image_path, tmp_path, omni_cache):
     out = tmp_path / "out"

@@ -92,6 +92,7 @@ def test_one_request_id_in_two_pipelines_and_an_abort_in_one(pipelines, image, t
     assert not i2v.graph.stages["wan"].engine.request_ids()  # nothing left behind in the shared engine
 
 
+@pytest.mark.process
 def test_with_worker_processes_the_pipelines_share_one_worker_and_its_batches(pipelines, image, tmp_path):
     """`placement="process"`: the Wan nodes of two pipelines (one share key: the same config) are hosted by one
     worker, so their requests share its forwards there as in one process; each pipeline gets its own events,

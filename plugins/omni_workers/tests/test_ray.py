@@ -19,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_workers import retry, run_all, step_until_held, within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
+pytestmark = [pytest.mark.process]
+
 
 @pytest.fixture(scope="module")
 def ray():

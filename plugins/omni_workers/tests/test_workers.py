@@ -31,6 +31,8 @@ from omni_workers.settings import WorkersSettings
 sys.path.insert(0, str(Path(__file__).parent))
 from worker_fakes import make_host  # noqa: E402
 
+pytestmark = [pytest.mark.process]
+
 HERE = Path(__file__).parent
 
 
@@ -109,33 +111,42 @@ def test_stages_overlap_and_the_front_does_not_spin():
     assert cpu_remote < 0.25 * t_remote, (cpu_remote, t_remote)  # the front blocks on the pipes
 
 
-def test_input_errors_stay_synchronous_and_typed():
+@pytest.fixture(scope="module")
+def fake_slow_workers():
+    """One `fake_slow` pipeline in worker processes for the tests that only submit and read: none of them kills,
+    crashes or closes its workers, and each leaves nothing in flight. A test that does any of that, or asserts on
+    what close() leaves, builds its own."""
     with Omni("fake_slow", host=make_host(), placement="process") as o:
-        with pytest.raises(InvalidParameter) as info:
-            o.submit(o.request("a bad prompt"))
-        assert info.value.field == "prompt" and "contains bad" in str(info.value)
-        assert not o.has_unfinished()
-        assert o.generate("fine now").text == "rendered 2 words"
+        yield o
 
 
-def test_check_is_answered_while_a_downstream_step_runs(tmp_path):
+def test_input_errors_stay_synchronous_and_typed(fake_slow_workers):
+    o = fake_slow_workers
+    with pytest.raises(InvalidParameter) as info:
+        o.submit(o.request("a bad prompt"))
+    assert info.value.field == "prompt" and "contains bad" in str(info.value)
+    assert not o.has_unfinished()
+    assert o.generate("fine now").text == "rendered 2 words"
+
+
+def test_check_is_answered_while_a_downstream_step_runs(fake_slow_workers, tmp_path):
     """A submit calls the downstream stage's `check`: the worker answers it beside the step it is running, so a
     submit does not wait for a long denoise step (here a render step held until the test opens its gate)."""
     gate = tmp_path / "gate"
-    with Omni("fake_slow", host=make_host(), placement="process") as o:
-        held = o.submit(o.request(f"hold={gate} a"))
-        events = step_until_held(o, gate)
-        submitted = []
-        thread = threading.Thread(target=lambda: submitted.append(o.submit(o.request("next one please"))))
-        thread.start()
-        thread.join(30)
-        answered, still_held = bool(submitted), not gate.exists()
-        gate.touch()
-        thread.join()
-        assert answered and still_held  # the submit came back while the render step was still held
-        events += drain(o)
-        finished = {e.request_id for e in events if isinstance(e, RequestFinished)}
-        assert finished == {held, submitted[0]}
+    o = fake_slow_workers
+    held = o.submit(o.request(f"hold={gate} a"))
+    events = step_until_held(o, gate)
+    submitted = []
+    thread = threading.Thread(target=lambda: submitted.append(o.submit(o.request("next one please"))))
+    thread.start()
+    thread.join(30)
+    answered, still_held = bool(submitted), not gate.exists()
+    gate.touch()
+    thread.join()
+    assert answered and still_held  # the submit came back while the render step was still held
+    events += drain(o)
+    finished = {e.request_id for e in events if isinstance(e, RequestFinished)}
+    assert finished == {held, submitted[0]}
 
 
 def test_abort_reaches_the_worker():
@@ -382,11 +393,10 @@ def test_fixed_worker_threads():
             Omni("fake_slow", host=make_host(), placement="process", worker_threads=bad)
 
 
-def test_a_worker_waits_on_background_work_instead_of_stepping_in_a_loop():
+def test_a_worker_waits_on_background_work_instead_of_stepping_in_a_loop(fake_slow_workers):
     """A stage with only background work left (an export on a thread) is waited on (Stage.wait), a few ms at a
     time, by a worker process: a handful of idle steps in 0.3 s, not thousands."""
-    with Omni("fake_slow", host=make_host(), placement="process") as o:
-        result = o.generate("background please")
+    result = fake_slow_workers.generate("background please")
     assert result.text == "rendered 2 words in the background"
     assert result.trace["render.idle_steps"] <= 5
 
