@@ -54,6 +54,15 @@ class RunSettings:
     def check(self) -> None:
         parse_placement(self.placement)
 
+    def complete(self, placements: Mapping[str, Any]) -> RunSettings:
+        """These settings with each registered placement's defaults where none were given."""
+        placed = dict(self.placed)
+        for name, p in placements.items():
+            settings_cls = settings_class(p)
+            if settings_cls is not None and name not in placed:
+                placed[name] = make(settings_cls, {})
+        return attrs.evolve(self, placed=placed)
+
     def placement_of(self, node) -> str:
         run_wide, nodes = parse_placement(self.placement)
         return nodes.get(node.id) or run_wide or node.placement or INPROC

@@ -104,7 +104,7 @@ class GraphBuilder:
         """Every check that needs no model: the plan, the config, the node policies, the placements' settings
         and each node's engine settings (which refuse settings invalid for the checkpoint). Nothing loads."""
         order = self.validate(plan)
-        settings = settings or RunSettings()
+        settings = (settings or RunSettings()).complete(self.placements())
         settings.check()
         check_placements(settings, plan, self.placements())
         configs = self.configs(plan, config)
@@ -135,7 +135,7 @@ class GraphBuilder:
         """Build every node's stage where `settings` places it: `inproc` here, on the engine of its share key, any
         other placement by the plugin that registered it (docs/distributed.md). `host_factory` rebuilds the
         plugin host where a placement needs one (default: the placement's)."""
-        settings = settings or RunSettings()
+        settings = (settings or RunSettings()).complete(self.placements())
         builds = self.prepare(plan, config, settings)
         placed: dict[str, list[NodeBuild]] = {}
         for build in builds:
