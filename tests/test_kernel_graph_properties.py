@@ -76,6 +76,14 @@ def mutated_plans(draw):
 
     change = draw(st.sampled_from(["edge", "cycle", "fan_in", "final", "type", "connector", "duplicate",
                                    "drop_node"]))
+    if change in ("edge", "cycle", "fan_in", "connector"):
+        mutate_edges(draw, change, ids, edges, fitting)
+    else:
+        mutate_nodes(draw, change, ids, nodes)
+    return PipelinePlan("p", nodes, edges)
+
+
+def mutate_edges(draw, change: str, ids: list, edges: list, fitting) -> None:
     if change == "edge":
         ends = st.sampled_from(ids + ids + ["zz"])
         edges.append(EdgeSpec(draw(ends), draw(ends), draw(st.sampled_from([*CONNECTORS, "c.missing"]))))
@@ -88,20 +96,22 @@ def mutated_plans(draw):
     elif change == "fan_in" and edges:
         target, source = draw(st.sampled_from([e.target for e in edges])), draw(st.sampled_from(ids))
         edges.append(EdgeSpec(source, target, fitting(source, target)))
-    elif change == "final":
+    elif change == "connector" and edges:
+        i = draw(st.integers(0, len(edges) - 1))
+        edges[i] = EdgeSpec(edges[i].source, edges[i].target, draw(st.sampled_from([*CONNECTORS, "c.missing"])))
+
+
+def mutate_nodes(draw, change: str, ids: list, nodes: list) -> None:
+    if change == "final":
         i = draw(st.integers(0, len(nodes) - 1))
         nodes[i] = NodeSpec(nodes[i].id, nodes[i].type, final=not nodes[i].final)
     elif change == "type":
         i = draw(st.integers(0, len(nodes) - 1))
         nodes[i] = NodeSpec(nodes[i].id, draw(st.sampled_from([*NODE_KINDS, "t.missing"])), final=nodes[i].final)
-    elif change == "connector" and edges:
-        i = draw(st.integers(0, len(edges) - 1))
-        edges[i] = EdgeSpec(edges[i].source, edges[i].target, draw(st.sampled_from([*CONNECTORS, "c.missing"])))
     elif change == "duplicate":
         nodes.append(NodeSpec(draw(st.sampled_from(ids)), draw(st.sampled_from(list(NODE_KINDS)))))
     elif change == "drop_node" and len(nodes) > 1:
         nodes.pop(draw(st.integers(0, len(nodes) - 1)))
-    return PipelinePlan("p", nodes, edges)
 
 
 # ---- the oracle: each rule checked on its own, by different algorithms than graph.py -----------------------
@@ -138,52 +148,57 @@ def has_cycle(ids, successors) -> bool:
 
 def oracle(plan: PipelinePlan) -> dict[str, set]:
     """Every broken rule with the nodes it implicates."""
-    ids = [n.id for n in plan.nodes]
-    unique = set(ids)
-    broken: dict[str, set] = {}
-    dups = {i for i in unique if ids.count(i) > 1}
-    if dups:
-        broken["duplicate_node"] = dups
-    dangling = {x for e in plan.edges for x in (e.source, e.target) if x not in unique}
-    if dangling:
-        broken["unknown_edge_node"] = dangling
+    unique = {n.id for n in plan.nodes}
     inner = [e for e in plan.edges if e.source in unique and e.target in unique]
+    found = {**_node_rules(plan), **_edge_rules(plan, unique, inner), **_shape_rules(unique, inner),
+             **_type_rules(plan, inner)}
+    return {rule: nodes for rule, nodes in found.items() if nodes is not None}
+
+
+def _node_rules(plan: PipelinePlan) -> dict[str, set | None]:
+    ids = [n.id for n in plan.nodes]
+    dups = {i for i in ids if ids.count(i) > 1}
+    finals = {n.id for n in plan.nodes if n.final}
+    one_final = sum(n.final for n in plan.nodes) == 1
+    return {"duplicate_node": dups or None, "final_output": None if one_final else finals}
+
+
+def _edge_rules(plan: PipelinePlan, unique: set, inner: list) -> dict[str, set | None]:
+    dangling = {x for e in plan.edges for x in (e.source, e.target) if x not in unique}
     loops = {e.source for e in inner if e.source == e.target}
-    if loops:
-        broken["self_loop"] = loops
+    fan_in = {t for t in unique if sum(e.target == t for e in inner) > 1}
+    return {"unknown_edge_node": dangling or None, "self_loop": loops or None, "multiple_inputs": fan_in or None}
+
+
+def _shape_rules(unique: set, inner: list) -> dict[str, set | None]:
+    """Cycles, entries and reachability."""
     successors: dict[str, list] = {}
     for e in inner:
         successors.setdefault(e.source, []).append(e.target)
+    found: dict[str, set | None] = {}
     if has_cycle(sorted(unique), successors):
         on_cycle = {i for i in unique if i in reach([i], successors)}
-        broken["cycle"] = on_cycle | reach(on_cycle, successors)  # the cycle and everything after it
-        broken["cycle_core"] = on_cycle
-    fan_in = {t for t in unique if sum(e.target == t for e in inner) > 1}
-    if fan_in:
-        broken["multiple_inputs"] = fan_in
+        found["cycle"] = on_cycle | reach(on_cycle, successors)  # the cycle and everything after it
+        found["cycle_core"] = on_cycle
     entries = unique - {e.target for e in inner}
-    if not entries:
-        broken["no_entry"] = set()
+    found["no_entry"] = None if entries else set()
     lost = unique - entries - reach(entries, successors)
-    if lost:
-        broken["unreachable"] = lost
-    finals = {n.id for n in plan.nodes if n.final}
-    if sum(n.final for n in plan.nodes) != 1:
-        broken["final_output"] = finals
+    found["unreachable"] = lost or None
+    return found
+
+
+def _type_rules(plan: PipelinePlan, inner: list) -> dict[str, set | None]:
     untyped = {n.id for n in plan.nodes if n.type not in NODE_KINDS}
-    if untyped:
-        broken["unknown_node_type"] = untyped
-    unknown_conn = {(e.source, e.target) for e in inner if e.connector not in CONNECTORS}
-    if unknown_conn:
-        broken["unknown_connector"] = {x for pair in unknown_conn for x in pair}
+    unknown_conn = {x for e in inner if e.connector not in CONNECTORS for x in (e.source, e.target)}
     kind = {n.id: NODE_KINDS.get(n.type) for n in plan.nodes}
-    misfit = {(e.source, e.target) for e in inner if e.connector in CONNECTORS and None not in
-              (kind[e.source], kind[e.target]) and (CONNECTORS[e.connector].source_kind,
-                                                    CONNECTORS[e.connector].target_kind)
-              != (kind[e.source], kind[e.target])}
-    if misfit:
-        broken["connector_kind_mismatch"] = {x for pair in misfit for x in pair}
-    return broken
+    misfit = set()
+    for e in inner:
+        joins = (kind[e.source], kind[e.target])
+        connector = CONNECTORS.get(e.connector)
+        if connector is not None and None not in joins and (connector.source_kind, connector.target_kind) != joins:
+            misfit |= {e.source, e.target}
+    return {"unknown_node_type": untyped or None, "unknown_connector": unknown_conn or None,
+            "connector_kind_mismatch": misfit or None}
 
 
 def check_rejection(error: GraphError, broken: dict[str, set], plan: PipelinePlan) -> None:
@@ -223,10 +238,16 @@ def test_generated_valid_plans_are_valid(plan):
 
 
 def oracle_rules() -> set[str]:
-    """The names the oracle can report: every constant key it stores into `broken`."""
-    return {node.slice.value for node in ast.walk(ast.parse(inspect.getsource(oracle)))
-            if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store)
-            and isinstance(node.value, ast.Name) and node.value.id == "broken" and isinstance(node.slice, ast.Constant)}
+    """The names the oracle can report: every constant key of the dicts its rule helpers build."""
+    names = set()
+    for helper in (_node_rules, _edge_rules, _shape_rules, _type_rules):
+        for node in ast.walk(ast.parse(inspect.getsource(helper))):
+            if isinstance(node, ast.Dict):
+                names |= {k.value for k in node.keys if isinstance(k, ast.Constant)}
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store) and isinstance(node.slice,
+                                                                                                  ast.Constant):
+                names.add(node.slice.value)
+    return names
 
 
 # Oracle keys graph.py never raises: `cycle_core` is what check_rejection expects a cycle error to name, and
