@@ -181,11 +181,36 @@ def engine_of(omni: Omni):
     return omni.graph.stages["generate"].engine
 
 
-def hf_model_of(omni: Omni):
-    """The transformers model under the stage: the plugin's QwenStages owns it (one per path, dtype, device)."""
-    stages = omni.graph.node_types["generate"].factory.__self__
-    (lm,) = stages.models.values()
-    return lm.model
+def hf_model_of(runtime: Runtime, omni: Omni):
+    """The transformers model under the stage: the plugin's QwenStages owns it, one per (path, dtype, device,
+    trust_remote_code), the key its engine factory loads it by."""
+    stages = omni.graph.node_types["generate"].engine.__self__
+    key = (str(runtime.path.expanduser().resolve()), runtime.dtype, runtime.device, False)
+    return stages.model(key).model
+
+
+class ForwardTimer:
+    """Times the runner's forward and sampler from outside: while in use, the engine's runner's `run` is wrapped
+    (on the instance) so each step's (sequences, tokens, ms) is recorded; the plain method comes back after."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.steps: list[tuple[int, int, float]] = []
+
+    def __enter__(self) -> ForwardTimer:
+        plain = self.runner.run
+
+        def timed_run(batch):
+            start = time.perf_counter()
+            out = plain(batch)
+            self.steps.append((len(batch.chunks), batch.num_tokens, (time.perf_counter() - start) * 1000))
+            return out
+
+        self.runner.run = timed_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.run
 
 
 def drain(omni: Omni, on_step=None) -> list[dict]:
@@ -208,13 +233,14 @@ def run_runtime(runtime: Runtime, reqs, budget: int, **params):
         kv["reserved"] += scheduler.blocks.num_used * scheduler.blocks.block_size
         kv["stored"] += sum(s.num_computed for s in scheduler.running)
 
-    start = time.perf_counter()
-    for i, (prompt, m) in enumerate(reqs):
-        submit(omni, f"q{i}", prompt, m, **params)
-    traces = drain(omni, account)
-    elapsed = time.perf_counter() - start
-    sizes = [n for n, _, _ in runner.step_log]
-    forward_s = sum(ms for _, _, ms in runner.step_log) / 1000
+    with ForwardTimer(runner) as timer:
+        start = time.perf_counter()
+        for i, (prompt, m) in enumerate(reqs):
+            submit(omni, f"q{i}", prompt, m, **params)
+        traces = drain(omni, account)
+        elapsed = time.perf_counter() - start
+    sizes = [n for n, _, _ in timer.steps]
+    forward_s = sum(ms for _, _, ms in timer.steps) / 1000
     return {"tok_s": sum(t["ar.output_tokens"] for t in traces) / elapsed, "ttfts": [t["ar.ttft_ms"] for t in traces],
             "kv_ratio": kv["reserved"] / max(kv["stored"], 1), "steps": len(sizes),
             "mean_batch": statistics.mean(sizes), "preemptions": scheduler.num_preemptions,
@@ -521,7 +547,22 @@ def logprobs_cost(runtime: Runtime, reqs, rounds: int, figures: dict) -> None:
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in figures.items()}))
 
 
-def main() -> None:
+def alternate(systems: dict, rounds: int) -> tuple[dict[str, list], dict]:
+    """Each system's tokens/s per round, in alternating order, and the runtime's last run's figures."""
+    tok_s: dict[str, list] = {name: [] for name in systems}
+    run: dict = {}
+    for r in range(rounds):
+        for name in (list(systems) if r % 2 == 0 else list(reversed(systems))):
+            stage = time.perf_counter()
+            out = systems[name]()
+            if name == "runtime":
+                run, out = out, out["tok_s"]
+            tok_s[name].append(out)
+            say(f"round {r + 1} {name}: {out} tok/s ({time.perf_counter() - stage:.0f}s)")
+    return tok_s, run
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=("random", "real", "structured", "logprobs"), default="random",
                         help="random: the Qwen2.5-0.5B-shaped random model, token-id prompts, EOS ignored; real: "
@@ -542,7 +583,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the throughput systems")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.INFO, format="omni: %(message)s", stream=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -558,7 +603,7 @@ def main() -> None:
     path = ensure_checkpoint(args.layers)
     runtime = Runtime(path, dtype=args.dtype) if args.workload == "logprobs" else Runtime(path)
     warm_omni = runtime.omni(kv_memory="64MiB")  # loads the model once for every Omni of this host
-    model = hf_model_of(warm_omni)
+    model = hf_model_of(runtime, warm_omni)
     say(f"checkpoint ready and loaded in {time.perf_counter() - t0:.1f}s: "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {model.dtype}, "
         f"{torch.get_num_threads()} threads")
@@ -578,15 +623,7 @@ def main() -> None:
                "hf_sequential": lambda: hf_sequential(model, reqs[:2 if quick else 4]),
                "hf_static": lambda: hf_static(model, reqs),
                "hf_cb": lambda: hf_continuous(model, reqs)}
-    tok_s: dict[str, list] = {name: [] for name in systems}
-    for r in range(args.rounds):
-        for name in (list(systems) if r % 2 == 0 else list(reversed(systems))):
-            stage = time.perf_counter()
-            out = systems[name]()
-            if name == "runtime":
-                run, out = out, out["tok_s"]
-            tok_s[name].append(out)
-            say(f"round {r + 1} {name}: {out} tok/s ({time.perf_counter() - stage:.0f}s)")
+    tok_s, run = alternate(systems, args.rounds)
     figures.update(rounds=args.rounds, **{f"{name}_tok_s": statistics.median(v) for name, v in tok_s.items()
                                           if None not in v})
     figures.update(ttft_p50_ms=statistics.median(run["ttfts"]),

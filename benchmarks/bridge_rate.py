@@ -26,9 +26,7 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from omni_kernel import NodeSpec, PipelinePlan, Request, RequestFailed, RequestFinished  # noqa: E402
-from omni_kernel.core.planner import GraphBuilder  # noqa: E402
-from omni_kernel.core.stage_scheduler import StageScheduler  # noqa: E402
+from omni_kernel import NodeSpec, Omni, PipelinePlan, Request, RequestFailed, RequestFinished  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
 
 PROMPTS = (
@@ -55,7 +53,7 @@ PROMPTS = (
 )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ar-model", default=None, help="a local causal-LM directory (default: the default AR "
                                                          "model, which must be the real one: see --allow-tiny)")
@@ -65,12 +63,11 @@ def main() -> None:
     parser.add_argument("--show", action="store_true", help="print every model answer")
     parser.add_argument("--unconstrained", action="store_true", help="leave out the guidance schema (the node "
                                                                      "decodes freely, as before structured output)")
-    args = parser.parse_args()
-    if args.ar_model is None and not args.allow_tiny:
-        os.environ.setdefault("OMNI_AR_DEFAULT", "smollm2")
+    return parser.parse_args()
 
-    host = load_host()
-    connector = host.registry.connectors["ar_to_diffusion"].item
+
+def run_bridge(host, args) -> tuple[dict, dict, float]:
+    """Every prompt through a one-node bridge pipeline at once: the requests, their outputs and the seconds."""
     from omni_bridge.pipeline import BRIDGE_POLICY
 
     policy = {} if args.unconstrained else BRIDGE_POLICY
@@ -80,20 +77,26 @@ def main() -> None:
         config["ar_model"] = args.ar_model
     if args.dtype:
         config["ar_dtype"] = args.dtype
-    scheduler = StageScheduler(GraphBuilder(host.registry).build(plan, config))
+    omni = Omni(plan, host=host, **config)
     requests = {f"p{i}": Request(plan.name, prompt, request_id=f"p{i}", params={"temperature": 0})
                 for i, prompt in enumerate(PROMPTS)}
     start = time.perf_counter()
-    for request in requests.values():
-        scheduler.submit(request)
     outputs = {}
-    while scheduler.has_unfinished():
-        for event in scheduler.step():
-            if isinstance(event, RequestFailed):
-                raise SystemExit(f"{event.request_id} failed: {event.error}")
-            if isinstance(event, RequestFinished):
-                outputs[event.request_id] = event.result.output
-    elapsed = time.perf_counter() - start
+    for event in omni.run(requests.values()):
+        if isinstance(event, RequestFailed):
+            raise SystemExit(f"{event.request_id} failed: {event.error}")
+        if isinstance(event, RequestFinished):
+            outputs[event.request_id] = event.result.output
+    return requests, outputs, time.perf_counter() - start
+
+
+def main() -> None:
+    args = parse_args()
+    if args.ar_model is None and not args.allow_tiny:
+        os.environ.setdefault("OMNI_AR_DEFAULT", "smollm2")
+    host = load_host()
+    connector = host.registry.connectors["ar_to_diffusion"].item
+    requests, outputs, elapsed = run_bridge(host, args)
     from omni_qwen import bridge_prompt
 
     # Text the model could copy instead of writing guidance: the instruction and its worked examples.

@@ -322,7 +322,7 @@ def aiperf_figures(result: dict, n: int, osl: int) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="16 requests, outputs of 16-64 tokens, 2 rounds")
     parser.add_argument("--layers", type=int, default=24)
@@ -334,7 +334,51 @@ def main() -> None:
                         "re-tokenizing the text (its default) instead of reading the server's usage")
     parser.add_argument("--aiperf-requests", type=int, default=0, help="aiperf's request count (default: --quick's "
                         "or the full workload's)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def start_transformers(args, path, warm, logs) -> tuple:
+    """`transformers serve` on the same checkpoint, warmed up: (its process or None, why it is missing or None)."""
+    if args.no_transformers:
+        return None, "skipped (--no-transformers)"
+    if shutil.which("transformers", path=str(Path(sys.executable).parent)) is None:
+        return None, "the `transformers` command is not installed in this environment"
+    hf = None
+    try:
+        hf_port = free_port()
+        hf = Process("transformers serve", [str(Path(sys.executable).parent / "transformers"), "serve", str(path),
+                                            "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
+                                            "--port", str(hf_port), "--host", "127.0.0.1"], hf_port,
+                     logs / "transformers.log").wait()
+        asyncio.run(http_run(hf.url, str(path), warm, token_ids=False))  # its first request warms up CB
+        return hf, None
+    except Exception as exc:  # noqa: BLE001 - the baseline is optional: say exactly why it is missing
+        if hf is not None:
+            hf.stop()
+        return None, f"transformers serve could not run: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
+
+
+def summarize(runs: dict[str, list[dict]], figures: dict) -> None:
+    """Each system's medians and percentiles, and the ratios, into `figures`."""
+    def median_ratio(a, b):
+        return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b]))
+
+    for name, results in runs.items():
+        ttft = [t for r in results for t in r["ttft"]]
+        itl = [t for r in results for t in r["itl"]]
+        figures[f"{name}_tok_s"] = statistics.median(r["tok_s"] for r in results)
+        for label, values in (("ttft", ttft), ("itl", itl)):
+            for q in (50, 99):
+                value = pct(values, q / 100)
+                figures[f"{name}_{label}_p{q}_ms"] = None if value is None else value * 1000
+            figures[f"{name}_{label}_samples"] = len(values)
+    figures["http_over_inprocess"] = median_ratio("omni_http", "inprocess")
+    figures["ratio_vs_transformers_serve"] = (median_ratio("omni_http", "transformers_serve")
+                                              if "transformers_serve" in runs else None)
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.WARNING, format="omni: %(message)s", stream=sys.stderr)
     import torch
     from transformers import AutoTokenizer
@@ -363,26 +407,9 @@ def main() -> None:
                      logs / "omni.log").wait()
     systems = {"inprocess": lambda: inprocess_run(omni, reqs, f"r{time.monotonic_ns()}-"),
                "omni_http": lambda: asyncio.run(http_run(server.url, "ar_text", reqs, token_ids=True))}
-    hf = None
-    note = None
-    if args.no_transformers:
-        note = "skipped (--no-transformers)"
-    elif shutil.which("transformers", path=str(Path(sys.executable).parent)) is None:
-        note = "the `transformers` command is not installed in this environment"
-    else:
-        try:
-            hf_port = free_port()
-            hf = Process("transformers serve", [str(Path(sys.executable).parent / "transformers"), "serve", str(path),
-                                                "--continuous-batching", "--device", "cpu", "--dtype", "bfloat16",
-                                                "--port", str(hf_port), "--host", "127.0.0.1"], hf_port,
-                         logs / "transformers.log").wait()
-            asyncio.run(http_run(hf.url, str(path), warm, token_ids=False))  # its first request warms up CB
-            systems["transformers_serve"] = lambda: asyncio.run(http_run(hf.url, str(path), reqs, token_ids=False))
-        except Exception as exc:  # noqa: BLE001 - the baseline is optional: say exactly why it is missing
-            note = f"transformers serve could not run: {type(exc).__name__}: {' '.join(str(exc).split())[:400]}"
-            if hf is not None:
-                hf.stop()
-                hf = None
+    hf, note = start_transformers(args, path, warm, logs)
+    if hf is not None:
+        systems["transformers_serve"] = lambda: asyncio.run(http_run(hf.url, str(path), reqs, token_ids=False))
     asyncio.run(http_run(server.url, "ar_text", warm, token_ids=True))
     say(f"ready in {time.perf_counter() - t0:.0f}s: {n} requests, {figures['prompt_tokens']} prompt and "
         f"{figures['output_tokens']} output tokens, {rounds} rounds of {', '.join(systems)}")
@@ -410,21 +437,7 @@ def main() -> None:
         if hf is not None:
             hf.stop()
 
-    def median_ratio(a, b):
-        return statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(runs[a], runs[b]))
-
-    for name, results in runs.items():
-        ttft = [t for r in results for t in r["ttft"]]
-        itl = [t for r in results for t in r["itl"]]
-        figures[f"{name}_tok_s"] = statistics.median(r["tok_s"] for r in results)
-        for label, values in (("ttft", ttft), ("itl", itl)):
-            for q in (50, 99):
-                value = pct(values, q / 100)
-                figures[f"{name}_{label}_p{q}_ms"] = None if value is None else value * 1000
-            figures[f"{name}_{label}_samples"] = len(values)
-    figures["http_over_inprocess"] = median_ratio("omni_http", "inprocess")
-    figures["ratio_vs_transformers_serve"] = (median_ratio("omni_http", "transformers_serve")
-                                              if "transformers_serve" in runs else None)
+    summarize(runs, figures)
     figures["transformers_serve_note"] = note or ("continuous batching on, same checkpoint and clients, text prompts "
                                                   "of the same tokens")
     figures["total_s"] = time.perf_counter() - t0

@@ -65,7 +65,7 @@ MODES = {"continuous": ("continuous", True), "sequential": ("sequential", False)
          "separate": ("separate", True)}
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--height", type=int, default=128)
     parser.add_argument("--width", type=int, default=128)
@@ -88,7 +88,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="6 steps, 1 round, 1 larger round")
     parser.add_argument("--workload", default="image", choices=("image", "mixed"),
                         help="mixed: every other request is text-to-video, served beside the image ones")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.quick:
         args.steps, args.rounds, args.large_rounds = 6, 1, 1
 

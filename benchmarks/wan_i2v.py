@@ -28,7 +28,7 @@ BENCH_DIMS = {"num_layers": 8, "num_attention_heads": 8, "attention_head_dim": 3
 IMAGE = Path(__file__).resolve().parents[1] / "examples" / "assets" / "image.png"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--height", type=int, default=128)
     parser.add_argument("--width", type=int, default=128)
@@ -39,7 +39,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (0: torch's default); 1 keeps runs comparable on a shared machine")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
 
     import numpy as np
     import torch
