@@ -54,16 +54,21 @@ def grammar_of(structure: Structure) -> xgr.Grammar:
 
 
 # xgrammar 0.2.9 lets a string with minLength/maxLength hold raw control characters (U+0000..U+001F but \r and
-# \n), which JSON forbids (json.loads refuses them): its characters are narrowed to printable ones.
+# \n), which JSON forbids (json.loads refuses them), and every string hold UTF-8-encoded surrogates
+# (U+D800..U+DFFF: bytes ED A0..BF xx), which are not UTF-8 at all (they decode to U+FFFD, three per surrogate,
+# so a maxLength string comes out too long): string characters are narrowed to printable ones, surrogates out.
 _LOOSE_CHARACTERS = r'_characters ::= (([^\"\\\r\n]))'
-_STRICT_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\]))'
+_STRICT_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\\uD800-\uDFFF]))'
+_LOOSE_STRING = r'[^\0-\x1f\"\\\r\n]'
+_STRICT_STRING = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
-    if _LOOSE_CHARACTERS not in text:
+    strict = text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS).replace(_LOOSE_STRING, _STRICT_STRING)
+    if strict == text:
         return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS))
+    return xgr.Grammar.from_ebnf(strict)
 
 
 def _escape(text: str) -> str:

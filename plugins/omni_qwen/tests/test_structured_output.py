@@ -207,6 +207,28 @@ def test_ids_past_the_tokenizer_are_never_allowed(qwen_tokenizer):
     assert constrained.matcher is not None and grammars.constrain(StageInput("free", "x")) is None
 
 
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 4}, {"type": "string"}])
+def test_strings_hold_only_utf8_and_no_control_characters(schema):
+    """xgrammar alone accepts the UTF-8 encoding of a surrogate (ED AD A9: not UTF-8; it decodes to three U+FFFD,
+    so a maxLength string came out too long: a hypothesis example above found it) and, in a bounded string, raw
+    control characters; omni's grammars refuse both, bounded or not, and keep every real character."""
+    import xgrammar as xgr
+
+    from omni_qwen.grammar import grammar_of
+    from omni_qwen.structured import Structure
+
+    grammar = grammar_of(Structure("json_schema", json.dumps(schema)))
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo([])).compile_grammar(grammar)
+
+    def accepts(text: bytes) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    assert accepts('"é上😀"'.encode())
+    assert not accepts(b'"\xed\xad\xa9"')
+    assert not accepts(b'"a\x01"')
+
+
 def test_real_weights_write_valid_json(smollm2_dir, host):
     """SmolLM2-135M-Instruct asked for a record, constrained to its schema, greedy and seeded."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
