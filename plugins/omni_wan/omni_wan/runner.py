@@ -29,12 +29,13 @@ from omni_kernel.core.errors import RequestError
 from omni_kernel.core.request import StageInput
 from omni_kernel.core.scheduler import PhaseSchedulerOutput, StepJob
 
-from . import prepare_cache
+from . import calibration, prepare_cache
 from .device import WanDevice
 from .job import Progress, StepResult, WanJob
 from .layout import ModelLayout
 from .model import TextEmbeds
 from .profiler import Profiler, profile_path
+from .step_cache import CachePolicy, interpolate
 from .video import write_mp4
 
 log = logging.getLogger("omni")
@@ -169,10 +170,19 @@ class WanRunner:
 
             generator = torch.Generator("cpu").manual_seed(s.seed)
             job.denoise = model.prepare(TextEmbeds(text, negative), condition, s.height, s.width, s.num_frames,
-                                        s.steps, s.guidance_scale, generator)
+                                        s.steps, s.guidance_scale, generator, self._cache_policy(s))
+        job.step_cache, job.num_blocks = job.denoise.step_cache, len(model.pipe.transformer.blocks)
         if job.denoise.total != s.steps:  # the scheduler counts s.steps denoise steps; they must be the timesteps
             raise RuntimeError(f"the noise scheduler made {job.denoise.total} timesteps for {s.steps} steps")
         return Progress(0, job.denoise.total)
+
+    def _cache_policy(self, s) -> CachePolicy | None:
+        if s.step_cache == "none":
+            return None
+        ratios = None
+        if s.step_cache == "mag":
+            ratios = interpolate(calibration.require_ratios(self.layout.path), s.steps)
+        return CachePolicy(s.step_cache, s.step_cache_threshold, s.steps, ratios)
 
     @staticmethod
     def _text(model_key, model, text: str, cached):
@@ -199,7 +209,9 @@ class WanRunner:
             if error is not None:
                 results[job.item.request_id] = error
             else:
-                results[job.item.request_id] = Progress(step + 1, job.denoise.total)
+                cache = job.denoise.step_cache
+                results[job.item.request_id] = Progress(step + 1, job.denoise.total,
+                                                        None if cache is None else cache.step_hit())
         return results
 
     def decode(self, jobs: list[WanJob], steps: Sequence[int]) -> dict[str, StepResult]:
