@@ -194,8 +194,8 @@ class Wan22I2VPipeline:
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
 
     def _passes(self, cond: tuple, uncond: tuple, cfg_batched: bool) -> list[tuple]:
-        """The transformer forwards of one denoise step, each (cache name, latents, timesteps, texts, step caches): the cond
-        rows alone when no row is guided; on a rank of a guidance-parallel group, the rank's own branch (the
+        """The transformer forwards of one denoise step, each (cache name, latents, timesteps, texts, step caches):
+        the cond rows alone when no row is guided; on a rank of a guidance-parallel group, the rank's own branch (the
         other's is gathered after the forward, parallel.py); else the cond and uncond rows in one forward
         (`cfg_batched`) or in two."""
         if not uncond[1]:

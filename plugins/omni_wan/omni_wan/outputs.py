@@ -56,22 +56,6 @@ class WanOutputProcessor:
         return trace
 
 
-def step_cache_trace(wan: WanJob) -> dict:
-    """What the request's step cache did: the transformer forwards whose blocks (after the first, first_block;
-    all, mag) it skipped, cond and uncond counted apart, their share of its block computations, and how close
-    its closest decision came to the threshold."""
-    cache = wan.step_cache
-    if cache is None:
-        return {"diffusion.step_cache_skipped_forwards": 0, "diffusion.step_cache_skipped_share": 0.0}
-    num_blocks, skipped_blocks = wan.num_blocks, wan.num_blocks - (1 if cache.policy.method == "first_block" else 0)
-    share = cache.num_skipped * skipped_blocks / max(1, cache.num_forwards * num_blocks)
-    margin = cache.margin
-    return {"diffusion.step_cache_skipped_forwards": cache.num_skipped,
-            "diffusion.step_cache_forwards": cache.num_forwards,
-            "diffusion.step_cache_skipped_share": round(share, 4),
-            "diffusion.step_cache_margin": None if margin == float("inf") else round(margin, 6)}
-
-
 def measured_trace(wan: WanJob) -> dict:
     """The trace fields of what the runner measured of one request (its WanJob): the load, the prepare cache,
     batching, and the profile trace's path."""

@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from omni_kernel.core.errors import InvalidParameter, UserError
 
+from .blocks import row_mean
 from .comm import Mesh, gather_branches
 from .inputs import check_guidance
-from .blocks import row_mean
 from .ulysses import Ulysses
 
 NUM_BRANCHES = 2  # classifier-free guidance: cond and uncond
