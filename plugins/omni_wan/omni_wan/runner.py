@@ -67,6 +67,12 @@ class WanRunner:
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
         self.export_in_background = device.device == "cuda"
         self.group = None  # a RankGroup (ranks.py) when the forwards run over several ranks
+        self.num_cache_hits = 0  # transformer forwards of cached requests that skipped their blocks (/metrics)
+        self.num_cache_misses = 0  # ... and that ran every block
+
+    def stats(self) -> dict:
+        """The StageStats fields this runner counts (the scheduler's `model_stats`)."""
+        return {"step_cache_hits": self.num_cache_hits, "step_cache_misses": self.num_cache_misses}
 
     def add_request(self, record: StepJob) -> None:
         record.state = WanJob(record.item, Profiler(sync=self._sync()))
@@ -209,10 +215,18 @@ class WanRunner:
             if error is not None:
                 results[job.item.request_id] = error
             else:
-                cache = job.denoise.step_cache
-                results[job.item.request_id] = Progress(step + 1, job.denoise.total,
-                                                        None if cache is None else cache.step_hit())
+                results[job.item.request_id] = Progress(step + 1, job.denoise.total, self._count_cache(job))
         return results
+
+    def _count_cache(self, job: WanJob) -> bool | None:
+        """Count the step's forwards of a cached request; whether all of them came from its cache."""
+        cache = job.denoise.step_cache
+        if cache is None:
+            return None
+        hits = sum(b.last_hit for b in cache.branches.values())
+        self.num_cache_hits += hits
+        self.num_cache_misses += len(cache.branches) - hits
+        return cache.step_hit()
 
     def decode(self, jobs: list[WanJob], steps: Sequence[int]) -> dict[str, StepResult]:
         """One VAE decode of the jobs' latents (one shape: the batch key) into their frames."""

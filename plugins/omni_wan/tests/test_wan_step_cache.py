@@ -127,6 +127,7 @@ def test_a_mixed_batch_equals_each_request_alone_through_diffusers_hooks(mixed, 
     batches, real = [], runner.run
     runner.run = lambda batch: (batch.phase == "denoise" and batches.append(len(batch.records))) or real(batch)
     events, caches = [], {}
+    before = mixed.graph.stages["wan"].stats()
     try:
         for rid in ("fb_text", "plain", "aborted", "mag_text"):
             mixed.submit(_request(mixed, rid, images, tmp_path))
@@ -137,6 +138,7 @@ def test_a_mixed_batch_equals_each_request_alone_through_diffusers_hooks(mixed, 
         _step_until(mixed, events, lambda: _progressed(events, "aborted", 6))
         job = next(r for r in runner_records(mixed) if r.request_id == "aborted")
         caches["aborted"] = weakref.ref(job.state.step_cache)
+        aborted_skipped = job.state.step_cache.num_skipped
         del job
         mixed.abort("aborted")
         _step_until(mixed, events, lambda: not mixed.has_unfinished())
@@ -148,6 +150,11 @@ def test_a_mixed_batch_equals_each_request_alone_through_diffusers_hooks(mixed, 
     assert max(batches) == 6  # all six shared forwards before the abort
     finished = {e.request_id: e.result for e in events if isinstance(e, RequestFinished)}
     assert sorted(finished) == ["fb_image", "fb_text", "mag_image", "mag_text", "plain"]
+
+    stats = mixed.graph.stages["wan"].stats()  # what /metrics publishes as omni_step_cache_hits / _misses
+    skipped = sum(r.trace["diffusion.step_cache_skipped_forwards"] for r in finished.values()) + aborted_skipped
+    assert stats.step_cache_hits - before.step_cache_hits == skipped
+    assert stats.step_cache_misses > before.step_cache_misses
 
     diffusers = Counted(tiny_model)
     for rid, result in sorted(finished.items()):
