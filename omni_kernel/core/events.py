@@ -34,6 +34,7 @@ class StageProgress:
     step: int
     total: int
     phase: str = "step"
+    from_cache: bool | None = None  # the step's model calls were served from a step cache (None: no cache)
 
 
 @attrs.frozen

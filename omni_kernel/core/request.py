@@ -111,5 +111,7 @@ class StageStats:
     kv_blocks_total: int | None = None
     kv_blocks_used: int | None = None
     prefix_hit_tokens: int | None = None
+    step_cache_hits: int | None = None  # model calls a step cache served (None: the stage has no step cache)
+    step_cache_misses: int | None = None  # ... and those it ran in full
     dead: str | None = None
     placed: Any = None

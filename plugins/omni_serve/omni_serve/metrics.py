@@ -53,8 +53,15 @@ class _EngineCollector:
         total = GaugeMetricFamily("omni_kv_blocks_total", "KV cache blocks in the stage's pool", labels=labels)
         hits = CounterMetricFamily("omni_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                    labels=labels)
+        cache_hits = CounterMetricFamily("omni_step_cache_hits", "denoiser forwards a step cache served",
+                                         labels=labels)
+        cache_misses = CounterMetricFamily("omni_step_cache_misses", "denoiser forwards of step-cached requests "
+                                                                     "that ran every block", labels=labels)
         for s in snap.stages:
             key, stats = [s.pipeline, s.node], s.stats
+            if stats.step_cache_hits is not None:
+                cache_hits.add_metric(key, stats.step_cache_hits)
+                cache_misses.add_metric(key, stats.step_cache_misses or 0)
             running.add_metric(key, stats.running)
             waiting.add_metric(key, stats.waiting)
             if stats.kv_blocks_total is not None:
@@ -68,7 +75,7 @@ class _EngineCollector:
         for s in snap.stages:
             restarts.add_metric([s.pipeline, s.node], s.restarts)
             restarting.add_metric([s.pipeline, s.node], int(s.restarting))
-        yield from (running, waiting, used, total, hits, restarts, restarting)
+        yield from (running, waiting, used, total, hits, cache_hits, cache_misses, restarts, restarting)
         yield from self._replicas(snap)
         errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",
                                      labels=["model", "stage", "kind"])

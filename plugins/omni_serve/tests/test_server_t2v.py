@@ -44,3 +44,17 @@ def test_an_image_to_the_text_pipeline_or_none_to_wan_i2v_names_input_reference(
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "input_reference", r.text
     assert "needs an input image" in error["message"] and "--image" not in error["message"]
+
+
+def test_bad_step_cache_fields_are_a_400_naming_the_field(http):
+    bad = {"step_cache_threshold": ({"step_cache": "first_block", "step_cache_threshold": "-0.5"}, "json"),
+           "step_cache": ({"step_cache": "teacache"}, "form")}
+    for field, (values, kind) in bad.items():
+        body = {"prompt": "p", "model": "wan_t2v", **SMALL, **values}
+        r = http.post("/v1/videos", json=body) if kind == "json" else http.post("/v1/videos", data=body)
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == field, r.text
+    r = http.post("/v1/videos", data={"prompt": "a kite", "model": "wan_t2v", **SMALL, "step_cache": "first_block",
+                                      "step_cache_threshold": "0.1"})
+    assert r.status_code == 200, r.text
+    assert video_done(http, r.json()["id"])["status"] == "completed"

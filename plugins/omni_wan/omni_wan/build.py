@@ -96,7 +96,7 @@ def build_engine(settings: WanEngineSettings, pool: omni_hf.ModelPool, cache: Pr
     scheduler = PhaseScheduler(
         max_batch=config.wan_max_batch, phases=phases, phase_order=PHASE_ORDER,
         batch_key=lambda item: batch_key(item.processed.settings, device.dtype),
-        cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget)
+        cost=lambda item: latent_tokens(item.processed.settings, layout), max_cost=budget, model_stats=runner.stats)
     return Engine(scheduler, runner)
 
 

@@ -11,7 +11,8 @@ stands for. Attention over n identical keys is attention over one of them with l
 `CrossKV.use(rows)` makes every block's cross-attention read those rows' keys and values with that additive
 mask (and -inf for the slots a shorter text leaves empty in a batch): the same result, in float rounding, for a
 fraction of the work. The forward gets a one-token placeholder text. Outside `use`, the blocks run diffusers' own
-processor unchanged.
+processor unchanged. The step cache (blocks.py) runs some blocks on a subset of the rows: it sets `rows` to
+those while they run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 
 import attrs
 import torch
+
+MAX_JOINED = 4  # sets of rows kept joined: a batch's, and the subsets its step cache runs blocks on
 
 
 @attrs.frozen(eq=False)
@@ -53,7 +56,8 @@ class CrossKV:
     def __init__(self, transformer):
         self.transformer = transformer
         self.rows: tuple[TextKV, ...] | None = None
-        self._joined: tuple[tuple[TextKV, ...], list, torch.Tensor | None] | None = None  # the last rows, joined
+        # the last sets of rows, joined: a step-cached forward runs its blocks on subsets of its rows
+        self._joined: dict[tuple[TextKV, ...], tuple[list, torch.Tensor | None]] = {}
         for index, block in enumerate(transformer.blocks):
             if block.attn2.add_k_proj is not None:
                 raise ValueError("the text key/value cache supports text-only cross-attention (Wan2.2 TI2V)")
@@ -89,9 +93,12 @@ class CrossKV:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Block `index`'s keys, values and additive mask for the current rows; joined once per set of rows, reused
         while the batch stays the same from step to step."""
-        if self._joined is None or self._joined[0] != self.rows:
-            self._joined = (self.rows, [None] * len(self.transformer.blocks), self._mask(self.rows))
-        rows, joined, mask = self._joined
+        rows = self.rows
+        if rows not in self._joined:
+            if len(self._joined) >= MAX_JOINED:
+                self._joined.clear()
+            self._joined[rows] = ([None] * len(self.transformer.blocks), self._mask(rows))
+        joined, mask = self._joined[rows]
         if joined[index] is None:
             width = max(r.num_tokens for r in rows)
             joined[index] = (torch.cat([_widen(r.keys[index], width) for r in rows]),
@@ -113,7 +120,7 @@ class CrossKV:
         return mask
 
     def forget(self) -> None:
-        self._joined = None
+        self._joined = {}
 
 
 def _widen(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from omni_kernel.core.errors import InputError, InvalidParameter
 from omni_kernel.core.request import StageInput
 from omni_kernel.util.files import check_output_path
 
+from .calibration import require_ratios
 from .images import image_digest, image_size, open_image
 from .layout import ModelLayout
 from .params import IMAGE_POLICIES, WanParams
@@ -100,6 +101,7 @@ class WanInputProcessor:
         given = check_image_policy(self.image_policy, item.image)
         settings = resolve(params, self.layout, image_size(item.image) if given else None, self.default_preset)
         check_guidance(settings.guidance_scale, self.cfg_parallel)
+        self._check_step_cache(settings)
 
     def process(self, item: StageInput) -> StageInput:
         params = _params(item)
@@ -107,10 +109,17 @@ class WanInputProcessor:
         image = open_image(item.image) if check_image_policy(self.image_policy, item.image) else None
         settings = resolve(params, self.layout, None if image is None else image.size, self.default_preset)
         check_guidance(settings.guidance_scale, self.cfg_parallel)
+        self._check_step_cache(settings)
         if settings.seed is None:
             settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
         digest = None if image is None else image_digest(image)
         return attrs.evolve(item, processed=WanInput(settings, image, digest, output.absolute()))
+
+
+    def _check_step_cache(self, settings: Settings) -> None:
+        """`mag` needs the checkpoint's calibrated ratios (calibration.py): refused before any work without them."""
+        if settings.step_cache == "mag":
+            require_ratios(self.layout.path)
 
 
 def _params(item: StageInput) -> WanParams:

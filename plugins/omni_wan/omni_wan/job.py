@@ -18,10 +18,12 @@ from .profiler import Profiler
 
 @attrs.frozen
 class Progress:
-    """A prepare or denoise step's result: `step` of `total` denoise steps are done."""
+    """A prepare or denoise step's result: `step` of `total` denoise steps are done; `from_cache`: every
+    transformer forward of this denoise step skipped its blocks (None: the request has no step cache)."""
 
     step: int
     total: int
+    from_cache: bool | None = None
 
 
 # What a step gives each request (the engine's result for it): Progress after prepare and each denoise step, None
@@ -46,6 +48,8 @@ class WanJob:
     cfg_batched: bool = False  # its cond and uncond rows ran in one forward
     batch_sizes: list[int] = attrs.Factory(list)  # requests in each of its denoise forwards
     profile_trace: Path | None = None  # the Chrome trace written beside its MP4
+    step_cache: Any = None  # its step cache (step_cache.RequestCache), kept past decode for the trace
+    num_blocks: int = 0  # the transformer's blocks: what the skipped share counts in
 
     @property
     def input(self) -> WanInput:

@@ -23,6 +23,7 @@ from omni_hf import torch_dtype
 from .cpu_vae import speed_up_cpu_vae
 from .crossattn import CrossKV, TextKV
 from .device import WanDevice
+from .step_cache import CachePolicy, RequestCache
 
 log = logging.getLogger("omni")
 MAX_SEQUENCE_LENGTH = 512  # diffusers' default for this pipeline
@@ -58,6 +59,7 @@ class DenoiseState:
     scheduler: Any
     text: TextEmbeds
     guidance_scale: float
+    step_cache: RequestCache | None = None  # its step cache's state (None: every forward runs every block)
 
     @property
     def total(self) -> int:
@@ -70,6 +72,9 @@ class Wan22I2VPipeline:
         self.wan_device = wan_device  # (`device` is the torch device the pipeline runs on)
         # Offloaded, the transformer's weights reach the GPU only inside a forward: project the text there.
         self.cross_kv = None if wan_device.offloaded else CrossKV(pipe.transformer)
+        from .blocks import CachedBlocks
+
+        self.blocks = CachedBlocks(pipe.transformer, self.cross_kv)  # each row's step cache decided in the forward
         self.parallel = None  # a WanParallel: this process is one rank of a group running each forward together
 
     @classmethod
@@ -131,9 +136,11 @@ class Wan22I2VPipeline:
         return [((row - mean) * inv_std).clone() for row in latents.split(1)]
 
     def prepare(self, text: TextEmbeds, condition: torch.Tensor | None, height: int, width: int, num_frames: int,
-                steps: int, guidance_scale: float, generator: torch.Generator) -> DenoiseState:
+                steps: int, guidance_scale: float, generator: torch.Generator,
+                step_cache: CachePolicy | None = None) -> DenoiseState:
         """One request's noise, timesteps and condition; `condition` None is text-to-video (WanPipeline): a zero
-        condition under a mask of ones, so the latents go to the transformer and the VAE unchanged."""
+        condition under a mask of ones, so the latents go to the transformer and the VAE unchanged. With a
+        `step_cache` policy, its (empty) step cache."""
         from diffusers.utils.torch_utils import randn_tensor
 
         pipe, device = self.pipe, self.device
@@ -148,7 +155,8 @@ class Wan22I2VPipeline:
             condition = torch.zeros(1, shape[1], 1, *shape[3:], dtype=torch.float32, device=device)
         else:
             mask[:, :, 0] = 0  # the first latent frame is the image's: timestep 0 on its tokens
-        return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale)
+        cache = None if step_cache is None else RequestCache(step_cache)
+        return DenoiseState(latents, condition, mask, scheduler.timesteps, scheduler, text, guidance_scale, cache)
 
     @torch.no_grad()
     def denoise_batch(self, states: list[DenoiseState], steps: list[int], cfg_batched: bool = True) -> None:
@@ -156,23 +164,28 @@ class Wan22I2VPipeline:
         own condition, text and guidance scale. The rows share the transformer call(s): all cond rows, then the
         uncond rows of the guided requests, in one forward (`cfg_batched`) or in a second one; on a rank of a
         guidance-parallel group, the rank's branch, and the other's gathered. Each request's UniPC scheduler then
-        steps on its own prediction (on every rank of a group alike)."""
+        steps on its own prediction (on every rank of a group alike). Each row decides its step cache for itself,
+        in its branch's state (blocks.py)."""
         model, dtype = self.pipe.transformer, self.transformer_dtype
         ts = [s.timesteps[step] for s, step in zip(states, steps)]
         inputs = [((1 - s.mask) * s.condition + s.mask * s.latents).to(dtype) for s in states]
         stamps = [(s.mask[0][0][:, ::2, ::2] * t).flatten().unsqueeze(0) for s, t in zip(states, ts)]
         guided = [i for i, s in enumerate(states) if s.guidance_scale > 1]
-        cond = ("cond", inputs, stamps, [s.text.prompt for s in states])
+        caches = [s.step_cache for s in states]
+        cond = ("cond", inputs, stamps, [s.text.prompt for s in states],
+                [c and c.branch("cond") for c in caches])
         uncond = ("uncond", [inputs[i] for i in guided], [stamps[i] for i in guided],
-                  [states[i].text.negative for i in guided])
+                  [states[i].text.negative for i in guided], [caches[i] and caches[i].branch("uncond") for i in guided])
         noise = []
-        for name, latents, timesteps, texts in self._passes(cond, uncond, cfg_batched):
-            with model.cache_context(name), self._context(texts) as context:
+        for name, latents, timesteps, texts, rows in self._passes(cond, uncond, cfg_batched):
+            with model.cache_context(name), self._context(texts) as context, self.blocks.use(rows):
                 noise.extend(model(hidden_states=torch.cat(latents), timestep=torch.cat(timesteps),
                                    encoder_hidden_states=context, encoder_hidden_states_image=None,
                                    attention_kwargs=None, return_dict=False)[0].split(1))
         if guided and self._guidance_parallel():
             noise = self.parallel.gather(noise, [len(states), len(guided)])
+            if any(caches):
+                self.parallel.share_hits(cond[4], uncond[4])
         for i, (state, t) in enumerate(zip(states, ts)):
             pred = noise[i]
             if state.guidance_scale > 1:
@@ -181,8 +194,8 @@ class Wan22I2VPipeline:
             state.latents = state.scheduler.step(pred, t, state.latents, return_dict=False)[0]
 
     def _passes(self, cond: tuple, uncond: tuple, cfg_batched: bool) -> list[tuple]:
-        """The transformer forwards of one denoise step, each (cache name, latents, timesteps, texts): the cond
-        rows alone when no row is guided; on a rank of a guidance-parallel group, the rank's own branch (the
+        """The transformer forwards of one denoise step, each (cache name, latents, timesteps, texts, step caches):
+        the cond rows alone when no row is guided; on a rank of a guidance-parallel group, the rank's own branch (the
         other's is gathered after the forward, parallel.py); else the cond and uncond rows in one forward
         (`cfg_batched`) or in two."""
         if not uncond[1]:

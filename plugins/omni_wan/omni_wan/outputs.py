@@ -31,7 +31,7 @@ class WanOutputProcessor:
                 events.append(StageFailed.of(out.request_id, self.node_id, out.error))
             elif isinstance(out.result, Progress):
                 events.append(StageProgress(out.request_id, self.node_id, out.result.step, out.result.total,
-                                            "denoise"))
+                                            "denoise", out.result.from_cache))
             elif out.finished is not None:
                 events.append(StageFinished(out.request_id, self.node_id, self.finish(out.record)))
         return events, []
@@ -70,7 +70,24 @@ def measured_trace(wan: WanJob) -> dict:
              "diffusion.cfg_batched": wan.cfg_batched}
     if wan.profile_trace is not None:
         trace["diffusion.profile_trace"] = str(wan.profile_trace)
+    trace.update(step_cache_trace(wan))
     sizes = wan.batch_sizes or [0]
     trace["diffusion.batch_size_mean"] = round(sum(sizes) / len(sizes), 3)
     trace["diffusion.batch_size_max"] = max(sizes)
     return trace
+
+
+def step_cache_trace(wan: WanJob) -> dict:
+    """What the request's step cache did: the transformer forwards whose blocks (after the first, first_block;
+    all, mag) it skipped, cond and uncond counted apart, their share of its block computations, and how close
+    its closest decision came to the threshold."""
+    cache = wan.step_cache
+    if cache is None:
+        return {"diffusion.step_cache_skipped_forwards": 0, "diffusion.step_cache_skipped_share": 0.0}
+    num_blocks, skipped_blocks = wan.num_blocks, wan.num_blocks - (1 if cache.policy.method == "first_block" else 0)
+    share = cache.num_skipped * skipped_blocks / max(1, cache.num_forwards * num_blocks)
+    margin = cache.margin
+    return {"diffusion.step_cache_skipped_forwards": cache.num_skipped,
+            "diffusion.step_cache_forwards": cache.num_forwards,
+            "diffusion.step_cache_skipped_share": round(share, 4),
+            "diffusion.step_cache_margin": None if margin == float("inf") else round(margin, 6)}

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import attrs
 import torch
+import torch.distributed as dist
 
 from omni_kernel.core.errors import InvalidParameter, UserError
 
+from .blocks import row_mean
 from .comm import Mesh, gather_branches
 from .inputs import check_guidance
 from .ulysses import Ulysses
@@ -55,6 +57,8 @@ class WanParallel:
         if model.wan_device.offloaded:
             raise ValueError("a parallel forward keeps the transformer on its device: CPU offload is off")
         ulysses = Ulysses(model.pipe.transformer, mesh) if mesh.ulysses > 1 else None
+        if ulysses is not None:
+            model.blocks.row_mean = ulysses.row_mean  # a row's step-cache signal, over every rank's tokens
         model.parallel = cls(mesh, ulysses)
         return model.parallel
 
@@ -62,6 +66,7 @@ class WanParallel:
         """`model` as it was: single-device forwards."""
         if self.ulysses is not None:
             self.ulysses.remove()
+            model.blocks.row_mean = row_mean
         model.parallel = None
 
     def branch(self, cond: tuple, uncond: tuple) -> tuple:
@@ -73,3 +78,14 @@ class WanParallel:
         rank's branch (`noise`, one tensor a row; branch i has `num_rows[i]`) and the other's."""
         branches = gather_branches(torch.cat(noise), num_rows, self.mesh)
         return [row for branch in branches for row in branch.split(1)]
+
+    def share_hits(self, cond: list, uncond: list) -> None:
+        """Count the other branch's step-cache decisions into each request's cache too (`cond`: one BranchCache
+        or None per row, `uncond` per guided row), so that rank 0 reports both branches."""
+        mine, other = (cond, uncond)[self.mesh.cfg_rank], (cond, uncond)[1 - self.mesh.cfg_rank]
+        flags = torch.tensor([[float(bool(b and b.last_hit))] for b in mine])
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        branches = gather_branches(flags.to(device), [len(cond), len(uncond)], self.mesh)
+        for branch, flag in zip(other, branches[1 - self.mesh.cfg_rank].flatten().tolist()):
+            if branch is not None:
+                branch.record(bool(flag))

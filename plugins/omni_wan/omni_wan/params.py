@@ -15,6 +15,7 @@ from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.params import MAX_SEED, boolean, integer, number, option, text
 
 from .presets import MAX_GUIDANCE, PRESETS
+from .step_cache import DEFAULT_THRESHOLDS, METHODS
 
 VAE_DTYPES = ("fp32", "bf16", "fp16")
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
@@ -94,5 +95,14 @@ class WanParams:
                                 flag="--output", converter=_path, validator=text)
     profile: bool = option(False, help="record per-phase times and a Chrome trace", type=bool, flag="--profile",
                            validator=boolean)
+    step_cache: str | None = option(
+        None, help="skip the transformer's blocks on steps whose input barely changed: none (default), first_block "
+                   "(FirstBlockCache) or mag (MagCache; needs `omni wan-calibrate` for the checkpoint first)",
+        flag="--step-cache", choices=METHODS)
+    step_cache_threshold: float | None = option(
+        None, help="how much change the step cache lets pass before it runs every block again (0: never skip; "
+                   f"default {DEFAULT_THRESHOLDS['first_block']:g} for first_block, {DEFAULT_THRESHOLDS['mag']:g} "
+                   "for mag): higher skips more, and past some value quality falls off a cliff", type=float,
+        flag="--step-cache-threshold", validator=number(minimum=0))
     return_frames: bool = option(False, help="also return the frames as an array (StageOutput.data)", type=bool,
                                  validator=boolean)

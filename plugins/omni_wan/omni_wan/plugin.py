@@ -74,3 +74,9 @@ class WanPlugin:
     def omni_register_pipelines(self, register):
         register(WAN_PIPELINE)
         register(WAN_T2V_PIPELINE)
+
+    @hookimpl
+    def omni_register_commands(self, register):
+        from .calibrate_cli import calibrate_command
+
+        register(calibrate_command)

@@ -12,6 +12,7 @@ import attrs
 from omni_kernel.core.errors import InvalidParameter
 
 from .layout import ModelLayout
+from .step_cache import DEFAULT_THRESHOLDS
 
 if TYPE_CHECKING:
     from .params import WanParams
@@ -62,11 +63,14 @@ class Settings:
     guidance_scale: float
     negative_prompt: str
     seed: int | None
+    step_cache: str = "none"
+    step_cache_threshold: float = 0.0
 
     def trace(self) -> dict:
         return {"diffusion.preset": self.preset, "diffusion.height": self.height, "diffusion.width": self.width,
                 "diffusion.num_frames": self.num_frames, "diffusion.steps": self.steps,
-                "diffusion.guidance": self.guidance_scale}
+                "diffusion.guidance": self.guidance_scale, "diffusion.step_cache": self.step_cache,
+                "diffusion.step_cache_threshold": self.step_cache_threshold}
 
 
 def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] | None,
@@ -90,9 +94,22 @@ def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] 
         steps=_given(params.num_inference_steps, preset.steps),
         guidance_scale=float(_given(params.guidance_scale, preset.guidance_scale)),
         negative_prompt=_given(params.negative_prompt, DEFAULT_NEGATIVE_PROMPT),
-        seed=params.seed)
+        seed=params.seed,
+        **step_cache(params.step_cache, params.step_cache_threshold))
     validate(settings, layout)
     return settings
+
+
+def step_cache(method: str | None, threshold: float | None) -> dict:
+    """The request's step cache and its threshold (the method's default when it names none)."""
+    method = method or "none"
+    if method == "none":
+        if threshold is not None:
+            raise InvalidParameter("step_cache_threshold", f"{threshold:g} has no step cache to act on: set "
+                                                           f"step_cache to {' or '.join(DEFAULT_THRESHOLDS)}")
+        return {"step_cache": "none", "step_cache_threshold": 0.0}
+    return {"step_cache": method,
+            "step_cache_threshold": float(DEFAULT_THRESHOLDS[method] if threshold is None else threshold)}
 
 
 def frames_for(seconds: float, layout: ModelLayout) -> int:

@@ -29,12 +29,13 @@ from omni_kernel.core.errors import RequestError
 from omni_kernel.core.request import StageInput
 from omni_kernel.core.scheduler import PhaseSchedulerOutput, StepJob
 
-from . import prepare_cache
+from . import calibration, prepare_cache
 from .device import WanDevice
 from .job import Progress, StepResult, WanJob
 from .layout import ModelLayout
 from .model import TextEmbeds
 from .profiler import Profiler, profile_path
+from .step_cache import CachePolicy, interpolate
 from .video import write_mp4
 
 log = logging.getLogger("omni")
@@ -66,6 +67,12 @@ class WanRunner:
         self.exports = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omni-{node_id}-export")
         self.export_in_background = device.device == "cuda"
         self.group = None  # a RankGroup (ranks.py) when the forwards run over several ranks
+        self.num_cache_hits = 0  # transformer forwards of cached requests that skipped their blocks (/metrics)
+        self.num_cache_misses = 0  # ... and that ran every block
+
+    def stats(self) -> dict:
+        """The StageStats fields this runner counts (the scheduler's `model_stats`)."""
+        return {"step_cache_hits": self.num_cache_hits, "step_cache_misses": self.num_cache_misses}
 
     def add_request(self, record: StepJob) -> None:
         record.state = WanJob(record.item, Profiler(sync=self._sync()))
@@ -169,10 +176,19 @@ class WanRunner:
 
             generator = torch.Generator("cpu").manual_seed(s.seed)
             job.denoise = model.prepare(TextEmbeds(text, negative), condition, s.height, s.width, s.num_frames,
-                                        s.steps, s.guidance_scale, generator)
+                                        s.steps, s.guidance_scale, generator, self._cache_policy(s))
+        job.step_cache, job.num_blocks = job.denoise.step_cache, len(model.pipe.transformer.blocks)
         if job.denoise.total != s.steps:  # the scheduler counts s.steps denoise steps; they must be the timesteps
             raise RuntimeError(f"the noise scheduler made {job.denoise.total} timesteps for {s.steps} steps")
         return Progress(0, job.denoise.total)
+
+    def _cache_policy(self, s) -> CachePolicy | None:
+        if s.step_cache == "none":
+            return None
+        ratios = None
+        if s.step_cache == "mag":
+            ratios = interpolate(calibration.require_ratios(self.layout.path), s.steps)
+        return CachePolicy(s.step_cache, s.step_cache_threshold, s.steps, ratios)
 
     @staticmethod
     def _text(model_key, model, text: str, cached):
@@ -199,8 +215,18 @@ class WanRunner:
             if error is not None:
                 results[job.item.request_id] = error
             else:
-                results[job.item.request_id] = Progress(step + 1, job.denoise.total)
+                results[job.item.request_id] = Progress(step + 1, job.denoise.total, self._count_cache(job))
         return results
+
+    def _count_cache(self, job: WanJob) -> bool | None:
+        """Count the step's forwards of a cached request; whether all of them came from its cache."""
+        cache = job.denoise.step_cache
+        if cache is None:
+            return None
+        hits = sum(b.last_hit for b in cache.branches.values())
+        self.num_cache_hits += hits
+        self.num_cache_misses += len(cache.branches) - hits
+        return cache.step_hit()
 
     def decode(self, jobs: list[WanJob], steps: Sequence[int]) -> dict[str, StepResult]:
         """One VAE decode of the jobs' latents (one shape: the batch key) into their frames."""

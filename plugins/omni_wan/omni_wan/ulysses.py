@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from .comm import Mesh, gather_sequence, heads_to_sequence, pad, padded_length, sequence_to_heads, shard
 
@@ -59,6 +60,15 @@ class Ulysses:
     @property
     def num_padded(self) -> int:
         return padded_length(self.num_tokens, self.mesh.ulysses)
+
+    def row_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's mean over every rank's real tokens of `x` (rows, shard tokens, ...), the same on every rank of
+        the branch: this rank's sum over its tokens (the padding left out), summed over the ranks."""
+        length = x.shape[SEQUENCE_DIM]
+        real = max(0, min(length, self.num_tokens - self.mesh.seq_rank * length))
+        sums = x[:, :real].float().sum(dim=tuple(range(1, x.ndim)))
+        dist.all_reduce(sums, group=self.mesh.seq_group)
+        return sums / (self.num_tokens * math.prod(x.shape[2:]))
 
     def _split_input(self, module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]

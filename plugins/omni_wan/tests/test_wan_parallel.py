@@ -207,3 +207,59 @@ def test_one_process_is_rank_0_of_one_parallel_stage_at_most(tiny_model, monkeyp
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     with pytest.raises(UserError, match="rank 0 of another parallel stage already; .*--placement process"):
         Omni("wan_t2v", model=str(tiny_model), device="cpu", wan_ulysses=2)
+
+
+# ---- the step cache over ranks ----------------------------------------------------------------------------------
+
+CACHED_STEPS = 12
+RATIOS = [1.0, 1.015, 1.013, 0.981, 1.019, 0.992, 0.999, 0.981, 1.026, 0.999, 1.017, 0.981]  # a calibration's shape
+
+
+def _cached_batch(model: Wan22I2VPipeline, image_path: str, height: int, width: int) -> list:
+    """A text row (first_block), an image row (mag) and an unguided image row (first_block, a higher threshold)."""
+    from omni_wan.step_cache import CachePolicy, interpolate
+
+    prompts = model.encode_texts(["a cat surfing", "a red fox in the snow", "a boat", "blurred, low quality"])
+    condition = model.encode_image(Image.open(image_path).convert("RGB"), height, width)
+    policies = [CachePolicy("first_block", 0.1, CACHED_STEPS),
+                CachePolicy("mag", 0.06, CACHED_STEPS, interpolate(RATIOS, CACHED_STEPS)),
+                CachePolicy("first_block", 0.2, CACHED_STEPS)]
+    rows = [(None, GUIDANCE), (condition, GUIDANCE), (condition, 1.0)]
+    return [model.prepare(TextEmbeds(text, prompts[-1] if scale > 1 else None), image, height, width, NUM_FRAMES,
+                          CACHED_STEPS, scale, torch.Generator().manual_seed(seed), policy)
+            for seed, (text, (image, scale), policy) in enumerate(zip(prompts, rows, policies))]
+
+
+def _cached_compare(rank: int, context: dict, cfg: int, ulysses: int, path: str, image_path: str) -> dict:
+    model = _model(context, path)
+    mesh = Mesh.build(cfg, ulysses)
+    states = _cached_batch(model, image_path, *SIZES[0])
+    alone = copy.deepcopy(states)
+    for step in range(CACHED_STEPS):
+        model.denoise_batch(alone, [step] * len(alone))
+    parallel = WanParallel.install(model, mesh)
+    try:
+        for step in range(CACHED_STEPS):
+            model.denoise_batch(states, [step] * len(states))
+    finally:
+        parallel.uninstall(model)
+    return {"latents": max(_max_difference(a.latents, b.latents) for a, b in zip(alone, states)),
+            "skipped alone": [s.step_cache.num_skipped for s in alone],
+            "skipped": [s.step_cache.num_skipped for s in states],
+            "forwards": [s.step_cache.num_forwards for s in states],
+            "margin": min(s.step_cache.margin for s in alone)}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("cfg,ulysses", [(2, 1), (1, 2)], ids=["cfg2", "ulysses2"])
+def test_cached_parallel_denoise_matches_one_process(ranks, tiny_model, image_path, cfg, ulysses):
+    """Each rank takes the one-process decisions (Ulysses: the signal reduced over the ranks; guidance-parallel:
+    each branch on its rank, the other's decisions counted in), so the latents and the skipped forwards agree."""
+    results = ranks.run(_cached_compare, cfg, ulysses, str(tiny_model), str(image_path))
+    for rank, result in enumerate(results):
+        print(f"rank {rank}: {result}")
+        assert result["latents"] <= FORWARD_TOLERANCE, (rank, result)
+        assert result["skipped"] == result["skipped alone"], (rank, result)
+        assert result["forwards"] == [2 * CACHED_STEPS, 2 * CACHED_STEPS, CACHED_STEPS], (rank, result)
+        assert all(0 < n < 2 * CACHED_STEPS for n in result["skipped"][:2]), (rank, result)
+        assert result["margin"] >= 1e-4, (rank, result)

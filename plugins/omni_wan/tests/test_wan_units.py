@@ -29,7 +29,8 @@ def test_every_flag_of_the_old_cli_is_declared_with_its_type():
                      "--disable-cpu-offload": ("disable_cpu_offload", bool), "--preset": ("preset", str),
                      "--height": ("height", int), "--width": ("width", int), "--num-frames": ("num_frames", int),
                      "--steps": ("num_inference_steps", int), "--guidance-scale": ("guidance_scale", float),
-                     "--seed": ("seed", int), "--output": ("output", str), "--profile": ("profile", bool)}
+                     "--seed": ("seed", int), "--output": ("output", str), "--profile": ("profile", bool),
+                     "--step-cache": ("step_cache", str), "--step-cache-threshold": ("step_cache_threshold", float)}
     assert options_of(WanConfig)["vae_dtype"].choices == ("fp32", "bf16", "fp16")
 
 

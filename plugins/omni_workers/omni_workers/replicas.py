@@ -117,6 +117,8 @@ class ReplicaStage:
             kv_blocks_total=_total(s.kv_blocks_total for s in kv) if kv else None,
             kv_blocks_used=_total(s.kv_blocks_used for s in kv) if kv else None,
             prefix_hit_tokens=_total(s.prefix_hit_tokens for s in kv) if kv else None,
+            step_cache_hits=_counted(s.step_cache_hits for s in each),
+            step_cache_misses=_counted(s.step_cache_misses for s in each),
             dead=str(self.dead) if self.dead is not None else None, placed=placed)
 
     def close(self) -> None:
@@ -127,3 +129,9 @@ class ReplicaStage:
 
 def _total(values) -> int:
     return sum(v or 0 for v in values)
+
+
+def _counted(values) -> int | None:
+    """The replicas' sum of a counter, None when none of them counts it."""
+    counted = [v for v in values if v is not None]
+    return sum(counted) if counted else None
