@@ -47,6 +47,9 @@ FIGURES = [
     ("Wan continuous batching / sequential", "wan_batching", "ratio_vs_sequential|base.ratio_vs_sequential"),
     ("Wan continuous batching / static", "wan_batching", "ratio_vs_static|base.ratio_vs_static"),
     ("Wan continuous batching / sequential, 4x the tokens", "wan_batching", "large.ratio_vs_sequential"),
+    ("Wan step cache: skipped share of forwards", "step_cache", "skipped_share"),
+    ("Wan step cache: cached / uncached batch speed", "step_cache", "ratio"),
+    ("Wan step cache: of the ideal ratio", "step_cache", "of_ideal"),
 ]
 
 

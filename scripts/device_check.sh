@@ -1,8 +1,8 @@
 #!/bin/sh
-# Every GPU path of the runtime in one prepared run (about 8 minutes on an H200), for a session whose task is lent
+# Every GPU path of the runtime in one prepared run (at most 290 s of part time on the GPU, under 5 minutes with the install), for a session whose task is lent
 # a GPU by the device tool (no network there). Here, first: `sh scripts/device_wheels.sh` (the wheels the image
 # lacks, into .whl/), then the device tool's
-#   run(command="sh scripts/device_check.sh", carry=[".whl"], timeout_s=540)
+#   run(command="sh scripts/device_check.sh", carry=[".whl"], timeout_s=330)
 # Dry run of the same code on this CPU, in the current environment:  sh scripts/device_check.sh --device cpu
 #
 # Parts, each in its own process with its own timeout (a failure or timeout is recorded; the next part runs):
@@ -12,6 +12,9 @@
 #                                          the official openai client (inproc, then --placement process)
 #   wan     benchmarks/gpu_check.py        Wan stage: bf16, offload on/off, batched vs solo, text K/V
 #   wan_batching benchmarks/wan_batching.py  continuous batching of wan_i2v vs sequential and static
+#   step_cache   benchmarks/wan_step_cache.py  a continuous batch with the first-block step cache vs uncached,
+#                                          against the ideal ratio of its skipped share
+# A second try reruns only the parts that failed: --only "PART ..." (each part's timeout is its own).
 # Results in $OUT (the tool brings back at most 8 files): env.txt, one .log per part (its JSON lines), summary.json
 # (each part's status and final JSON, and the figures of docs/gpu.md's table), the summary also on stdout.
 #
@@ -22,10 +25,10 @@
 #
 # Options: --device cuda|cpu (cpu: a dry run, smaller sizes and timeouts), --no-install (use the current Python
 # environment instead of installing .whl/ and this tree under /tmp/site; implied by --device cpu),
-# --ar-model DIR, --only "ar serve wan wan_batching" (a subset, in that order).
+# --ar-model DIR, --only "ar serve wan wan_batching step_cache" (a subset, in that order).
 set -u
 cd "$(dirname "$0")/.."
-DEVICE=cuda INSTALL=1 AR_MODEL="" ONLY="ar serve wan wan_batching"
+DEVICE=cuda INSTALL=1 AR_MODEL="" ONLY="ar serve wan wan_batching step_cache"
 while [ $# -gt 0 ]; do
     case $1 in
         --device) DEVICE=$2; shift 2 ;;
@@ -73,17 +76,21 @@ part() {
     echo "$name $rc $(($(date +%s) - t0)) $limit" >> "$PARTS"
     echo "$name: exit $rc after $(($(date +%s) - t0))s"
 }
-MODEL_ARG="" SERVE_S=115 AR_S=125
+# GPU timeouts: 80 + 75 + 60 + 45 + 30 = 290 s (the parts' budgets end their work some seconds before the kill)
+MODEL_ARG="" SERVE_S=65 AR_S=70
 [ "$DEVICE" = cpu ] && SERVE_S=160 AR_S=270
 [ -n "$AR_MODEL" ] && MODEL_ARG="--ar-model $AR_MODEL"
-part ar 140 300 benchmarks/gpu_ar_check.py --device "$DEVICE" --budget-s $AR_S $MODEL_ARG
-part serve 130 180 benchmarks/gpu_serve_check.py --device "$DEVICE" --budget-s $SERVE_S $MODEL_ARG
-part wan 100 240 benchmarks/gpu_check.py --device "$DEVICE"
+part ar 80 300 benchmarks/gpu_ar_check.py --device "$DEVICE" --budget-s $AR_S $MODEL_ARG
+part serve 75 180 benchmarks/gpu_serve_check.py --device "$DEVICE" --budget-s $SERVE_S $MODEL_ARG
+part wan 60 240 benchmarks/gpu_check.py --device "$DEVICE"
 if [ "$DEVICE" = cpu ]; then
-    part wan_batching 70 200 benchmarks/wan_batching.py --device cpu --steps 3 --rounds 1 --large-rounds 0 \
+    part wan_batching 45 200 benchmarks/wan_batching.py --device cpu --steps 3 --rounds 1 --large-rounds 0 \
         --height 32 --width 32 --num-frames 5 --requests 2
+    part step_cache 30 200 benchmarks/wan_step_cache.py --device cpu --rounds 1 --requests 2 --steps 6 \
+        --size 64x96 --num-frames 9 --threshold 0.3
 else
-    part wan_batching 70 120 benchmarks/wan_batching.py --device cuda --rounds 1 --large-rounds 1
+    part wan_batching 45 120 benchmarks/wan_batching.py --device cuda --rounds 1 --large-rounds 1
+    part step_cache 30 120 benchmarks/wan_step_cache.py --device cuda --rounds 2
 fi
 $PY benchmarks/device_summary.py "$OUT" "$PARTS"
 echo "total: $(($(date +%s) - start))s; results in $OUT"
