@@ -206,9 +206,13 @@ class VideoJobs:
         now = time.perf_counter()
         if self.metrics is not None and event.step > 0:
             self.metrics.denoise.labels(job.model).observe(now - last)
+        if event.step == 0 and job.status == "queued":  # prepared, waiting for its first denoise step: queued
+            return now
         progress = min(99, int(100 * event.step / max(event.total, 1)))
-        if job.status != "in_progress" or progress != job.progress:
-            self._save(job, "progress", status="in_progress", progress=progress)
+        if job.status != "in_progress":
+            self._save(job, "in_progress", status="in_progress", progress=progress)
+        elif progress != job.progress:
+            self._save(job, "progress", progress=progress)
         return now
 
     def _completed(self, job: VideoJobRecord, result) -> None:
