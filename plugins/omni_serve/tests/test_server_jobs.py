@@ -44,7 +44,7 @@ def killed(proc: ServerProcess) -> None:
 
 
 def died(proc: ServerProcess, timeout: float = 120) -> None:
-    wait_until(lambda: proc.proc.poll() is not None, timeout, "the server to kill itself at the fault", 0.05)
+    wait_until(lambda: proc.proc.poll() is not None, timeout, "the server to kill itself at the fault", interval=0.05)
     killed(proc)
 
 
