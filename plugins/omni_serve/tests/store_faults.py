@@ -1,8 +1,9 @@
 """A test plugin that injects faults into the job store of the `omni serve` process it is loaded in, as the
-environment variable OMNI_TEST_STORE_FAULT says: `ACTION:KIND:N[:PHASE]` (several, comma-separated), at the Nth write of KIND (a kind of
-state write of omni_serve/store.py, or `upload`: a chunk of an upload written to disk), PHASE `during` (the row
-written, not committed; the default) or `after` (committed, not reported). ACTION `kill` SIGKILLs the server
-(a crash at that very moment), `enospc` raises ENOSPC there (a full disk). It registers no hooks."""
+environment variable OMNI_TEST_STORE_FAULT says: `ACTION:KIND:N[:PHASE]` (several, comma-separated), at the Nth
+write of KIND (a kind of state write of omni_serve/store.py, or `upload`: a chunk of an upload written to disk),
+PHASE `during` (the row written, not committed; the default) or `after` (committed, not reported). ACTION `kill`
+SIGKILLs the server (a crash at that very moment), `enospc` raises ENOSPC there (a full disk). It registers no
+hooks."""
 
 import errno
 import os

@@ -28,6 +28,7 @@ QUICK = {"model": "wan_t2v", "prompt": "a lighthouse", "size": "96x64", "num_fra
 LONG = {**QUICK, "size": "192x192", "num_frames": "33", "num_inference_steps": "200"}  # 3-4 s here
 TERMINAL = ("completed", "failed")
 ROUNDS = int(os.environ.get("OMNI_TEST_KILL_ROUNDS", "20"))
+BURST = 6  # jobs a round submits at most
 
 
 def start(tmp: Path, name: str, out: Path, *extra: str, fault: str = "", ready: bool = True) -> ServerProcess:
@@ -165,12 +166,14 @@ def test_a_kill_during_each_kind_of_state_write_leaves_a_store_that_opens_and_jo
 
 
 def _burst(url: str, rng: random.Random, acknowledged: set[str], stop: threading.Event) -> None:
+    """Up to BURST jobs, a few ms to 150 ms apart, until the server dies."""
     with httpx.Client(base_url=url, timeout=30) as http:
-        while not stop.is_set():
+        for _ in range(BURST):
             fields = {**QUICK, "num_inference_steps": str(rng.choice((2, 20, 120)))}
-            if (job := post(http, fields)) is None:
+            if stop.is_set() or (job := post(http, fields)) is None:
                 return
             acknowledged.add(job)
+            stop.wait(rng.uniform(0.005, 0.15))
 
 
 def test_kill_9_at_random_moments_under_a_burst_of_jobs(tmp_path, omni_cache):
@@ -247,5 +250,35 @@ def test_a_full_disk_fails_the_one_request_that_met_it(tmp_path, omni_cache):
             assert fine["status"] == "completed", fine
             assert set(listed(http)) == {failed["id"], fine["id"]}
             assert http.get("/health").status_code == 200
+    finally:
+        assert server.stop() == 0, server.output()
+
+
+def test_a_19_mb_upload_is_streamed_to_disk_not_held_in_memory(tmp_path, omni_cache):
+    from test_server_limits import rss_mb
+
+    out = tmp_path / "videos"
+    server = start(tmp_path, "server", out)
+    size, boundary = 19_000_000, "b0undary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\np\r\n--{boundary}\r\n"
+            f"Content-Disposition: form-data; name=\"input_reference\"; filename=\"big.png\"\r\n"
+            "Content-Type: image/png\r\n\r\n").encode()
+    block, samples = os.urandom(1 << 16), []
+
+    def body():
+        yield head
+        for _ in range(size // len(block)):
+            samples.append(rss_mb(server.proc.pid))
+            yield block
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    try:
+        before = rss_mb(server.proc.pid)
+        r = httpx.post(server.url + "/v1/videos", content=body(), timeout=120,
+                       headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text  # t2v: no image
+        print(f"RSS {before:.0f} MB before a 19 MB upload, at most {max(samples):.0f} MB while it arrived")
+        assert max(samples) < before + 12, (before, max(samples))  # 19 MB held anywhere would show
+        assert not list((out / ".uploads").glob("*")) if (out / ".uploads").exists() else True
     finally:
         assert server.stop() == 0, server.output()
