@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,6 +18,8 @@ from omni_kernel.cli.flags import Flag, collect, declared, values
 from omni_kernel.cli.options import placement_options, run_setting_names
 from omni_kernel.core.errors import GraphError, OmniError, UserError
 from omni_kernel.plugins import load_host
+
+from .store import ON_RESTART, JobStore
 
 log = logging.getLogger("omni")
 
@@ -67,7 +67,13 @@ def serve_command() -> click.Command:
         click.Option(["--served-model-name", "aliases"], multiple=True, metavar="NAME[=PIPELINE]",
                      help="Another name a request's `model` may use for a pipeline (repeatable)."),
         click.Option(["--output-dir"], type=click.Path(file_okay=False), default=None,
-                     help="Where videos are written (default: a temporary directory removed at exit)."),
+                     help="Where videos, uploads and the job store are kept (default: serve/videos under the omni "
+                          "cache, e.g. ~/.cache/omni/serve/videos; kept across restarts)."),
+        click.Option(["--jobs-db"], type=click.Path(dir_okay=False), default=None,
+                     help="The video job store, a SQLite file (default: jobs.sqlite in --output-dir)."),
+        click.Option(["--on-restart"], type=click.Choice(ON_RESTART), default="fail", show_default=True,
+                     help="A video job in progress when the server died: run it again from the start, or fail it "
+                          "(error code server_restarted). Queued jobs always run."),
         click.Option(["--video-ttl"], type=float, default=3600.0, show_default=True,
                      help="Seconds a finished video job and its file are kept (0: forever)."),
         click.Option(["--max-body-mb"], type=float, default=20.0, show_default=True,
@@ -89,8 +95,8 @@ def serve_command() -> click.Command:
     ]
 
     @click.pass_context
-    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, video_ttl, max_body_mb, max_text_body_mb,
-              allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
+    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, jobs_db, on_restart, video_ttl, max_body_mb,
+              max_text_body_mb, allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
               config_pairs, log_level, **given):
         run_settings = {key: given.pop(key) for key in ctx._omni_settings}
         flags = {f.dest: f for f in ctx._omni_flags}
@@ -98,6 +104,7 @@ def serve_command() -> click.Command:
         try:
             run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
                        aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
+                       jobs_db=jobs_db, on_restart=on_restart,
                        max_text_body_mb=max_text_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
                        max_in_flight=max_in_flight or None,
@@ -184,14 +191,8 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
 def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
                log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None,
-               timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0) -> None:
-    import uvicorn
-
-    from .engine import AsyncOmni
-    from .guards import ServeSettings
-    from .server import create_app
-    from .timeouts import TimedH11Protocol
-
+               timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0, jobs_db=None,
+               on_restart: str = "fail") -> None:
     _check_limits(max_body_mb, max_text_body_mb, shutdown_timeout)
     timeouts = timeouts or Timeouts()
     _return_large_blocks()
@@ -199,20 +200,47 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
     run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
     plan = {name: (pipeline, {**config, **run_settings}) for name, (pipeline, config) in plan.items()}
     alias_map = parse_aliases(aliases, list(plan))
+    output_dir = Path(output_dir).expanduser().absolute() if output_dir else default_output_dir()
+    jobs_db = Path(jobs_db).expanduser().absolute() if jobs_db else output_dir / "jobs.sqlite"
+    store = JobStore(jobs_db, output_dir)  # locked before any model loads: a second server is refused at once
+    try:
+        _serve(plugin_host, plan, store, alias_map, host=host, port=port, api_key=api_key, output_dir=output_dir,
+               video_ttl=video_ttl, max_body_mb=max_body_mb, max_text_body_mb=max_text_body_mb,
+               allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
+               max_in_flight=max_in_flight, timeouts=timeouts, on_restart=on_restart)
+    finally:
+        store.close()
+    log.info("stopped")
+
+
+def default_output_dir() -> Path:
+    """Where videos are kept without --output-dir: serve/videos under the omni cache (OMNI_CACHE_DIR, else
+    ~/.cache/omni), kept across restarts so the job store's files outlive the process."""
+    from omni_kernel.util.files import cache_dir
+
+    return (cache_dir() / "serve" / "videos").absolute()
+
+
+def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_dir: Path, video_ttl, max_body_mb,
+           max_text_body_mb, allowed_origins, shutdown_timeout, log_level, max_in_flight, timeouts: Timeouts,
+           on_restart: str) -> None:
+    import uvicorn
+
+    from .engine import AsyncOmni
+    from .guards import ServeSettings
+    from .server import create_app
+    from .timeouts import TimedH11Protocol
+
     started = time.perf_counter()
     async_omni = AsyncOmni.build(plan, plugin_host, max_in_flight)  # checks every pipeline, then builds
     for stage in async_omni.snapshot.stages:  # what each stage reports of itself (its worker's, if placed in one)
         if stage.stats.kv_blocks_total is not None:
             log.info("%s/%s: %d KV blocks", stage.pipeline, stage.node, stage.stats.kv_blocks_total)
     log.info("built %s in %.1fs", ", ".join(async_omni.omnis), time.perf_counter() - started)
-    temp_dir = None
-    if output_dir is None:
-        temp_dir = tempfile.mkdtemp(prefix="omni-serve-")
-        output_dir = temp_dir
-    settings = ServeSettings(Path(output_dir).expanduser().absolute(), api_key or None, video_ttl or None,
-                             max_body_mb, max_text_body_mb, tuple(allowed_origins), shutdown_timeout, alias_map,
-                             timeouts.body or None)
-    app = create_app(async_omni, settings)
+    log.info("videos in %s, job store %s (--on-restart %s)", output_dir, store.path, on_restart)
+    settings = ServeSettings(output_dir, api_key or None, video_ttl or None, max_body_mb, max_text_body_mb,
+                             tuple(allowed_origins), shutdown_timeout, alias_map, timeouts.body or None, on_restart)
+    app = create_app(async_omni, settings, store)
     # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):
     # the app fails what is left at --shutdown-timeout itself (server.py), so uvicorn waits a little longer.
     config = uvicorn.Config(app.state.asgi, host=host, port=port, log_level=log_level, access_log=False,
@@ -226,9 +254,6 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         async_omni.shutdown(0)
         for omni in async_omni.omnis.values():  # stop the placed stages, if any
             omni.close()
-        if temp_dir is not None:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-    log.info("stopped")
 
 
 def _check_limits(max_body_mb: float, max_text_body_mb: float, shutdown_timeout: float) -> None:

@@ -35,9 +35,16 @@ class ServeSettings:
     shutdown_timeout: float = 30.0
     aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
     body_timeout: float | None = 60.0  # seconds a request's whole body may take to arrive (None: no limit)
+    on_restart: str = "fail"  # a video job in progress when the server died: "rerun" or "fail" (restore.py)
 
 
 TEXT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+STREAMED_PATHS = frozenset({"/v1/videos"})  # multipart bodies read as they come (uploads.py), not buffered here
+
+
+def _streamed(scope) -> bool:
+    kind = dict(scope["headers"]).get(b"content-type", b"").split(b";")[0].strip().lower()
+    return scope["path"] in STREAMED_PATHS and kind == b"multipart/form-data"
 
 
 class OmniASGI:
@@ -69,7 +76,10 @@ class OmniASGI:
         try:
             error = self._refuse(scope)
             if error is None and scope["method"] in ("POST", "PUT", "PATCH"):
-                receive, error = await self._buffer(scope, receive)
+                if _streamed(scope):
+                    receive = self._bounded(scope, receive)
+                else:
+                    receive, error = await self._buffer(scope, receive)
             if error is not None:
                 await self._send_error(send_logged, error)
             else:
@@ -141,6 +151,34 @@ class OmniASGI:
             return await receive()
 
         return replay, None
+
+    def _bounded(self, scope, receive):
+        """`receive` for a body the route reads as it comes (a video form: its file parts stream to disk): the
+        same bounds as `_buffer`, raised as the APIError the route's handler answers."""
+        size, limit = 0, self._limit(scope)
+        timeout = self.settings.body_timeout
+        deadline = None if not timeout else time.monotonic() + timeout
+        done = False
+
+        async def bounded():
+            nonlocal size, done
+            if done:
+                return await receive()
+            try:
+                message = await (receive() if deadline is None
+                                 else asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0)))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive within {timeout:g}s (--body-timeout)",
+                               code="request_timeout") from None
+            if message["type"] == "http.disconnect":
+                raise APIError(400, "client disconnected")
+            size += len(message.get("body", b""))
+            if size > limit:
+                raise self._too_large(scope)
+            done = not message.get("more_body", False)
+            return message
+
+        return bounded
 
     @staticmethod
     async def _send_error(send, error: APIError) -> None:

@@ -36,6 +36,8 @@ def api_error(exc: BaseException) -> APIError:
 
 def error_response(exc: APIError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+    if exc.status in (408, 413):  # a streamed body refused part-way: the rest is not read, the connection closes
+        headers["Connection"] = "close"
     if exc.retry_after is not None:
         headers["Retry-After"] = str(exc.retry_after)
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers or None)

@@ -23,7 +23,7 @@ KIND_STATUS = {"invalid_parameter": 400, "bad_input": 400, "user": 400, "model":
                "engine_dead": 503, "unavailable": 503, "aborted": 503}
 STATUS_TYPE = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "service_unavailable"}
+               503: "service_unavailable", 507: "server_error"}
 
 
 class APIError(Exception):

@@ -20,6 +20,7 @@ from omni_kernel.core.params import OptionInfo, parse
 from .handlers import api_error
 from .protocol import SERVER_OWNED, APIError, VideoJob
 from .state import Served, State
+from .uploads import StoredFile, StreamedForm
 
 router = APIRouter()
 OPENAI = ("prompt", "model", "input_reference", "size")
@@ -45,7 +46,7 @@ FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"s
 async def create_video(request: Request, served: State):
     if is_json(request):  # OpenAI's other body: the same fields, input_reference as {"image_url": ...}
         return await create(json_form(await json_body(request)), served)
-    async with request.form() as form:
+    async with StreamedForm(request, served.jobs.uploads.folder) as form:  # a file part goes to disk as it comes
         return await create(form, served)
 
 
@@ -135,16 +136,18 @@ async def create(form: FormData, served: Served) -> dict[str, Any]:
     image = None
     reference = reference_of(form)
     if isinstance(reference, str) and reference:
-        image = jobs.save_upload(job_id, jobs.decode_data_url(reference), None)
-    elif isinstance(reference, UploadFile):
-        image = jobs.save_upload(job_id, await reference.read(), reference.filename)
+        image = jobs.uploads.save(job_id, jobs.uploads.decode_data_url(reference), None)
+    elif isinstance(reference, StoredFile):
+        image = jobs.uploads.adopt(job_id, reference)
+    elif isinstance(reference, UploadFile):  # a form another parser read (not StreamedForm's)
+        image = jobs.uploads.save(job_id, await reference.read(), reference.filename)
+    shown = model if model in served.names else name
     try:
-        job = await jobs.create(job_id, name, prompt, image, params, size, _text(form, "seconds"))
+        job = await jobs.create(job_id, name, prompt, image, params, size, _text(form, "seconds"), shown)
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         if image is not None:
             image.unlink(missing_ok=True)
         raise image_error(served.jobs.about_upload(api_error(exc), image), image is not None) from None
-    job.model = model if model in served.names else name
     return job.to_json(served.settings.video_ttl)
 
 

@@ -21,15 +21,17 @@ from .engine import AsyncOmni
 from .guards import OmniASGI, ServeSettings
 from .handlers import HANDLERS
 from .state import Served
+from .store import JobStore
 from .videos import VideoJobs
 
 log = logging.getLogger("omni")
 
 
-def create_app(async_omni: AsyncOmni, settings: ServeSettings) -> FastAPI:
+def create_app(async_omni: AsyncOmni, settings: ServeSettings, store: JobStore | None = None) -> FastAPI:
+    """`store`: the open job store (store.py) the video jobs are kept in; None keeps them in memory only."""
     app = FastAPI(title="omni serve", version="0.1.0", lifespan=lifespan, exception_handlers=HANDLERS,
                   description="OpenAI-compatible API over omni pipelines")
-    app.state.served = served = Served.build(async_omni, settings)
+    app.state.served = served = Served.build(async_omni, settings, store)
     for routes in (routes_ops, routes_text, routes_videos):
         app.include_router(routes.router)
     if settings.allowed_origins:
@@ -47,6 +49,7 @@ async def lifespan(app: FastAPI):
     async_omni, settings = served.async_omni, served.settings
     async_omni.start()
     served.jobs.sweep()  # what a server or worker killed mid-write left in --output-dir
+    await served.jobs.restore()  # the store's jobs: listed again, queued ones run (restore.py)
     janitor = asyncio.create_task(_expire(served.jobs, settings.video_ttl))
     exiting = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -70,6 +73,7 @@ async def _drain_on_exit(app: FastAPI, exiting: asyncio.Event) -> None:
     so each stream ends with an error event and [DONE] (before uvicorn cancels what is left, a little later)."""
     await exiting.wait()
     served: Served = app.state.served
+    served.jobs.stopping = True  # a video job the drain aborts goes back to the queue, to run at the next start
     timeout = served.settings.shutdown_timeout
     left = timeout - (time.monotonic() - getattr(app.state, "exit_at", time.monotonic()))
     failed = await asyncio.to_thread(served.async_omni.drain, max(left, 0.0),
@@ -80,8 +84,10 @@ async def _drain_on_exit(app: FastAPI, exiting: asyncio.Event) -> None:
 
 
 async def _expire(jobs: VideoJobs, ttl: float | None) -> None:
-    if not ttl:
-        return
+    """Every TTL/4 (at most a minute): expired jobs go; restored jobs the engine had no room for are submitted."""
+    every = min(max(ttl / 4, 0.05), 60) if ttl else 1.0
     while True:
-        await asyncio.sleep(min(max(ttl / 4, 0.05), 60))
-        jobs.expire()
+        if ttl:
+            jobs.expire()
+        await jobs.resume_waiting()
+        await asyncio.sleep(min(every, 1.0) if jobs.waiting else every)

@@ -16,6 +16,7 @@ from .engine import AsyncOmni
 from .guards import ServeSettings
 from .metrics import Metrics
 from .protocol import APIError
+from .store import JobStore
 from .videos import VideoJobs
 
 ROUTES = {"text": "/v1/chat/completions or /v1/completions", "video": "/v1/videos"}
@@ -32,8 +33,9 @@ class Served:
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @classmethod
-    def build(cls, async_omni: AsyncOmni, settings: ServeSettings) -> Served:
-        jobs = VideoJobs(async_omni, settings.output_dir, settings.video_ttl)
+    def build(cls, async_omni: AsyncOmni, settings: ServeSettings, store: JobStore | None = None) -> Served:
+        jobs = VideoJobs(async_omni, settings.output_dir, settings.video_ttl, store=store,
+                         on_restart=settings.on_restart)
         jobs.metrics = Metrics(lambda: async_omni.snapshot, jobs.counts)
         names = {**{n: n for n in async_omni.omnis}, **dict(settings.aliases)}
         return cls(async_omni, settings, jobs, jobs.metrics, names, {n: _kind(async_omni, n) for n in async_omni.omnis})

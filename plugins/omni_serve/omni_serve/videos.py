@@ -1,12 +1,15 @@
 """Video jobs (the OpenAI Videos API): each job is one engine request, followed by a task that updates the job
 as its events arrive (progress every denoise step). Files live under the server's own output directory; the
-client never names a path. Finished jobs and their files expire after the TTL."""
+client never names a path. Finished jobs and their files expire after the TTL.
+
+Every state change is a write to the job store (store.py), committed before the job's new state is kept here and
+so before any answer reports it: the jobs in memory are the store's rows as of their last commit. At start
+(`restore`) the store's jobs come back: completed ones are listed and downloadable until their TTL, queued ones
+run, in-progress ones run again or fail with `server_restarted` (--on-restart), and files are reconciled."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import logging
 import re
 import time
@@ -19,12 +22,14 @@ import attrs
 from omni_kernel.events import RequestFailed, RequestFinished, StageProgress
 from omni_kernel.util.files import remove_atomic_leftovers
 
-from .engine import AsyncOmni
+from .engine import AsyncOmni, Overloaded
 from .protocol import APIError
+from .store import JobStore, StoreWriteFailed
+from .uploads import Uploads
 
 log = logging.getLogger("omni")
-DATA_URL = re.compile(r"^data:image/[A-Za-z0-9.+-]+;base64,(.*)$", re.S)
 JOB_FILE = re.compile(r"video_[0-9a-f]{32}\..+")  # a job's MP4 (video_<id>.mp4) and what is named after it
+LIVE = ("queued", "in_progress")
 
 
 def scrub(message: str, upload: Path) -> str:
@@ -34,6 +39,13 @@ def scrub(message: str, upload: Path) -> str:
                         (path, "input_reference")):
         message = message.replace(shown, said)
     return message
+
+
+def store_error(exc: StoreWriteFailed) -> APIError:
+    if exc.full:
+        return APIError(507, f"{exc}; nothing was kept: free space on the server and retry", None,
+                        "insufficient_storage", "server_error")
+    return APIError(503, f"{exc}; retry later", None, "store_unavailable", retry_after=1)
 
 
 @attrs.define
@@ -53,7 +65,10 @@ class VideoJobRecord:
     path: Path | None = None
     upload: Path | None = None
     task: asyncio.Task | None = attrs.field(default=None, repr=False)
-    finished: float | None = None  # monotonic time it completed or failed (for the TTL)
+    finished: float | None = None  # wall-clock time it completed or failed (for the TTL)
+    pipeline: str = ""
+    params: dict[str, Any] = attrs.Factory(dict)
+    attempts: int = 1
 
     def to_json(self, ttl: float | None) -> dict[str, Any]:
         expires = None if self.completed_at is None or not ttl else int(self.completed_at + ttl)
@@ -64,15 +79,33 @@ class VideoJobRecord:
                 "remixed_from_video_id": None, "created_at": self.created_at, "completed_at": self.completed_at,
                 "expires_at": expires, "error": self.error}
 
+    def row(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "pipeline": self.pipeline, "created_at": self.created_at,
+                "prompt": self.prompt, "size": self.size, "seconds": self.seconds, "params": self.params,
+                "upload": None if self.upload is None else str(self.upload), "path": str(self.path),
+                "progress": self.progress, "attempts": self.attempts}
+
+    @classmethod
+    def of_row(cls, row: dict[str, Any]) -> VideoJobRecord:
+        return cls(row["id"], row["model"], row["created_at"], row["size"], row["seconds"], row["prompt"],
+                   row["status"], row["progress"], row["completed_at"], row["error"], Path(row["path"]),
+                   Path(row["upload"]) if row["upload"] else None, finished=row["finished_at"],
+                   pipeline=row["pipeline"], params=row["params"], attempts=row["attempts"])
+
 
 class VideoJobs:
-    def __init__(self, async_omni: AsyncOmni, output_dir: Path, ttl: float | None, metrics=None):
+    def __init__(self, async_omni: AsyncOmni, output_dir: Path, ttl: float | None, metrics=None,
+                 store: JobStore | None = None, on_restart: str = "fail"):
         self.async_omni = async_omni
         self.output_dir = output_dir
-        self.uploads = output_dir / ".uploads"
+        self.uploads = Uploads(output_dir / ".uploads")
         self.ttl = ttl
         self.metrics = metrics
+        self.store = store
+        self.on_restart = on_restart
         self.jobs: dict[str, VideoJobRecord] = {}
+        self.stopping = False  # the exit signal came: a job the drain aborts goes back to the queue
+        self.waiting: list[VideoJobRecord] = []  # restored jobs the engine had no room for yet
 
     def counts(self) -> dict[str, int]:
         counts = {s: 0 for s in ("queued", "in_progress", "completed", "failed")}
@@ -80,24 +113,13 @@ class VideoJobs:
             counts[job.status] = counts.get(job.status, 0) + 1
         return counts
 
-    def save_upload(self, job_id: str, data: bytes, filename: str | None) -> Path:
-        self.uploads.mkdir(parents=True, exist_ok=True)
-        suffix = Path(filename or "").suffix.lower()
-        suffix = suffix if re.fullmatch(r"\.[a-z0-9]{1,5}", suffix) else ".img"
-        path = self.uploads / f"{job_id}{suffix}"
-        path.write_bytes(data)
-        return path
-
-    @staticmethod
-    def decode_data_url(text: str) -> bytes:
-        match = DATA_URL.match(text.strip())
-        if not match:
-            raise APIError(400, "invalid input_reference: upload an image file or send a data:image/...;base64 URL "
-                                "(the server fetches no URLs)", "input_reference")
-        try:
-            return base64.b64decode(match.group(1), validate=False)
-        except (binascii.Error, ValueError):
-            raise APIError(400, "invalid input_reference: the data URL is not valid base64", "input_reference") from None
+    def _save(self, job: VideoJobRecord, kind: str, **fields: Any) -> None:
+        """Commit the job's new state (StoreWriteFailed: nothing changed), then keep it here."""
+        if self.store is not None:
+            self.store.update(kind, job.id, **{("finished_at" if k == "finished" else k):
+                                               (str(v) if isinstance(v, Path) else v) for k, v in fields.items()})
+        for name, value in fields.items():
+            setattr(job, name, value)
 
     @staticmethod
     def about_upload(error: APIError, upload: Path | None) -> APIError:
@@ -111,25 +133,50 @@ class VideoJobs:
     def new_id() -> str:
         return f"video_{uuid.uuid4().hex}"
 
+    # A new job.
+
     async def create(self, job_id: str, model: str, prompt: str, image: Path | None, params: dict[str, Any],
-                     size: str | None, seconds: str | None) -> VideoJobRecord:
-        """Submit the job's request; a UserError raises here (answered 400), nothing is left behind."""
+                     size: str | None, seconds: str | None, shown: str | None = None) -> VideoJobRecord:
+        """Record the job (queued), then submit its request; a UserError raises here (answered 400) and nothing
+        is left behind, in the store or on disk. `shown`: the model name the client used."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / f"{job_id}.mp4"
-        job = VideoJobRecord(job_id, model, int(time.time()), size, seconds, prompt or None, path=path, upload=image)
+        job = VideoJobRecord(job_id, shown or model, int(time.time()), size, seconds, prompt or None, path=path,
+                             upload=image, pipeline=model, params=params)
+        if self.store is not None:
+            try:
+                self.store.insert(job.row())
+            except StoreWriteFailed as exc:
+                raise store_error(exc) from None
         try:
-            stream = await self.async_omni.open(model, prompt, image=None if image is None else str(image),
-                                                request_id=job_id, output=str(path), **params)
+            stream = await self._open(job)
         except BaseException:
-            self._remove_files(job)
+            self._forget(job)
             raise
         self.jobs[job_id] = job
         job.task = asyncio.create_task(self._follow(job, stream), name=f"omni-{job_id}")
         return job
 
+    async def _open(self, job: VideoJobRecord):
+        image = None if job.upload is None else str(job.upload)
+        return await self.async_omni.open(job.pipeline, job.prompt or "", image=image, request_id=job.id,
+                                          output=str(job.path), **job.params)
+
+    def _forget(self, job: VideoJobRecord) -> None:
+        """A job refused at submit: its files and its row go."""
+        self._remove_files(job)
+        if self.store is not None:
+            try:
+                self.store.purge(job.id)
+            except StoreWriteFailed:
+                log.warning("video job %s was refused but its row stays in the store (it fails at the next "
+                            "start)", job.id, exc_info=True)
+
+    # Following a job's events.
+
     async def _follow(self, job: VideoJobRecord, stream) -> None:
         last = time.perf_counter()  # when the final node's last progress came (a denoise step's time)
-        final = self.async_omni.omnis[job.model].graph.final
+        final = self.async_omni.omnis[job.pipeline].graph.final
         try:
             async with stream:
                 async for event in stream:
@@ -140,50 +187,70 @@ class VideoJobs:
                     elif isinstance(event, RequestFailed):
                         self._failed(job, event)
                     elif job.status == "queued":
-                        job.status = "in_progress"
+                        self._save(job, "in_progress", status="in_progress")
         except asyncio.CancelledError:
             raise
+        except StoreWriteFailed as exc:  # its state can no longer be recorded: the job fails (the stream aborts)
+            log.error("video job %s failed: %s", job.id, exc)
+            self._end_unrecorded(job, {"code": "insufficient_storage" if exc.full else "store_unavailable",
+                                       "message": str(exc), "param": None})
         except Exception as exc:  # noqa: BLE001 - the job fails, the server goes on
             log.exception("video job %s failed", job.id)
-            job.error = {"code": "runtime", "message": f"{type(exc).__name__}: {exc}", "param": None}
-            self._end(job, "failed")
+            self._end_unrecorded(job, {"code": "runtime", "message": f"{type(exc).__name__}: {exc}", "param": None})
         finally:
-            if job.upload is not None:
+            if job.status not in LIVE and job.upload is not None:  # kept while the job may still run
                 job.upload.unlink(missing_ok=True)
-                job.upload = None
 
     def _progress(self, job: VideoJobRecord, event: StageProgress, last: float) -> float:
         """A step of the final node: the job's progress, and the step's time into the metrics; returns now."""
         now = time.perf_counter()
         if self.metrics is not None and event.step > 0:
             self.metrics.denoise.labels(job.model).observe(now - last)
-        job.status = "in_progress"
-        job.progress = min(99, int(100 * event.step / max(event.total, 1)))
+        if event.step == 0 and job.status == "queued":  # prepared, waiting for its first denoise step: queued
+            return now
+        progress = min(99, int(100 * event.step / max(event.total, 1)))
+        if job.status != "in_progress":
+            self._save(job, "in_progress", status="in_progress", progress=progress)
+        elif progress != job.progress:
+            self._save(job, "progress", progress=progress)
         return now
 
     def _completed(self, job: VideoJobRecord, result) -> None:
         """The video's size and length as rendered, where the request did not say them."""
         trace = result.trace
-        if job.size is None and "diffusion.width" in trace:
-            job.size = f"{trace['diffusion.width']}x{trace['diffusion.height']}"
-        if job.seconds is None and "diffusion.num_frames" in trace:
+        size, seconds = job.size, job.seconds
+        if size is None and "diffusion.width" in trace:
+            size = f"{trace['diffusion.width']}x{trace['diffusion.height']}"
+        if seconds is None and "diffusion.num_frames" in trace:
             fps = trace.get("diffusion.fps") or 24
-            job.seconds = f"{trace['diffusion.num_frames'] / fps:g}"
-        job.path = Path(result.path) if result.path else job.path
-        self._end(job, "completed")
-        job.progress = 100
+            seconds = f"{trace['diffusion.num_frames'] / fps:g}"
+        path = Path(result.path) if result.path else job.path
+        self._save(job, "completed", status="completed", progress=100, size=size, seconds=seconds, path=path,
+                   completed_at=int(time.time()), finished=time.time())
 
     def _failed(self, job: VideoJobRecord, event: RequestFailed) -> None:
+        if self.stopping and event.kind == "aborted":  # the server stopped it: it runs again at the next start
+            self._remove_files(attrs.evolve(job, upload=None))
+            self._save(job, "requeued", status="queued", progress=0)
+            log.info("video job %s goes back to the queue: the server is stopping", job.id)
+            return
         self._remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
         error = self.about_upload(APIError.of_failure(event.kind, event.error, event.field), job.upload)
         param = "input_reference" if error.param == "image" else error.param  # the API's name
-        job.error = {"code": event.kind, "message": error.message, "param": param}
-        self._end(job, "failed")
+        self._fail(job, {"code": event.kind, "message": error.message, "param": param})
 
-    def _end(self, job: VideoJobRecord, status: str) -> None:
-        job.status = status
-        job.completed_at = int(time.time())
-        job.finished = time.monotonic()
+    def _fail(self, job: VideoJobRecord, error: dict[str, Any]) -> None:
+        self._save(job, "failed", status="failed", error=error, completed_at=int(time.time()), finished=time.time())
+
+    def _end_unrecorded(self, job: VideoJobRecord, error: dict[str, Any]) -> None:
+        """The job fails; try to record it (if that fails too, the next start finds it unfinished)."""
+        self._remove_files(attrs.evolve(job, upload=None))
+        try:
+            self._fail(job, error)
+        except StoreWriteFailed:
+            job.status, job.error, job.completed_at, job.finished = "failed", error, int(time.time()), time.time()
+
+    # Reading, deleting, expiring.
 
     def get(self, job_id: str) -> VideoJobRecord:
         job = self.jobs.get(job_id)
@@ -203,8 +270,13 @@ class VideoJobs:
         return jobs[:limit], len(jobs) > limit
 
     async def delete(self, job_id: str) -> None:
-        """Cancel a running job (it stops between denoise steps) and delete its file."""
+        """Cancel a running job (it stops between denoise steps) and delete its file: `deleted` is committed
+        first (its files are removed at the next start if the server dies before), its row goes once they are."""
         job = self.get(job_id)
+        try:
+            self._save(job, "deleted", status="deleted")
+        except StoreWriteFailed as exc:
+            raise store_error(exc) from None
         del self.jobs[job_id]
         if job.task is not None and not job.task.done():
             job.task.cancel()
@@ -212,9 +284,19 @@ class VideoJobs:
                 await job.task
             except BaseException:  # noqa: BLE001 - cancelled as asked
                 pass
-        self._remove_files(job)
+        self._drop(job)
         # A step that was writing the file when the abort arrived finishes first: remove it again after that.
         self.async_omni.call(lambda: self._remove_files(job))
+
+    def _drop(self, job: VideoJobRecord) -> None:
+        """A deleted or expired job (`deleted` committed): its files, then its row."""
+        self._remove_files(job)
+        if self.store is not None:
+            try:
+                self.store.purge(job.id)
+            except StoreWriteFailed:
+                log.warning("video job %s: its row stays in the store as deleted (removed at the next start)",
+                            job.id, exc_info=True)
 
     def _remove_files(self, job: VideoJobRecord) -> None:
         for path in (job.path, job.upload):
@@ -234,12 +316,51 @@ class VideoJobs:
     def expire(self) -> int:
         if not self.ttl:
             return 0
-        now = time.monotonic()
+        now = time.time()
         old = [j for j in self.jobs.values() if j.finished is not None and now - j.finished > self.ttl]
         for job in old:
+            try:
+                self._save(job, "deleted", status="deleted")
+            except StoreWriteFailed:
+                log.warning("video job %s expired but could not be marked deleted; retried later", job.id)
+                continue
             del self.jobs[job.id]
-            self._remove_files(job)
+            self._drop(job)
         return len(old)
+
+    # At start, and at the end.
+
+    async def restore(self) -> None:
+        """The store's jobs back (see the module's docstring); one log line for each file or job reconciled."""
+        if self.store is None:
+            return
+        from .restore import restore
+
+        await restore(self, self.store.rows())
+
+    async def resume(self, job: VideoJobRecord) -> None:
+        """Submit a queued job again (at start); one the engine has no room for waits for the janitor."""
+        try:
+            stream = await self._open(job)
+        except Overloaded:
+            if job not in self.waiting:
+                self.waiting.append(job)
+            return
+        except Exception as exc:  # noqa: BLE001 - the job fails with the request's error
+            from .handlers import api_error
+
+            error = self.about_upload(api_error(exc), job.upload)
+            self._end_unrecorded(job, {"code": error.code, "message": error.message, "param": error.param})
+            if job.upload is not None:
+                job.upload.unlink(missing_ok=True)
+            return
+        job.task = asyncio.create_task(self._follow(job, stream), name=f"omni-{job.id}")
+
+    async def resume_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, []
+        for job in waiting:
+            if self.jobs.get(job.id) is job and job.status == "queued" and job.task is None:
+                await self.resume(job)
 
     async def close(self) -> None:
         for job in list(self.jobs.values()):
@@ -251,8 +372,15 @@ class VideoJobs:
                     await job.task
                 except BaseException:  # noqa: BLE001
                     pass
-        if self.uploads.is_dir():
-            for leftover in self.uploads.iterdir():
-                leftover.unlink(missing_ok=True)
-            self.uploads.rmdir()
+        await self._requeue_unfinished()
+        self.uploads.clean(keep={j.upload for j in self.jobs.values() if j.status in LIVE})
         self.sweep()
+
+    async def _requeue_unfinished(self) -> None:
+        """A job still in progress at the end (the server stopped it): back to the queue, to run at the next start."""
+        for job in self.jobs.values():
+            if job.status == "in_progress":
+                try:
+                    self._save(job, "requeued", status="queued", progress=0)
+                except StoreWriteFailed:
+                    log.warning("video job %s stays in_progress in the store (--on-restart decides)", job.id)
