@@ -36,6 +36,7 @@ from .rank_launch import launcher
 log = logging.getLogger("omni")
 
 POLL_S = 0.2  # how often rank 0 looks at its ranks while they load and join
+DEATH_VISIBLE_S = 2.0  # how long a failed collective waits to see which rank exited (it is usually at once)
 
 
 class RankDied(RequestError):
@@ -119,7 +120,7 @@ class RankGroup:
             self.left.append(request_id)
 
     def _restart(self, exc: Exception) -> RankDied:
-        dead = self.ranks.gone()
+        dead = self._dead_ranks()
         what = ", ".join(dead) or f"a collective failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         self.num_restarts += 1
         message = (f"stage {self.node_id!r}: {what} of its {self.num_ranks} ranks died; the step's requests "
@@ -129,6 +130,16 @@ class RankGroup:
         self.left = []
         self.start()
         return RankDied(message)
+
+    def _dead_ranks(self) -> list[str]:
+        """The ranks that exited. A killed rank's sockets close as it dies, so the collective can fail a moment
+        before its exit is visible to this process: wait for it that long (bounded) to name it."""
+        deadline = time.monotonic() + DEATH_VISIBLE_S
+        dead = self.ranks.gone()
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = self.ranks.gone()
+        return dead
 
     def stop(self) -> None:
         """Stop the other ranks and leave the group."""
