@@ -177,6 +177,10 @@ def _burst(url: str, rng: random.Random, acknowledged: set[str], stop: threading
 
 
 def test_kill_9_at_random_moments_under_a_burst_of_jobs(tmp_path, omni_cache):
+    """20 server starts, each killed with SIGKILL at a seeded random moment of a burst of jobs (the issue asks for
+    20): after each restart every acknowledged job id is listed, and at the end every job reached a terminal state.
+    Over 30 s (about 2 minutes on 2 cores) because each round starts a real server process and loads the tiny Wan
+    model; the kills by kind of write are the other test, one start each."""
     out, rng, acknowledged = tmp_path / "videos", random.Random(34), set()
     for round in range(ROUNDS):
         server = start(tmp_path, f"round{round}", out, "--on-restart", "rerun")
