@@ -164,13 +164,7 @@ class VideoJobs:
 
     def _forget(self, job: VideoJobRecord) -> None:
         """A job refused at submit: its files and its row go."""
-        self._remove_files(job)
-        if self.store is not None:
-            try:
-                self.store.purge(job.id)
-            except StoreWriteFailed:
-                log.warning("video job %s was refused but its row stays in the store (it fails at the next "
-                            "start)", job.id, exc_info=True)
+        self._purge(job, "was refused but its row stays in the store (it fails at the next start)")
 
     # Following a job's events.
 
@@ -290,13 +284,18 @@ class VideoJobs:
 
     def _drop(self, job: VideoJobRecord) -> None:
         """A deleted or expired job (`deleted` committed): its files, then its row."""
+        self._purge(job, "its row stays in the store as deleted (removed at the next start)")
+
+    def _purge(self, job: VideoJobRecord, if_it_stays: str) -> None:
+        """A job's files, then its row; a row that cannot be removed is logged (`if_it_stays`) and left for the
+        next start to reconcile."""
         self._remove_files(job)
-        if self.store is not None:
-            try:
-                self.store.purge(job.id)
-            except StoreWriteFailed:
-                log.warning("video job %s: its row stays in the store as deleted (removed at the next start)",
-                            job.id, exc_info=True)
+        if self.store is None:
+            return
+        try:
+            self.store.purge(job.id)
+        except StoreWriteFailed:
+            log.warning("video job %s: %s", job.id, if_it_stays, exc_info=True)
 
     def _remove_files(self, job: VideoJobRecord) -> None:
         for path in (job.path, job.upload):
