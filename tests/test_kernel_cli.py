@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
+import sys
 
 import attrs
 import click
@@ -244,3 +246,32 @@ def test_ctrl_c_aborts_the_request_and_exits_1(host):
     line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", "a b"), code=1)
     assert line == "Error: interrupted; the request was aborted and no partial output was kept"
     assert len(freed) == 1
+
+
+class _TTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_progress_bar_draws_one_line_per_phase(monkeypatch):
+    """Each node's phase gets its own tqdm line on a terminal, ended when the phase reaches its total."""
+    from omni_kernel.cli import run as cli_run
+    from omni_kernel.core.events import RequestFinished, StageProgress
+
+    class Fake:
+        class graph:
+            final = "wan"
+
+        @staticmethod
+        def generate_stream(request):
+            for step in (1, 2, 3):
+                yield StageProgress("r", "wan", step, 3, "denoise")
+            yield StageProgress("r", "wan", 1, 1, "decode")
+            yield RequestFinished("r", "done")
+
+    err = _TTY()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli_run._drive(Fake, None, stream=False) == ("done", False)
+    lines = [line.split("\r")[-1] for line in err.getvalue().split("\n")[:-1]]  # each line as last drawn
+    assert [line.split(" ")[:2] for line in lines] == [["wan", "denoise"], ["wan", "decode"]], lines
+    assert " 3/3 [" in lines[0] and " 1/1 [" in lines[1], lines

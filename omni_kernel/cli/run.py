@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+from tqdm import tqdm
 
 from omni_kernel.api import Omni
 from omni_kernel.cli.flags import Flag, collect, values
@@ -23,6 +24,9 @@ from omni_kernel.core.request import Request
 from omni_kernel.core.trace import format_trace, jsonable
 from omni_kernel.plugins import load_host
 from omni_kernel.util.files import check_output_path, remove_outputs, write_json
+
+# tqdm's own bar with the step count last and the elapsed and remaining time after it
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]"
 
 
 class UserFacingError(click.ClickException):
@@ -207,24 +211,30 @@ def _events(omni: Omni, request, stream: bool, progress):
 
 
 class _Progress:
-    """The progress bar on stderr; `open` while its line has not been ended."""
+    """A tqdm bar on stderr for each node's phase in turn; `bar` is None while none is open."""
 
     def __init__(self):
-        self.open = False
+        self.bar = None
+        self.phase: tuple[str, str] | None = None
 
     def show(self, event: StageProgress) -> None:
-        width = 30
-        filled = width * event.step // max(event.total, 1)
-        self.open = event.step < event.total
-        sys.stderr.write(f"\r{event.node_id} {event.phase} [{'#' * filled}{'.' * (width - filled)}] "
-                         f"{event.step}/{event.total}{'' if self.open else chr(10)}")
-        sys.stderr.flush()
+        phase = (event.node_id, event.phase)
+        if phase != self.phase:
+            self.end()
+            self.bar = tqdm(total=event.total, desc=f"{event.node_id} {event.phase}", file=sys.stderr,
+                            bar_format=BAR_FORMAT, dynamic_ncols=True)
+            self.phase = phase
+        self.bar.total = event.total
+        self.bar.update(event.step - self.bar.n)
+        if event.step >= event.total:
+            self.end()
 
     def end(self) -> None:
-        if self.open:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self.open = False
+        """Close the open bar: its line ends, so what is written next (an error, the result) starts a line."""
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = None
+        self.phase = None
 
 
 def _one_line(exc: Exception) -> str:
