@@ -4,10 +4,8 @@ value goes to every served pipeline whose node types declare it."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -247,13 +245,24 @@ def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_d
                             timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on",
                             http=TimedH11Protocol, timeout_keep_alive=timeouts.keep_alive)
     config.omni_header_timeout = timeouts.header  # read by TimedH11Protocol
-    server = _Server(config, app, async_omni)
+    server = uvicorn.Server(config)
+    app.state.should_exit = lambda: server.should_exit  # the lifespan's drain (server.py) starts with uvicorn's exit
+    previous = _pass_signals_to(server)
     try:
         server.run()
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         async_omni.shutdown(0)
         for omni in async_omni.omnis.values():  # stop the placed stages, if any
             omni.close()
+
+
+def _pass_signals_to(server) -> dict:
+    """Handlers that hand SIGINT and SIGTERM to uvicorn's own: uvicorn installs its handlers while it runs, and
+    once it has shut down it raises the signal again to the handlers it found, these, so a graceful stop exits
+    0 instead of dying of the signal. Returns the handlers they replace."""
+    return {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _check_limits(max_body_mb: float, max_text_body_mb: float, shutdown_timeout: float) -> None:
@@ -293,40 +302,3 @@ def _return_large_blocks() -> None:
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD; setting it also stops its dynamic growth
     except (OSError, AttributeError):
         log.debug("cannot set the malloc mmap threshold here", exc_info=True)
-
-
-class _Server:
-    """uvicorn.Server that notes when the exit signal came (the shutdown timeout runs from then) and stops the
-    engine admitting new requests at once."""
-
-    def __new__(cls, config, app, async_omni):
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                # uvicorn re-raises the caught signal after shutting down (exit status -15); a graceful stop
-                # exits 0 here, so only install the handlers and restore them.
-                if threading.current_thread() is not threading.main_thread():
-                    yield
-                    return
-                previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-                try:
-                    yield
-                finally:
-                    for sig, handler in previous.items():
-                        signal.signal(sig, handler)
-
-            def handle_exit(self, sig, frame):
-                if getattr(app.state, "exit_at", None) is None:
-                    app.state.exit_at = time.monotonic()
-                    async_omni.stop_admitting()
-                    exiting = getattr(app.state, "exiting", None)  # the lifespan's drain (server.py) waits on it
-                    if exiting is not None:
-                        exiting()
-                    log.info("shutting down (signal %s): no new requests; in-flight ones get up to %gs",
-                             sig, app.state.served.settings.shutdown_timeout)
-                return super().handle_exit(sig, frame)
-
-        return Server(config)
-

@@ -25,6 +25,7 @@ from .store import JobStore
 from .videos import VideoJobs
 
 log = logging.getLogger("omni")
+EXIT_POLL_S = 0.05
 
 
 def create_app(async_omni: AsyncOmni, settings: ServeSettings, store: JobStore | None = None) -> FastAPI:
@@ -51,16 +52,13 @@ async def lifespan(app: FastAPI):
     served.jobs.sweep()  # what a server or worker killed mid-write left in --output-dir
     await served.jobs.restore()  # the store's jobs: listed again, queued ones run (restore.py)
     janitor = asyncio.create_task(_expire(served.jobs, settings.video_ttl))
-    exiting = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    app.state.exiting = lambda: loop.call_soon_threadsafe(exiting.set)  # the exit signal's handler calls it
-    drainer = asyncio.create_task(_drain_on_exit(app, exiting))
+    drainer = asyncio.create_task(_drain_on_exit(app))
     try:
         yield
     finally:
         janitor.cancel()
         drainer.cancel()
-        exit_at = getattr(app.state, "exit_at", None)  # set by the command when the exit signal came
+        exit_at = getattr(app.state, "exit_at", None)  # set by the drain when the exit began
         left = settings.shutdown_timeout - (time.monotonic() - exit_at if exit_at else 0)
         aborted = await asyncio.to_thread(async_omni.shutdown, max(left, 0.0))
         await served.jobs.close()
@@ -68,19 +66,33 @@ async def lifespan(app: FastAPI):
             log.info("shutdown: aborted %d request(s) still in flight after %gs", aborted, settings.shutdown_timeout)
 
 
-async def _drain_on_exit(app: FastAPI, exiting: asyncio.Event) -> None:
-    """Once the exit signal came: requests still in flight at --shutdown-timeout fail with an error saying so,
-    so each stream ends with an error event and [DONE] (before uvicorn cancels what is left, a little later)."""
-    await exiting.wait()
+async def _drain_on_exit(app: FastAPI) -> None:
+    """Once uvicorn began to exit: no new requests; those still in flight at --shutdown-timeout fail with an
+    error saying so, so each stream ends with an error event and [DONE] (before uvicorn cancels what is left, a
+    little later)."""
+    await _exit_began(app)
+    app.state.exit_at = time.monotonic()
     served: Served = app.state.served
+    served.async_omni.stop_admitting()
     served.jobs.stopping = True  # a video job the drain aborts goes back to the queue, to run at the next start
     timeout = served.settings.shutdown_timeout
-    left = timeout - (time.monotonic() - getattr(app.state, "exit_at", time.monotonic()))
-    failed = await asyncio.to_thread(served.async_omni.drain, max(left, 0.0),
+    log.info("shutting down: no new requests; in-flight ones get up to %gs", timeout)
+    failed = await asyncio.to_thread(served.async_omni.drain, timeout,
                                      f"the server shut down before this request finished (--shutdown-timeout "
                                      f"{timeout:g}s)")
     if failed:
         log.info("shutdown: failed %d request(s) still in flight after %gs", failed, timeout)
+
+
+async def _exit_began(app: FastAPI) -> None:
+    """Return once uvicorn's `should_exit` (the command hands it over as `app.state.should_exit`) is set: uvicorn
+    sets it on SIGINT or SIGTERM and checks it every 0.1 s itself, and tells the app nothing until its lifespan
+    ends, after the connections have closed. An app run some other way (a test client) waits until cancelled."""
+    should_exit = getattr(app.state, "should_exit", None)
+    if should_exit is None:
+        await asyncio.Event().wait()
+    while not should_exit():
+        await asyncio.sleep(EXIT_POLL_S)
 
 
 async def _expire(jobs: VideoJobs, ttl: float | None) -> None:

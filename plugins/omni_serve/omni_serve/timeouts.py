@@ -5,6 +5,11 @@ headers (16 KiB), but a client that sends its headers a byte at a time is held f
 request's headers must be complete within `header_timeout` seconds of its first byte (of the connection, for
 its first request); else the connection is closed. The body's own bound is in the ASGI guard (guards.py,
 `--body-timeout`: 408). Imported by `run_server` only, so the entry module imports no uvicorn.
+
+uvicorn has no public hook for this: TimedH11Protocol overrides and reads private parts of its h11 protocol
+(`data_received`, `handle_events`, `cycle`), so it is written for one uvicorn, UVICORN_VERSION, the version the
+project pins; tests/test_header_timeout_protocol.py fails on any other. Behind a proxy (nginx's
+`client_header_timeout`) the proxy's own bound does the same.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("omni")
+UVICORN_VERSION = "0.54.0"  # constraints.txt
 
 
 class TimedH11Protocol(H11Protocol):
