@@ -46,6 +46,7 @@ def ensure_demo_model() -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEMO_NAME}."))
         try:
+            log.info("building the random-weight demo model at %s", target)
             build_tiny_checkpoint(staging)
             try:
                 os.rename(staging, target)
@@ -54,8 +55,7 @@ def ensure_demo_model() -> Path:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    log.info("using a random-weight demo model at %s; pass --model DIR for real weights", target)
-    return target
+    return target  # the load line says that it is the demo model (loader.py)
 
 
 def build_tiny_checkpoint(path: Path, *, dims: dict | None = None, seed: int = 0) -> Path:

@@ -11,6 +11,7 @@ from omni_hf.weights import safetensors_shapes
 
 from omni_kernel.core.errors import ModelError
 
+from .demo import demo_dir
 from .device import WanDevice
 from .layout import WEIGHTS
 
@@ -29,8 +30,9 @@ def load(key: ModelKey):
     from .model import Wan22I2VPipeline
 
     path, device = Path(key[0]), key[1]
-    log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)", path, device.device, device.vae_dtype,
-             device.offload)
+    demo = ": using a random-weight demo model; pass --model DIR for real weights" if path == demo_dir() else ""
+    log.info("loading Wan2.2 from %s (%s, VAE %s, offload: %s)%s", path, device.device, device.vae_dtype,
+             device.offload, demo)
     try:
         with omni_hf.quiet_hf_load(("transformers", "diffusers")):
             check_tensors(path)
