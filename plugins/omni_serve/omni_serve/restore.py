@@ -5,8 +5,9 @@ directory reconciled with them. One log line for each job or file this changes:
 - `completed`: listed and downloadable until its TTL; one whose MP4 is gone fails (`output_missing`);
 - `failed`: kept until its TTL; a partial output or an upload it left is removed;
 - `queued`: submitted again; one whose stored upload is gone fails (`upload_missing`);
-- `in_progress`: by --on-restart, `rerun` (queued again from the start, `attempts` + 1) or `fail`
-  (`server_restarted`), its partial output removed either way;
+- `in_progress`: by --on-restart, `rerun` (queued again from the start, `attempts` + 1; a job that was in
+  progress at MAX_ATTEMPTS restarts fails instead, as a job that kills its server would otherwise do so at every
+  start) or `fail` (`server_restarted`), its partial output removed either way;
 - a file in `.uploads` that no queued job names is removed; a `video_<id>` file in the output directory that no
   job of the store names is left alone (the server did not write it, as far as this store knows) and logged.
 """
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from .videos import VideoJobs
 
 log = logging.getLogger("omni")
+MAX_ATTEMPTS = 3  # --on-restart rerun: how many times a job may start before a restart that finds it running fails it
 
 
 async def restore(jobs: VideoJobs, rows: list[dict[str, Any]]) -> None:
@@ -75,15 +77,17 @@ def _reconcile(jobs: VideoJobs, job: VideoJobRecord) -> str:
 
 def _interrupted(jobs: VideoJobs, job: VideoJobRecord) -> str:
     jobs._remove_files(attrs.evolve(job, upload=None))  # its partial output
-    if jobs.on_restart == "rerun":
+    if jobs.on_restart == "rerun" and job.attempts < MAX_ATTEMPTS:
         jobs._save(job, "requeued", status="queued", progress=0, attempts=job.attempts + 1)
         log.info("video job %s: in progress when the server stopped; runs again from the start (--on-restart "
                  "rerun, attempt %d)", job.id, job.attempts)
         return _queued(jobs, job)
-    jobs._fail(job, {"code": "server_restarted", "message": "the server restarted while this job was in progress "
-                     "(--on-restart fail); submit it again", "param": None})
+    why = ("--on-restart fail" if jobs.on_restart == "fail" else
+           f"--on-restart rerun, and this was its attempt {job.attempts} of at most {MAX_ATTEMPTS}")
+    jobs._fail(job, {"code": "server_restarted", "message": f"the server restarted while this job was in progress "
+                     f"({why}); submit it again", "param": None})
     _remove_leftovers(jobs, job)
-    log.info("video job %s: in progress when the server stopped; failed (server_restarted)", job.id)
+    log.info("video job %s: in progress when the server stopped; failed (server_restarted, %s)", job.id, why)
     return "failed"
 
 
