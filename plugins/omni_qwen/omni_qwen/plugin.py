@@ -44,6 +44,7 @@ class QwenStages:
         self.models = ModelPool(_load_causal_lm)  # key: (path, dtype, device, trust_remote_code)
         self.paged_models = ModelPool(lambda key: _paged(self.model(key)))
         self.tokenizers = ModelPool(lambda key: _own_tokenizer(self.model(key)))
+        self.default_model: Path | None = None  # resolved (and said) once: a plan asks for it at every check
 
     def engine_settings(self, node: NodeSpec, config: QwenConfig,
                         policy: TextGenerationPolicy | PromptBridgePolicy) -> QwenEngineSettings:
@@ -78,11 +79,16 @@ class QwenStages:
 
         path = config.ar_model
         if path is None:
-            from .default_model import default_ar_model
-
-            path = default_ar_model()
+            path = self._default_model()
         return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device),
                 config.ar_trust_remote_code)
+
+    def _default_model(self) -> Path:
+        if self.default_model is None:
+            from .default_model import default_ar_model
+
+            self.default_model = default_ar_model()
+        return self.default_model
 
     def model(self, key: tuple):
         """The loaded CausalLM for a (path, dtype, device, trust_remote_code) key."""

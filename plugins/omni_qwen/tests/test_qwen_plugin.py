@@ -76,6 +76,7 @@ def test_installed_script_runs_ar_text_on_the_demo(omni_cache):
                            "生成1000字的文本，描述一所学校"], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "default AR model: the tiny random-weight demo model (OMNI_AR_DEFAULT=tiny)" in proc.stderr
+    assert proc.stderr.count("default AR model:") == 1, proc.stderr  # said once, not at each check of the plan
     assert "paged KV backend" in proc.stderr and "max concurrency" in proc.stderr
     assert proc.stdout.strip()
     lines = {line.split()[0]: line.split(None, 1)[1] for line in proc.stderr.splitlines() if line.startswith("ar.")}
