@@ -93,9 +93,14 @@ def fill_video_form(page, prompt: str, fields: dict[str, str], image: Path | Non
         page.get_by_label(name, exact=True).fill(value)
 
 
-def newest_job_plays(page, timeout_ms: int = 180_000) -> str:
-    """Waits until the newest job (the list's first) shows a <video> whose metadata loaded; returns its id."""
-    video = page.get_by_role("listitem").first.locator("video")
+def job_item(page, prompt: str):
+    """The job list's entry of the job with this prompt (each test's prompts are its own)."""
+    return page.get_by_role("listitem").filter(has=page.get_by_text(prompt, exact=True))
+
+
+def job_plays(page, prompt: str, timeout_ms: int = 180_000) -> str:
+    """Waits until the job with this prompt shows a <video> whose metadata loaded; returns the job's id."""
+    video = job_item(page, prompt).locator("video")
     video.wait_for(timeout=timeout_ms)
     page.wait_for_function(PLAYING, arg=video.element_handle(), timeout=30_000)
     return video.get_attribute("aria-label").removeprefix("Video ")
@@ -123,14 +128,14 @@ def test_a_video_job_from_the_form_shows_its_progress_then_plays_inline(server, 
     fill_video_form(page, "a lighthouse at dusk", SLOW)
     page.evaluate(WATCH_PROGRESS)
     page.get_by_role("button", name="Generate", exact=True).click()
-    job_id = newest_job_plays(page)
+    job_id = job_plays(page, "a lighthouse at dusk")
     seen = page.evaluate("window.seenProgress")
     values = list(dict.fromkeys(int(value) for value, _ in seen))
     assert len(values) >= 3 and values == sorted(values), values  # the bar moved at least 3 times, forward
     assert all(videos == 0 for _, videos in seen), "no <video> for the job before it finished"
-    newest = page.get_by_role("listitem").first
-    expect(newest.locator("video")).to_have_count(1)
-    expect(newest.get_by_role("progressbar")).to_have_count(0)  # the finished job has no bar left
+    item = job_item(page, "a lighthouse at dusk")
+    expect(item.locator("video")).to_have_count(1)
+    expect(item.get_by_role("progressbar")).to_have_count(0)  # the finished job has no bar left
     job = httpx.get(f"{server.url}/v1/videos/{job_id}").json()
     assert job["status"] == "completed" and job["prompt"] == "a lighthouse at dusk", job
     link = page.get_by_role("link", name=f"Download {job_id}.mp4", exact=True)
@@ -159,10 +164,14 @@ def test_a_prompt_with_html_stays_text(server, page):
     open_page(page, server.url, 2).get_by_label("Pipeline", exact=True).select_option("wan_i2v")
     fill_video_form(page, prompt, QUICK)
     page.get_by_role("button", name="Generate", exact=True).click()
-    newest_job_plays(page)
+    job_id = job_plays(page, prompt)
     expect(page.get_by_text(prompt, exact=True)).to_have_count(1)  # the job shows the prompt, as text
     assert page.evaluate("window.pwned") is None
     expect(page.locator('img[src="x"]')).to_have_count(0)
+
+    page.get_by_role("button", name=f"Delete {job_id}", exact=True).click()  # the job list's delete
+    expect(page.get_by_text(prompt, exact=True)).to_have_count(0)
+    assert httpx.get(f"{server.url}/v1/videos/{job_id}").status_code == 404
 
 
 def test_the_page_is_the_packages_own_files_under_a_same_origin_policy(server):
@@ -226,14 +235,23 @@ def test_every_pipeline_with_placement_process_and_the_store_jobs_across_a_resta
             else:
                 expect(page.get_by_role("button", name="Send", exact=True)).to_have_count(1)
                 expect(page.get_by_role("log")).to_have_count(1)
-        select.select_option("qwen_to_wan_i2v")
-        fill_video_form(page, "a red kite over the dunes", QUICK)
-        page.get_by_role("button", name="Generate", exact=True).click()
-        job_id = newest_job_plays(page)
+        select.select_option("ar_text")
+        page.get_by_label("Prompt", exact=True).fill("Hi")
+        page.get_by_role("button", name="Send", exact=True).click()
+        expect(page.get_by_role("log")).to_have_attribute("aria-busy", "false", timeout=120_000)
+        assert len(page.get_by_role("log").text_content()) > len("Hi")
+        jobs = {}
+        for model, prompt, image in (("qwen_to_wan_i2v", "a red kite over the dunes", ASSET),
+                                     ("wan_t2v", "a paper boat on a pond", None)):
+            select.select_option(model)
+            fill_video_form(page, prompt, QUICK, image)
+            page.get_by_role("button", name="Generate", exact=True).click()
+            jobs[job_plays(page, prompt)] = prompt
         with httpx.Client(base_url=proc.url) as http:
-            assert video_done(http, job_id)["status"] == "completed"
+            assert all(video_done(http, job_id)["status"] == "completed" for job_id in jobs)
+        expect(page.get_by_role("alert")).to_have_text("")
 
-    with running(args, tmp_path / "second.log") as proc:  # the same store: the job is listed and plays again
+    with running(args, tmp_path / "second.log") as proc:  # the same store: the jobs are listed and play again
         open_page(page, proc.url, len(models))
-        expect(page.get_by_text("a red kite over the dunes", exact=True)).to_have_count(1)
-        assert newest_job_plays(page, 60_000) == job_id
+        for job_id, prompt in jobs.items():
+            assert job_plays(page, prompt, 60_000) == job_id
