@@ -42,8 +42,9 @@ browser: $(BROWSER)/.installed
 $(BROWSER)/.installed: $(BROWSER_SPEC)/package.json $(BROWSER_SPEC)/package-lock.json
 	@if ! command -v npm >/dev/null; then echo "browser: no npm here: the browser tests skip (install Node.js and npm)"; \
 	elif mkdir -p $(BROWSER) && cp $(BROWSER_SPEC)/package.json $(BROWSER_SPEC)/package-lock.json $(BROWSER)/ && \
-		npm ci --prefix $(BROWSER) --ignore-scripts --no-audit --no-fund --loglevel=error; then touch $@; \
-	else echo "browser: npm ci of $(BROWSER_SPEC)/package-lock.json failed (no npm registry?): the browser tests skip"; fi
+		npm ci --prefix $(BROWSER) --ignore-scripts --no-audit --no-fund --loglevel=error >$(BROWSER)/npm.log 2>&1; \
+	then touch $@; \
+	else echo "browser: npm ci of $(BROWSER_SPEC)/package-lock.json failed (no npm registry? see $(BROWSER)/npm.log): the browser tests skip"; fi
 
 # Other weights: make demo AR_MODEL=./models/Qwen2.5-0.5B-Instruct MODEL=./models/Wan2.2-TI2V-5B-Diffusers
 AR_MODEL ?=
