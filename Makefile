@@ -10,7 +10,7 @@ PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridg
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: demo test test-fast test-kernel-only lint setup models clean
+.PHONY: demo test test-fast test-kernel-only lint setup models browser clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,21 @@ $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLU
 models: $(STAMP)
 	-$(VENV)/bin/omni models fetch
 
+# The web page's browser tests (plugins/omni_serve/tests/test_page_browser.py): headless Chromium 153 from the npm
+# package @sparticuz/chromium, pinned with every dependency's sha512 in BROWSER_SPEC/package-lock.json (npm ci
+# checks each one), installed into .browser/; Python Playwright (the test extras) drives it. Without npm or its
+# registry it says why in one line and the rest goes on: the browser tests then skip, saying so.
+BROWSER := .browser
+BROWSER_SPEC := plugins/omni_serve/tests/browser
+browser: $(BROWSER)/.installed
+
+$(BROWSER)/.installed: $(BROWSER_SPEC)/package.json $(BROWSER_SPEC)/package-lock.json
+	@if ! command -v npm >/dev/null; then echo "browser: no npm here: the browser tests skip (install Node.js and npm)"; \
+	elif mkdir -p $(BROWSER) && cp $(BROWSER_SPEC)/package.json $(BROWSER_SPEC)/package-lock.json $(BROWSER)/ && \
+		npm ci --prefix $(BROWSER) --ignore-scripts --no-audit --no-fund --loglevel=error >$(BROWSER)/npm.log 2>&1; \
+	then touch $@; \
+	else echo "browser: npm ci of $(BROWSER_SPEC)/package-lock.json failed (no npm registry? see $(BROWSER)/npm.log): the browser tests skip"; fi
+
 # Other weights: make demo AR_MODEL=./models/Qwen2.5-0.5B-Instruct MODEL=./models/Wan2.2-TI2V-5B-Diffusers
 AR_MODEL ?=
 MODEL ?=
@@ -45,7 +60,7 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 
 # Every test. pytest prints its 10 slowest phases; build/test-durations.txt gets every test's time, slowest first
 # (the root conftest.py, --durations-file), and its top 10 are printed after them.
-test: $(STAMP) lint models test-kernel-only
+test: $(STAMP) lint models browser test-kernel-only
 	$(PY) -m pytest --durations=10 --durations-file=build/test-durations.txt
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
@@ -70,7 +85,7 @@ test-kernel-only:
 	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider tests
 
 clean:
-	rm -rf $(VENV) $(KERNEL_VENV) *.egg-info plugins/*/*.egg-info
+	rm -rf $(VENV) $(KERNEL_VENV) $(BROWSER) *.egg-info plugins/*/*.egg-info
 
 # The real Qwen2.5 tokenizer that omni_qwen's tests use (docs/qwen.md), fetched once into the omni cache.
 .PHONY: fixtures

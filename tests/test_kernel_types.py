@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni_kernel.core.errors import GraphError, InvalidParameter, UserError, classify, rebuild
-from omni_kernel.core.params import MAX_SEED, ARParams, option, parse, split
+from omni_kernel.core.params import MAX_SEED, ARParams, option, options_of, parse, split
 from omni_kernel.core.request import Request, RequestResult, StageOutput
 from omni_kernel.core.trace import format_trace, jsonable, prefixed
 
@@ -70,6 +70,14 @@ def test_text_values_parse_to_the_declared_type():
     for info, text in ((size, "1.5"), (loud, "maybe")):
         with pytest.raises(InvalidParameter, match="is not a valid"):
             parse("x", info, text)
+
+
+def test_an_option_records_the_range_its_validator_allows():
+    info = options_of(ARParams)
+    assert (info["top_k"].minimum, info["top_k"].maximum) == (-1, None)
+    assert (info["seed"].minimum, info["seed"].maximum) == (0, MAX_SEED)
+    assert (info["top_p"].minimum, info["top_p"].maximum, info["top_p"].above) == (None, 1, 0)
+    assert (info["stop"].minimum, info["stop"].maximum, info["stop"].above) == (None, None, None)
 
 
 def test_failures_keep_their_type_across_the_event_boundary():

@@ -26,13 +26,18 @@ class OptionInfo:
     choices: tuple[str, ...] | None = None
     multiple: bool = False  # a tuple of values; -o key=a -o key=b collects both
     metavar: str | None = None  # how the flag's value is shown in --help (default: its type)
+    # The range its validator (integer() or number()) allows, for what shows it (the server's model card)
+    minimum: float | None = None
+    maximum: float | None = None
+    above: float | None = None  # a strict lower bound
 
 
 def option(default: Any = None, *, help: str, type: type = str, flag: str | None = None,
            choices: tuple[str, ...] | None = None, multiple: bool = False,
            validator: Callable | None = None, converter: Callable | None = None, metavar: str | None = None) -> Any:
     """An attrs field with the metadata the CLI, the Python API and the HTTP server read."""
-    info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple, metavar)
+    info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple, metavar,
+                      **getattr(validator, "bounds", {}))
     validators = [v for v in (_choice(info.choices) if info.choices else None, validator) if v]
     return attrs.field(default=default, validator=validators or None, converter=converter,
                        metadata={"omni": info}, kw_only=True)
@@ -101,6 +106,7 @@ def integer(minimum: int | None = None, maximum: int | None = None):
         ok = isinstance(value, int) and not isinstance(value, bool) and _within(value, minimum, maximum)
         if value is not None and not ok:
             raise InvalidParameter(attribute.name, f"{value!r} is not an integer{_range(minimum, maximum)}")
+    check.bounds = {"minimum": minimum, "maximum": maximum}
     return check
 
 
@@ -112,6 +118,7 @@ def number(minimum: float | None = None, maximum: float | None = None, above: fl
             low = f" > {above}" if above is not None else _range(minimum, None)
             raise InvalidParameter(attribute.name, f"{value!r} is not a finite number{low}"
                                                    + (f" <= {maximum}" if maximum is not None else ""))
+    check.bounds = {"minimum": minimum, "maximum": maximum, "above": above}
     return check
 
 

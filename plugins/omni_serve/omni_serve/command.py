@@ -88,6 +88,8 @@ def serve_command() -> click.Command:
         *timeout_options(),
         click.Option(["-c", "--config", "config_pairs"], multiple=True, metavar="KEY=VALUE",
                      help="A model-level setting of the pipelines' nodes (repeatable), e.g. -c ar_dtype=bf16."),
+        click.Option(["--ui/--no-ui"], default=True, show_default=True,
+                     help="Serve the web page at / (chat, video jobs); --no-ui: GET / is 404."),
         click.Option(["--log-level"], default="info", show_default=True,
                      type=click.Choice(["debug", "info", "warning", "error"])),
     ]
@@ -95,7 +97,7 @@ def serve_command() -> click.Command:
     @click.pass_context
     def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, jobs_db, on_restart, video_ttl, max_body_mb,
               max_text_body_mb, allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
-              config_pairs, log_level, **given):
+              config_pairs, ui, log_level, **given):
         run_settings = {key: given.pop(key) for key in ctx._omni_settings}
         flags = {f.dest: f for f in ctx._omni_flags}
         chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
@@ -106,7 +108,8 @@ def serve_command() -> click.Command:
                        max_text_body_mb=max_text_body_mb,
                        allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
                        max_in_flight=max_in_flight or None,
-                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout), run_settings=run_settings)
+                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout), run_settings=run_settings,
+                       ui=ui)
         except UserError as exc:
             raise _UsageError(" ".join(str(exc).split())) from None
         except OmniError as exc:
@@ -190,7 +193,7 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
                aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
                log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None,
                timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0, jobs_db=None,
-               on_restart: str = "fail") -> None:
+               on_restart: str = "fail", ui: bool = True) -> None:
     _check_limits(max_body_mb, max_text_body_mb, shutdown_timeout)
     timeouts = timeouts or Timeouts()
     _return_large_blocks()
@@ -205,7 +208,7 @@ def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port:
         _serve(plugin_host, plan, store, alias_map, host=host, port=port, api_key=api_key, output_dir=output_dir,
                video_ttl=video_ttl, max_body_mb=max_body_mb, max_text_body_mb=max_text_body_mb,
                allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
-               max_in_flight=max_in_flight, timeouts=timeouts, on_restart=on_restart)
+               max_in_flight=max_in_flight, timeouts=timeouts, on_restart=on_restart, ui=ui)
     finally:
         store.close()
     log.info("stopped")
@@ -221,7 +224,7 @@ def default_output_dir() -> Path:
 
 def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_dir: Path, video_ttl, max_body_mb,
            max_text_body_mb, allowed_origins, shutdown_timeout, log_level, max_in_flight, timeouts: Timeouts,
-           on_restart: str) -> None:
+           on_restart: str, ui: bool) -> None:
     import uvicorn
 
     from .engine import AsyncOmni
@@ -237,7 +240,8 @@ def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_d
     log.info("built %s in %.1fs", ", ".join(async_omni.omnis), time.perf_counter() - started)
     log.info("videos in %s, job store %s (--on-restart %s)", output_dir, store.path, on_restart)
     settings = ServeSettings(output_dir, api_key or None, video_ttl or None, max_body_mb, max_text_body_mb,
-                             tuple(allowed_origins), shutdown_timeout, alias_map, timeouts.body or None, on_restart)
+                             tuple(allowed_origins), shutdown_timeout, alias_map, timeouts.body or None, on_restart,
+                             ui=ui)
     app = create_app(async_omni, settings, store)
     # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):
     # the app fails what is left at --shutdown-timeout itself (server.py), so uvicorn waits a little longer.

@@ -36,6 +36,7 @@ class ServeSettings:
     aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
     body_timeout: float | None = 60.0  # seconds a request's whole body may take to arrive (None: no limit)
     on_restart: str = "fail"  # a video job in progress when the server died: "rerun" or "fail" (restore.py)
+    ui: bool = True  # the web page at / (page.py); --no-ui
 
 
 TEXT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from .options import image_input, option_cards
 from .protocol import APIError
 from .state import State
 
@@ -19,11 +20,17 @@ async def models(served: State):
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, served: State):
-    """One served model (a pipeline or an alias), as in the list; 404 model_not_found otherwise."""
+    """One served model (a pipeline or an alias), as in the list, with what a request may send it: its declared
+    `options` and (a video pipeline) whether it takes an `input_reference` image; 404 model_not_found otherwise."""
     if model not in served.names:
         raise APIError(404, f"the model {model!r} does not exist; served models: {', '.join(sorted(served.names))}",
                        "model", "model_not_found")
-    return model_card(served, model)
+    name = served.names[model]
+    graph = served.async_omni.omnis[name].graph
+    card = {**model_card(served, model), "options": option_cards(graph)}
+    if served.kinds[name] == "video":
+        card["input_reference"] = image_input(graph)
+    return card
 
 
 def model_card(served, model: str) -> dict:

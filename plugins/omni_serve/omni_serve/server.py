@@ -2,9 +2,9 @@
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, the Videos API (POST/GET /v1/videos,
 GET/DELETE /v1/videos/{id}, GET /v1/videos/{id}/content), GET /health, GET /metrics (routes_*.py, over the
-`Served` state). Errors are OpenAI-style JSON (handlers.py). Request values go to the pipeline's node types as
-declared request parameters, so the kernel checks them (and refuses keys no node declares) exactly as it does
-for `omni run`.
+`Served` state), and the web page at / (page.py) unless --no-ui. Errors are OpenAI-style JSON (handlers.py).
+Request values go to the pipeline's node types as declared request parameters, so the kernel checks them (and
+refuses keys no node declares) exactly as it does for `omni run`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from . import routes_ops, routes_text, routes_videos
 from .engine import AsyncOmni
 from .guards import OmniASGI, ServeSettings
 from .handlers import HANDLERS
+from .page import add_page
 from .state import Served
 from .store import JobStore
 from .videos import VideoJobs
@@ -35,6 +36,8 @@ def create_app(async_omni: AsyncOmni, settings: ServeSettings, store: JobStore |
     app.state.served = served = Served.build(async_omni, settings, store)
     for routes in (routes_ops, routes_text, routes_videos):
         app.include_router(routes.router)
+    if settings.ui:
+        add_page(app)
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 

@@ -1,0 +1,376 @@
+// The page of `omni serve`: it calls the same public API as any client (/v1/models, /v1/chat/completions,
+// /v1/videos). Everything a request or an answer holds is put in the page as text (textContent), never as HTML.
+"use strict";
+
+const POLL_MS = 100; // how often a running job is asked for its progress: shorter than one denoise step
+const KEY_STORE = "omni-api-key"; // sessionStorage: the key stays in this browser tab
+const LIVE = ["queued", "in_progress"];
+
+const state = { cards: new Map(), history: [], jobs: new Map(), polling: false };
+const $ = (selector, root = document) => root.querySelector(selector);
+
+class ApiError extends Error {
+  constructor(status, message) {
+    super(message);
+    this.status = status;
+  }
+}
+
+// --- the API ---------------------------------------------------------------------------------------------
+
+async function api(path, options = {}) {
+  const headers = new Headers(options.headers || {});
+  const key = sessionStorage.getItem(KEY_STORE);
+  if (key) headers.set("Authorization", `Bearer ${key}`);
+  let response;
+  try {
+    response = await fetch(path, { ...options, headers });
+  } catch (error) {
+    throw new ApiError(0, `the server did not answer (${error.message})`);
+  }
+  if (!response.ok) throw await errorOf(response);
+  return response;
+}
+
+async function errorOf(response) {
+  let message = `${response.status} ${response.statusText}`;
+  try {
+    const body = await response.json();
+    message = (body.error && body.error.message) || body.detail || message;
+  } catch (error) {
+    // not JSON: the status line says what happened
+  }
+  if (response.status === 401) $("#key-form").hidden = false;
+  return new ApiError(response.status, message);
+}
+
+function showError(error) {
+  $("#error").textContent = error ? error.message : "";
+}
+
+// Server-sent events: the `data:` payload of each event, as it arrives.
+async function* events(response) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffer += decoder.decode(value, { stream: true });
+    let end;
+    while ((end = buffer.indexOf("\n\n")) >= 0) {
+      const lines = buffer.slice(0, end).split("\n");
+      buffer = buffer.slice(end + 2);
+      const data = lines.filter((l) => l.startsWith("data:")).map((l) => l.slice(5).trimStart());
+      if (data.length) yield data.join("\n");
+    }
+  }
+}
+
+// --- start: the served pipelines ---------------------------------------------------------------------------
+
+async function start() {
+  showError(null);
+  try {
+    const models = await (await api("/v1/models")).json();
+    const cards = await Promise.all(models.data.map(async (m) =>
+      (await api(`/v1/models/${encodeURIComponent(m.id)}`)).json()));
+    state.cards = new Map(cards.map((card) => [card.id, card]));
+  } catch (error) {
+    showError(error);
+    return;
+  }
+  fillPipelines();
+  if ([...state.cards.values()].some(isVideo)) await loadJobs();
+}
+
+function isVideo(card) {
+  return card.capabilities.includes("videos");
+}
+
+function fillPipelines() {
+  const select = $("#pipeline");
+  const chosen = select.value;
+  select.replaceChildren(...[...state.cards.values()].map((card) => {
+    const option = document.createElement("option");
+    option.value = card.id;
+    option.textContent = `${card.id} (${isVideo(card) ? "video" : "chat"})`;
+    return option;
+  }));
+  if (state.cards.has(chosen)) select.value = chosen;
+  showPanel();
+}
+
+function showPanel() {
+  const card = state.cards.get($("#pipeline").value);
+  const panel = $("#panel");
+  state.history = [];
+  if (!card) {
+    panel.replaceChildren();
+    return;
+  }
+  $("#pipeline-kind").textContent = isVideo(card) ? "renders a video" : "answers in a chat";
+  panel.replaceChildren($(isVideo(card) ? "#video-panel" : "#chat-panel").content.cloneNode(true));
+  if (isVideo(card)) buildVideoForm(card);
+  else $(".chat-form", panel).addEventListener("submit", sendChat);
+}
+
+// --- chat ------------------------------------------------------------------------------------------------
+
+function addMessage(role, text) {
+  const message = document.createElement("p");
+  message.className = `message ${role}`;
+  message.textContent = text;
+  $(".conversation").append(message);
+  return message;
+}
+
+async function sendChat(event) {
+  event.preventDefault();
+  const prompt = $("#prompt");
+  const log = $(".conversation");
+  const model = $("#pipeline").value;
+  const messages = [...state.history, { role: "user", content: prompt.value }];
+  showError(null);
+  addMessage("user", prompt.value);
+  const answer = addMessage("assistant", "");
+  prompt.value = "";
+  log.setAttribute("aria-busy", "true");
+  try {
+    const response = await api("/v1/chat/completions", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model, messages, stream: true }),
+    });
+    for await (const data of events(response)) {
+      if (data === "[DONE]") break;
+      const chunk = JSON.parse(data);
+      if (chunk.error) throw new ApiError(0, chunk.error.message);
+      const delta = chunk.choices.length ? chunk.choices[0].delta.content : null;
+      if (delta) answer.textContent += delta;
+    }
+    state.history = [...messages, { role: "assistant", content: answer.textContent }];
+  } catch (error) {
+    answer.remove();
+    showError(error);
+  } finally {
+    log.setAttribute("aria-busy", "false");
+  }
+}
+
+// --- the video form, from the model card's declared options ------------------------------------------------
+
+function buildVideoForm(card) {
+  const form = $(".video-form");
+  const image = card.input_reference;
+  $(".image-field").hidden = image === "none";
+  $(".image-note").textContent = image === "required" ? "required by this pipeline" : "optional";
+  const fieldset = $(".options", form);
+  for (const option of card.options) fieldset.append(optionField(option));
+  form.addEventListener("submit", (event) => generate(event, card));
+}
+
+function optionField(option) {
+  const id = `option-${option.name}`;
+  const field = document.createElement("div");
+  field.className = "field";
+  const label = document.createElement("label");
+  label.htmlFor = id;
+  label.textContent = option.name;
+  const control = optionControl(option);
+  control.id = id;
+  control.name = option.name;
+  const help = document.createElement("small");
+  help.id = `${id}-help`;
+  help.textContent = option.help + (option.default === null ? "" : ` (default ${option.default})`);
+  control.setAttribute("aria-describedby", help.id);
+  field.append(label, control, help);
+  return field;
+}
+
+function optionControl(option) {
+  const choices = option.type === "bool" ? ["true", "false"] : option.choices;
+  if (choices) {
+    const select = document.createElement("select");
+    select.append(new Option("(default)", ""), ...choices.map((c) => new Option(c, c)));
+    return select;
+  }
+  const input = document.createElement("input");
+  if (option.type === "int" || option.type === "float") {
+    // The range is a hint only (the form is novalidate): the API checks every value and says what is wrong.
+    input.type = "number";
+    input.step = option.type === "int" ? "1" : "any";
+    const low = option.minimum ?? option.exclusive_minimum;
+    if (low !== null && low !== undefined) input.min = String(low);
+    if (option.maximum !== null && option.maximum !== undefined) input.max = String(option.maximum);
+  } else {
+    input.type = "text";
+  }
+  if (option.default !== null && !Array.isArray(option.default)) input.placeholder = String(option.default);
+  return input;
+}
+
+async function generate(event, card) {
+  event.preventDefault();
+  const form = event.target;
+  const body = new FormData();
+  body.append("model", card.id);
+  body.append("prompt", $("#prompt", form).value);
+  const image = $("#image", form).files[0];
+  if (image && card.input_reference !== "none") body.append("input_reference", image);
+  for (const control of $(".options", form).elements) {
+    if (control.value !== "") body.append(control.name, control.value);
+  }
+  showError(null);
+  try {
+    const job = await (await api("/v1/videos", { method: "POST", body })).json();
+    showJob(job);
+    poll();
+  } catch (error) {
+    showError(error);
+  }
+}
+
+// --- video jobs: the store's list, each job's progress, the finished video -----------------------------------
+
+async function loadJobs() {
+  $("#jobs-section").hidden = false;
+  try {
+    const list = await (await api("/v1/videos?limit=100")).json();
+    for (const job of list.data.reverse()) showJob(job);
+  } catch (error) {
+    showError(error);
+  }
+  poll();
+}
+
+function showJob(job) {
+  let view = state.jobs.get(job.id);
+  if (!view) {
+    view = jobView(job);
+    state.jobs.set(job.id, view);
+    $("#jobs").prepend(view.item);
+  }
+  view.job = job;
+  view.status.textContent = job.status;
+  if (LIVE.includes(job.status)) {
+    view.bar.setAttribute("aria-valuenow", String(job.progress));
+    view.fill.style.width = `${job.progress}%`;
+    view.percent.textContent = `${job.progress}%`;
+  } else {
+    view.progress.remove();
+  }
+  if (job.status === "failed" && job.error) view.error.textContent = job.error.message;
+  if (job.status === "completed" && !view.video) showVideo(view);
+}
+
+function jobView(job) {
+  const item = document.createElement("li");
+  item.className = "job";
+  const head = document.createElement("p");
+  const name = document.createElement("code");
+  name.textContent = job.id;
+  const status = document.createElement("span");
+  status.className = "status";
+  const remove = document.createElement("button");
+  remove.type = "button";
+  remove.textContent = "Delete";
+  remove.setAttribute("aria-label", `Delete ${job.id}`);
+  remove.addEventListener("click", () => deleteJob(job.id));
+  head.append(name, ` ${job.model} `, status, " ", remove);
+  const prompt = document.createElement("p");
+  prompt.className = "job-prompt";
+  prompt.textContent = job.prompt;
+  const progress = document.createElement("div");
+  progress.className = "progress";
+  const bar = document.createElement("div");
+  bar.setAttribute("role", "progressbar");
+  bar.setAttribute("aria-label", `Progress of ${job.id}`);
+  bar.setAttribute("aria-valuemin", "0");
+  bar.setAttribute("aria-valuemax", "100");
+  const fill = document.createElement("div");
+  bar.append(fill);
+  const percent = document.createElement("span");
+  progress.append(bar, percent);
+  const error = document.createElement("p");
+  error.className = "job-error";
+  item.append(head, prompt, progress, error);
+  return { item, status, progress, bar, fill, percent, error, video: null, url: null };
+}
+
+async function showVideo(view) {
+  const id = view.job.id;
+  view.video = document.createElement("video"); // one per finished job: set before the download, so only once
+  try {
+    // Through fetch, not <video src>: a request from the page carries the API key, a media element's cannot.
+    const blob = await (await api(`/v1/videos/${encodeURIComponent(id)}/content`)).blob();
+    view.url = URL.createObjectURL(blob);
+  } catch (error) {
+    view.video = null;
+    view.error.textContent = error.message;
+    return;
+  }
+  view.video.controls = true;
+  view.video.loop = true;
+  view.video.muted = true;
+  view.video.src = view.url;
+  view.video.setAttribute("aria-label", `Video ${id}`);
+  const link = document.createElement("a");
+  link.href = view.url;
+  link.download = `${id}.mp4`;
+  link.textContent = `Download ${id}.mp4`;
+  view.item.append(view.video, link);
+}
+
+async function deleteJob(id) {
+  showError(null);
+  try {
+    await api(`/v1/videos/${encodeURIComponent(id)}`, { method: "DELETE" });
+    forget(id);
+  } catch (error) {
+    showError(error);
+  }
+}
+
+function forget(id) {
+  const view = state.jobs.get(id);
+  if (!view) return;
+  if (view.url) URL.revokeObjectURL(view.url);
+  view.item.remove();
+  state.jobs.delete(id);
+}
+
+// One loop asks each queued or running job for its state until none is left.
+async function poll() {
+  if (state.polling) return;
+  state.polling = true;
+  try {
+    for (;;) {
+      const live = [...state.jobs.values()].filter((view) => LIVE.includes(view.job.status));
+      if (!live.length) return;
+      await Promise.all(live.map(refresh));
+      await new Promise((resolve) => setTimeout(resolve, POLL_MS));
+    }
+  } finally {
+    state.polling = false;
+  }
+}
+
+async function refresh(view) {
+  try {
+    showJob(await (await api(`/v1/videos/${encodeURIComponent(view.job.id)}`)).json());
+  } catch (error) {
+    if (error.status === 404) forget(view.job.id);
+    else showError(error);
+  }
+}
+
+// --- wiring ----------------------------------------------------------------------------------------------
+
+$("#pipeline").addEventListener("change", showPanel);
+$("#key-form").addEventListener("submit", (event) => {
+  event.preventDefault();
+  sessionStorage.setItem(KEY_STORE, $("#api-key").value);
+  $("#api-key").value = "";
+  start();
+});
+start();
