@@ -11,15 +11,15 @@ predictions, combined and stepped alike) and nothing comes back.
 
 A rank that dies (or a collective that fails) fails the step's requests with one message naming the stage and
 the rank, and the group restarts: the other ranks are stopped and started again, and the requests still
-denoising are sent to the new ranks at their next step. A rank exits when rank 0's process is gone (Ray: its
-owner, rank 0's actor).
+denoising are sent to the new ranks at their next step. The ranks meet at a TCPStore that rank 0 hosts on a port
+the OS assigns. A rank dies with rank 0's process (the kernel launcher's PR_SET_PDEATHSIG; Ray: with its owner,
+rank 0's actor).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 
@@ -29,24 +29,19 @@ import torch.distributed as dist
 
 from omni_kernel.core.errors import ModelError, RequestError
 
-from .comm import Mesh, init_ranks
+from .comm import Mesh, init_ranks, open_store
 from .device import WanDevice
 from .rank_launch import launcher
 
 log = logging.getLogger("omni")
 
+ENTRY = "omni_wan.ranks:rank_main"  # what the other ranks run (rank_launch.py starts them)
 POLL_S = 0.2  # how often rank 0 looks at its ranks while they load and join
 DEATH_VISIBLE_S = 2.0  # how long a failed collective waits to see which rank exited (it is usually at once)
 
 
 class RankDied(RequestError):
     """A rank of a stage's group died (or a collective failed): the step's requests fail, the group restarts."""
-
-
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 class RankGroup:
@@ -61,6 +56,7 @@ class RankGroup:
         self.cfg, self.ulysses, self.resources = cfg, ulysses, resources
         self.num_ranks = cfg * ulysses
         self.ranks = None  # the launcher of the other ranks (rank_launch.py)
+        self.store = None  # the group's rendezvous store, hosted by rank 0
         self.sent: set[str] = set()  # request ids whose state the other ranks hold
         self.left: list[str] = []  # request ids that left since the last step
         self.num_restarts = 0
@@ -69,16 +65,16 @@ class RankGroup:
         from .parallel import WanParallel
 
         self.ranks = launcher(self.resources)
-        port = free_port(self.ranks.address)
-        spec = {"address": self.ranks.address, "port": port, "num_ranks": self.num_ranks, "cfg": self.cfg,
-                "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),
+        self.store = open_store(self.ranks.address, 0, self.num_ranks)  # the port the OS gave it, told to the ranks
+        spec = {"entry": ENTRY, "address": self.ranks.address, "port": self.store.port, "num_ranks": self.num_ranks,
+                "cfg": self.cfg, "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),
                 "threads": torch.get_num_threads(), "node_id": self.node_id}
         self.ranks.launch([{**spec, "rank": rank} for rank in range(1, self.num_ranks)])
-        self._join(port)
+        self._join()
         WanParallel.install(self.model, Mesh.build(self.cfg, self.ulysses))
         self.sent = set()
 
-    def _join(self, port: int) -> None:
+    def _join(self) -> None:
         """Join the group as rank 0 once every rank has loaded the model (they load, then join); a rank that
         ends first fails the start in one line instead of leaving rank 0 waiting for the collective timeout."""
         outcome: list = []
@@ -86,7 +82,7 @@ class RankGroup:
 
         def join() -> None:
             try:
-                init_ranks(0, self.num_ranks, self.ranks.address, port, self.device.device)
+                init_ranks(0, self.num_ranks, self.store, self.device.device)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 outcome.append(exc)
             joined.set()
@@ -149,6 +145,7 @@ class RankGroup:
             self.model.parallel.uninstall(self.model)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None
 
 
 def rank_main(spec: dict) -> None:
@@ -161,15 +158,14 @@ def rank_main(spec: dict) -> None:
     from .parallel import WanParallel
 
     logging.basicConfig(format=f"omni[{spec['node_id']} rank {spec['rank']}]: %(message)s", level=logging.INFO)
-    if "parent" in spec:  # a process of rank 0's (a Ray actor ends with its owner instead)
-        threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     torch.set_num_threads(spec["threads"])
     device = WanDevice(**spec["device"])
     if device.device == "cuda":
         torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
     with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
         model = Wan22I2VPipeline.load(Path(spec["path"]), device)
-    comm_device = init_ranks(spec["rank"], spec["num_ranks"], spec["address"], spec["port"], device.device)
+    store = open_store(spec["address"], spec["port"], spec["num_ranks"])
+    comm_device = init_ranks(spec["rank"], spec["num_ranks"], store, device.device)
     WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
     states: dict = {}
     while True:
@@ -185,9 +181,3 @@ def rank_main(spec: dict) -> None:
         model.denoise_batch([states[rid] for rid in request_ids], steps, cfg_batched=cfg_batched)
         if not states:
             model.forget_batch()
-
-
-def _exit_with(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)

@@ -12,9 +12,9 @@ Faults: a worker that dies fails its in-flight requests with one error naming th
 restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
 worker builds its stage, what the front sends it waits in its WorkerProcess (`backlog`), so a send never blocks on
 a full pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False
-(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits when its
-parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its workers at
-exit.
+(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker dies with
+its parent (the kernel launcher's PR_SET_PDEATHSIG, omni_kernel/util/launch.py) and exits on `close()`; the front
+stops its workers at exit.
 """
 
 from __future__ import annotations

@@ -50,7 +50,6 @@ class WorkerSpec:
     cores: tuple[str, int] | None = None  # with "shared": the board's file and this worker's slot
     tag: int = 0  # which of its worker's stages it is (a worker hosts every stage of one share key)
     replica: int | None = None  # which replica of its node it is (replicas.py), if it is one
-    parent_pid: int = attrs.field(factory=os.getpid)
 
 
 def default_host_factory() -> Callable[[], Any]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing.connection
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -44,10 +42,15 @@ class WorkerProcess:
         self.spill_dir = make_dir("run")
         self.slot = board().take() if threads == SHARED else None
         self.on_stop = on_stop
-        self.proc = self.conn = None
+        self.child = self.conn = None  # the worker's omni_kernel.util.launch.Child, its pipe
         self.ready = False
         self.backlog: list[bytes] = []
         self.stopped = False
+
+    @property
+    def proc(self):
+        """The worker's Popen (None before it starts)."""
+        return None if self.child is None else self.child.proc
 
     def spec_for(self, spec: WorkerSpec) -> WorkerSpec:
         cores = None if self.slot is None else (board().path, self.slot)
@@ -66,9 +69,9 @@ class WorkerProcess:
     def start(self) -> None:
         """Start the process with the first member's stage; the others are built there once it is ready."""
         first, *others = self.members.values()
-        self.proc, self.conn = start_worker(first.spec)
+        self.child, self.conn = start_worker(first.spec)
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
-        self.conn.send(attrs.evolve(first.spec, parent_pid=os.getpid()))
+        self.conn.send(first.spec)
         self.ready = False
         self.backlog = []
         for stage in others:
@@ -94,14 +97,8 @@ class WorkerProcess:
             except (OSError, ValueError):
                 pass
         if process is not None:
-            for stop in (None, process.terminate, process.kill):
-                if stop is not None:
-                    stop()
-                try:
-                    process.wait(timeout if stop is None else 2)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _end(process, timeout)
+            self.child.close()
         if conn is not None:
             conn.close()
         if self.slot is not None:
@@ -173,6 +170,7 @@ class WorkerProcess:
     def died(self, how: str | None = None) -> None:
         """The worker's pipe read EOF: its stages fail what they held; restart it if a stage is to be restarted."""
         how = how or self._exit_cause()
+        self.child.close()
         self.conn.close()
         self.conn = None
         self.ready = False
@@ -189,13 +187,11 @@ class WorkerProcess:
 
     def _exit_cause(self) -> str:
         try:
-            code = self.proc.wait(5)
+            self.proc.wait(5)
         except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
             self.proc.kill()
-            code = self.proc.wait()
-        if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
+            self.proc.wait()
+        return self.child.cause()
 
     def _fail_members(self, how: str) -> bool:
         """Each stage fails its requests; True if one of them is to be restarted. Stages that are dead, or that
@@ -234,3 +230,15 @@ class WorkerProcess:
         except (OSError, ValueError):  # closed meanwhile (close() from another thread)
             return True
         return bool(ready)
+
+
+def _end(process: subprocess.Popen, timeout: float) -> None:
+    """Wait for a worker told to stop; terminate, then kill, one that does not."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(timeout if stop is None else 2)
+            return
+        except subprocess.TimeoutExpired:
+            continue
