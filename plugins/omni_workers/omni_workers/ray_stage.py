@@ -50,7 +50,7 @@ class RayStage(StageProxy):
     def __init__(self, spec: WorkerSpec, group, settings: WorkersSettings):
         self.ray = ensure_ray(settings.ray_address)
         super().__init__(spec, group, settings.max_restarts)
-        self.spec = attrs.evolve(spec, spill_dir=None)
+        self.spec = spec
         self.actor = None
         # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);
         # what it brings back waits in `mailbox`, and a byte on `bell` wakes the front's one wait over every pipe.

@@ -26,6 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from omni_kernel.core.errors import classify
 
+from . import shared
 from .cores import CoreShare
 from .stage_host import (
     WAIT_S,
@@ -37,7 +38,7 @@ from .stage_host import (
     setup_worker,
     step_hosts,
 )
-from .transport import pack, spill
+from .transport import pack
 
 log = logging.getLogger("omni")
 
@@ -82,14 +83,16 @@ def worker_main(conn, spec: WorkerSpec) -> None:
 def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
     """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read."""
     while (message := outbox.get()) is not None:
+        fds: list = []
         try:
-            data = ForkingPickler.dumps(pack(message, node_id))
+            data = ForkingPickler.dumps(pack(message, node_id, fds))
         except Exception as exc:  # noqa: BLE001 - ready / failed / dead are plain data: not expected
             log.error("stage %r: a %r message could not be sent to the front (%s: %s)", node_id, message[0],
                       type(exc).__name__, exc)
+            shared.close(fds)
             continue
         try:
-            conn.send_bytes(data)
+            shared.send(conn, data, fds)
         except (OSError, EOFError, ValueError):
             os._exit(0)  # the front is gone
 
@@ -105,8 +108,15 @@ class EngineLoop:
 
     def read(self, conn, inbox: queue.Queue) -> None:
         try:
+            arrived: list[str] = []
             while True:
                 message = conn.recv()
+                shared.forget(arrived)  # what the message before did not load
+                arrived = []
+                if message[0] == "fds":  # the shared memory of the message that follows
+                    arrived = message[1]
+                    shared.take_fds(conn, arrived)
+                    continue
                 host = self.hosts.get(message[1]) if message[0] in ("check", "process") else None
                 if host is not None and (message[0] == "check" or host.concurrent_process):
                     self.outbox.put(self.handle(message))
@@ -167,7 +177,7 @@ class EngineLoop:
         for tag, host in hosts:
             stats = host.new_stats()  # after each step, and after an add or abort that changed them
             if events.get(host) or stats is not None:
-                self.outbox.put(("events", tag, spill(events.get(host, []), self.spec.spill_dir), stats))
+                self.outbox.put(("events", tag, events.get(host, []), stats))
         still_busy = [host for _, host in hosts if host.has_unfinished()]
         if share is not None and events and not still_busy:
             share.idle()  # lend the cores before the next messages

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing.connection
-import shutil
 import subprocess
 import sys
 import time
@@ -21,10 +20,10 @@ import attrs
 
 from omni_kernel.core.errors import rebuild
 
+from . import shared
 from .cores import SHARED, board
 from .spawn import start_worker
 from .stage_host import WorkerSpec
-from .tempdirs import make_dir
 
 log = logging.getLogger("omni")
 
@@ -39,12 +38,12 @@ class WorkerProcess:
         self.tags = itertools.count()
         self.calls = itertools.count()
         self.replies: dict[int, tuple] = {}
-        self.spill_dir = make_dir("run")
         self.slot = board().take() if threads == SHARED else None
         self.on_stop = on_stop
         self.child = self.conn = None  # the worker's omni_kernel.util.launch.Child, its pipe
         self.ready = False
-        self.backlog: list[bytes] = []
+        self.backlog: list[tuple[bytes, list]] = []  # (pickled message, the shared memory it refers to)
+        self.arrived: list[str] = []  # the shared memory the message being read brought
         self.stopped = False
 
     @property
@@ -54,7 +53,7 @@ class WorkerProcess:
 
     def spec_for(self, spec: WorkerSpec) -> WorkerSpec:
         cores = None if self.slot is None else (board().path, self.slot)
-        return attrs.evolve(spec, spill_dir=self.spill_dir, cores=cores, tag=next(self.tags))
+        return attrs.evolve(spec, cores=cores, tag=next(self.tags))
 
     def attach(self, stage) -> None:
         """Host `stage` (its `spec` made by `spec_for`): start the process for the first, build it there for the
@@ -73,7 +72,7 @@ class WorkerProcess:
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
         self.conn.send(first.spec)
         self.ready = False
-        self.backlog = []
+        self.drop_backlog()
         for stage in others:
             self.send(("build", stage.spec))
 
@@ -104,7 +103,7 @@ class WorkerProcess:
         if self.slot is not None:
             board().give_back(self.slot)
             self.slot = None
-        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        self.drop_backlog()
         if self.on_stop is not None:
             self.on_stop(self)
 
@@ -113,14 +112,21 @@ class WorkerProcess:
     def send(self, message) -> None:
         self.send_bytes(ForkingPickler.dumps(message))
 
-    def send_bytes(self, data: bytes) -> None:
+    def send_bytes(self, data: bytes, fds: list | None = None) -> None:
+        """Send a pickled message and the shared memory files it refers to (shared.py), which are closed here."""
+        fds = fds or []
         if not self.ready:  # still building its first stage: a send must not block on a pipe no one reads yet
-            self.backlog.append(data)
+            self.backlog.append((data, fds))
             return
         try:
-            self.conn.send_bytes(data)
+            shared.send(self.conn, data, fds)
         except (OSError, ValueError):
             self.pump()
+
+    def drop_backlog(self) -> None:
+        for _, fds in self.backlog:
+            shared.close(fds)
+        self.backlog = []
 
     def pump(self) -> None:
         """Take every message the worker sent so far, for whichever of its stages; notice a worker that died (its
@@ -137,7 +143,13 @@ class WorkerProcess:
                     self.died(f"stopped: the front could not read its message, {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}")
                     return
+                if message[0] == "fds":  # the shared memory of the message that follows
+                    self.arrived = message[1]
+                    shared.take_fds(conn, self.arrived)
+                    continue
                 self.receive(message)
+                shared.forget(self.arrived)  # what the message did not load (a dropped or unreadable event)
+                self.arrived = []
         except (EOFError, OSError):
             if self.conn is conn and conn is not None:
                 self.died()
@@ -160,10 +172,12 @@ class WorkerProcess:
             if not self.ready:
                 self.ready = True
                 conn, backlog, self.backlog = self.conn, self.backlog, []
-                for data in backlog:
+                for index, (data, fds) in enumerate(backlog):
                     if self.conn is not conn:  # it died meanwhile: died() failed what these were for
+                        self.backlog = backlog[index:]
+                        self.drop_backlog()
                         break
-                    self.send_bytes(data)
+                    self.send_bytes(data, fds)
         elif rpc == "failed":
             stage._build_failed(rebuild(*message[2:]))
 
@@ -171,6 +185,8 @@ class WorkerProcess:
         """The worker's pipe read EOF: its stages fail what they held; restart it if a stage is to be restarted."""
         how = how or self._exit_cause()
         self.child.close()
+        shared.forget(self.arrived)
+        self.arrived = []
         self.conn.close()
         self.conn = None
         self.ready = False

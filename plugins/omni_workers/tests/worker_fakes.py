@@ -9,8 +9,8 @@ by input processing, "frames" makes `render` return a numpy array in `data`, a w
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
 front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the
-trace of `words`' processed input / `render`'s output, and "lost_frames" gives `render`'s output a spilled array
-whose file is gone. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
+trace of `words`' processed input / `render`'s output, and "lost_frames" gives `render`'s output a shared-memory
+array that never arrives. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
 load, e.g. of a restart). Each stage's output trace
 has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
@@ -40,11 +40,17 @@ from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
-from omni_workers import WorkersPlugin
+from omni_workers import WorkersPlugin, shared
 from omni_workers.cores import step_threads
-from omni_workers.transport import Spilled
 
 log = logging.getLogger("omni")
+
+
+class LostArray:
+    """Pickles as a shared-memory array (shared.py) whose memory file was never sent."""
+
+    def __reduce__(self):
+        return shared._attach, ("no-such-token", 96, False, "float32", (2, 3, 4))
 
 
 @attrs.frozen
@@ -163,9 +169,10 @@ class RenderOutputs(Outputs):
             if "frames" in item.prompt:
                 import numpy as np
 
-                data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+                size = 2 ** 18 if "big" in item.prompt else 24  # 1 MiB: shared memory; 96 bytes: in the pickle
+                data = {"frames": np.arange(size, dtype=np.float32).reshape(2, -1, 4)}
             if "lost_frames" in item.prompt:
-                data = {"frames": Spilled(os.path.join(os.path.dirname(__file__), "no-such-spill.npy"))}
+                data = {"frames": LostArray()}
             text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
             trace = {"render.pid": os.getpid(), "render.threads": out.record.state}
             if "background" in item.prompt:
