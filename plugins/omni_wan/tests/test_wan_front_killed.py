@@ -65,7 +65,9 @@ def alive(pid: int) -> bool:
 
 
 def shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """The /dev/shm segments that shared memory from Python or torch would leave (other programs' aside)."""
+    names = os.listdir("/dev/shm") if os.path.isdir("/dev/shm") else []
+    return {name for name in names if name.startswith(("psm_", "torch_", "omni", "pymp"))}
 
 
 def run_front(tiny_model, out: Path, config: dict, env: dict, script: Path) -> subprocess.Popen:

@@ -9,10 +9,11 @@ by input processing, "frames" makes `render` return a numpy array in `data`, a w
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
 front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the
-trace of `words`' processed input / `render`'s output, and "lost_frames" gives `render`'s output a shared-memory
-array that never arrives. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
-load, e.g. of a restart). Each stage's output trace
-has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
+trace of `words`' processed input / `render`'s output, "big_handoff" puts a 1 MiB array in the connector's input
+for `render` (whose output trace says its sum and whether it was mapped from shared memory), and "lost_frames"
+gives `render`'s output a shared-memory array that never arrives. The config `fake_build_gate=PATH` makes a
+worker's build wait while PATH exists (a slow model load, e.g. of a restart). Each stage's output trace has the
+thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
 """
 
 from __future__ import annotations
@@ -44,6 +45,16 @@ from omni_workers import WorkersPlugin, shared
 from omni_workers.cores import step_threads
 
 log = logging.getLogger("omni")
+
+
+def in_memory_file(address: int) -> bool:
+    """`address` lies in a mapping of one of omni's shared memory files (omni_workers/shared.py)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:omni-array" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
 
 
 class LostArray:
@@ -177,6 +188,10 @@ class RenderOutputs(Outputs):
             trace = {"render.pid": os.getpid(), "render.threads": out.record.state}
             if "background" in item.prompt:
                 trace["render.idle_steps"] = self.idle_steps
+            if "big_handoff" in item.prompt:
+                embeds = item.trace["fake.embeds"]
+                trace["render.embeds_sum"] = float(embeds.sum())
+                trace["render.embeds_mapped"] = in_memory_file(embeds.ctypes.data)
             if "unsendable_output" in item.prompt:
                 trace["render.lock"] = threading.Lock()
             if "unreadable_output" in item.prompt:
@@ -287,6 +302,10 @@ class WordsToRender:
             trace["fake.lock"] = threading.Lock()
         if "unreadable_handoff" in output.text:
             trace["fake.front_only"] = FrontOnly()
+        if "big_handoff" in output.text:  # 1 MiB: crosses to the worker through shared memory
+            import numpy as np
+
+            trace["fake.embeds"] = np.arange(2 ** 18, dtype=np.float32)
         return StageInput(request.request_id, output.text, trace=trace)
 
 
