@@ -148,7 +148,8 @@ class WorkerProcess:
                     shared.take_fds(conn, self.arrived)
                     continue
                 self.receive(message)
-                shared.forget(self.arrived)  # what the message did not load (a dropped or unreadable event)
+                if message[0] != "reply":  # a call's answer is loaded by its caller (ProcessStage._call), later
+                    shared.forget(self.arrived)  # what the message did not load (a dropped or unreadable event)
                 self.arrived = []
         except (EOFError, OSError):
             if self.conn is conn and conn is not None:

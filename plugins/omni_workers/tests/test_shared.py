@@ -110,8 +110,10 @@ def test_an_event_whose_array_cannot_be_shared_fails_its_own_request(monkeypatch
     assert fds == []
 
 
-def test_a_hand_off_crosses_to_the_worker_through_shared_memory():
+def test_a_processed_input_and_a_hand_off_cross_through_shared_memory():
+    """Both ways: the answer to the submit's `process` call, then the hand-off to the next stage's worker."""
     with Omni("fake_slow", host=make_host(), placement="process") as o:
+        assert o.generate("a big_input please").text == "rendered 3 words"
         trace = o.generate("a big_handoff please").trace
         assert trace["render.embeds_sum"] == float(np.arange(2 ** 18, dtype=np.float32).sum())
         assert trace["render.embeds_mapped"] is True

@@ -8,12 +8,13 @@ by input processing, "frames" makes `render` return a numpy array in `data`, a w
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
-front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the
-trace of `words`' processed input / `render`'s output, "big_handoff" puts a 1 MiB array in the connector's input
-for `render` (whose output trace says its sum and whether it was mapped from shared memory), and "lost_frames"
-gives `render`'s output a shared-memory array that never arrives. The config `fake_build_gate=PATH` makes a
-worker's build wait while PATH exists (a slow model load, e.g. of a restart). Each stage's output trace has the
-thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
+front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the trace
+of `words`' processed input / `render`'s output, "big_input" / "big_handoff" put a 1 MiB array in `words`' processed
+input / the connector's input for `render` (whose output trace says its sum and whether it was mapped from shared
+memory), and "lost_frames" gives `render`'s output a shared-memory array that never arrives. The config
+`fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model load, e.g. of a restart). Each
+stage's output trace has the thread count its worker set for each of its steps (`words.threads`, `render.threads`;
+shared cores).
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ class WordsInputs:
             trace["words.lock"] = threading.Lock()
         if "unreadable_input" in item.prompt:
             trace["words.worker_only"] = WorkerOnly()
+        if "big_input" in item.prompt:  # 1 MiB: the answer to `process` crosses through shared memory
+            import numpy as np
+
+            trace["words.big"] = np.arange(2 ** 18, dtype=np.float32)
         return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace=trace)
 
 
