@@ -18,6 +18,7 @@ from omni_kernel.testing import drain, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ray_cluster import ray_cluster  # noqa: E402
+
 from test_workers import within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
@@ -87,14 +88,15 @@ def test_wan_replicas_on_two_nodes_a_node_dies_mid_burst_and_its_replica_comes_b
             assert sorted(sum(owner[rid] is r for rid in ids) for r in wan.replicas) == [3, 3]
             lost = next(r for r in wan.replicas if cluster.name_of(r.where) == "b")
             kept = next(r for r in wan.replicas if r is not lost)
+            lost_node = lost.where
             cluster.remove("b")
             done = finished(within(lambda: drain(o), timeout=300))
             for rid in ids:
                 if owner[rid] is lost:
                     failed = done[rid]
                     assert isinstance(failed, RequestFailed), failed
-                    assert failed.error.startswith(f"stage 'wan' replica {lost.replica}: its node "), failed.error
-                    assert " died " in failed.error and "\n" not in failed.error
+                    says = f"stage 'wan' replica {lost.replica}: its Ray node {lost_node[:12]} died, and its actor"
+                    assert failed.error.startswith(says) and "\n" not in failed.error, failed.error
                 else:
                     assert isinstance(done[rid], RequestFinished), done[rid]
             assert lost.restarting and kept.where == cluster.nodes["a"].node_id
@@ -107,3 +109,70 @@ def test_wan_replicas_on_two_nodes_a_node_dies_mid_burst_and_its_replica_comes_b
             done = finished(within(lambda: drain(o), timeout=300))
             assert all(isinstance(done[rid], RequestFinished) for rid in ids), done
             assert [r.restarts for r in wan.replicas if r is lost] == [1]
+
+
+def _health(http) -> dict:
+    r = http.get("/health")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _chat(http) -> str:
+    r = http.post("/v1/chat/completions", json={"model": "ar_text", "max_tokens": 6, "temperature": 0,
+                                                "messages": [{"role": "user", "content": "hello"}]})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.server
+def test_omni_serve_on_the_cluster_while_a_node_goes_and_another_joins(omni_cache, tmp_path):
+    """`omni serve --placement ray --ray-address` on the cluster: the AR and the Wan actor on the two one-CPU nodes;
+    the Wan node removed without grace while a video job runs: that job fails naming its node, a chat is served
+    meanwhile, /health stays 200 and shows the Wan stage not alive; a node joins, the Wan stage comes back on it
+    (/health, /metrics) and the next video job completes."""
+    import httpx
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "omni_serve" / "tests"))
+    from omni_wan.demo import ensure_demo_model
+
+    from serving import ServerProcess, video_done
+
+    ensure_demo_model()
+    with ray_cluster({"a": {"slot": 1}, "b": {"slot": 1}}) as cluster:
+        server = ServerProcess(["--pipeline", "ar_text", "--pipeline", "wan_t2v", "--placement", "ray",
+                                "--ray-address", cluster.address, "--worker-threads", "1", "--max-restarts", "2",
+                                "--output-dir", str(tmp_path / "videos"), "--shutdown-timeout", "5"],
+                               tmp_path / "server.log")
+        try:
+            server.wait_ready(240)
+            with httpx.Client(base_url=server.url, timeout=120) as http:
+                placed = _health(http)["placed"]
+                (ar,), (wan,) = placed["ar_text/generate"], placed["wan_t2v/wan"]
+                assert ar["alive"] and wan["alive"] and {ar["node"], wan["node"]} == {
+                    n.node_id for n in cluster.nodes.values()}, placed
+                expected = _chat(http)
+                body = {"prompt": "a kite", "model": "wan_t2v", "size": "64x96", "num_frames": "9", "seed": "1"}
+                job = http.post("/v1/videos", data={**body, "num_inference_steps": "200"}).json()
+                wait_until(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress", 60,
+                           "the video job to run", interval=0.1)
+                cluster.remove(cluster.name_of(wan["node"]))
+                assert _chat(http) == expected  # its node is alive
+                failed = video_done(http, job["id"], timeout=60)
+                assert failed["status"] == "failed", failed
+                assert f"its Ray node {wan['node'][:12]} died" in failed["error"]["message"], failed
+                health = _health(http)
+                assert health["placed"]["wan_t2v/wan"][0]["alive"] is False, health
+                refused = http.post("/v1/videos", data={**body, "num_inference_steps": "2"})
+                assert refused.status_code == 503 and "stage unavailable" in refused.text, refused.text
+                joined = cluster.add("c", {"slot": 1})
+                back = wait_until(lambda: [p for p in _health(http)["placed"]["wan_t2v/wan"] if p["alive"]],
+                                  BACK_S, "the Wan stage back on the node that joined", interval=0.5)
+                assert back == [{"alive": True, "restarts": 1, "node": joined}], back
+                metric = f'omni_stage_node{{model="wan_t2v",node="{joined}",replica="",stage="wan"}} 1.0'
+                assert metric in http.get("/metrics").text
+                job = http.post("/v1/videos", data={**body, "num_inference_steps": "2"}).json()
+                assert video_done(http, job["id"], timeout=120)["status"] == "completed"
+                assert _chat(http) == expected
+            assert server.stop() == 0, server.output()
+        finally:
+            server.kill()
