@@ -17,8 +17,7 @@ from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.testing import drain, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ray_cluster import ray_cluster  # noqa: E402
-
+from multinode import ray_cluster  # noqa: E402
 from test_workers import within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
