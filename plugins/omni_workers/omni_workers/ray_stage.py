@@ -4,10 +4,12 @@ The same contract as `process_stage.ProcessStage`: the front's proxy sends add /
 process / check calls; the actor (ray_actor.py) runs its stage's engine loop on a thread of its own, continuously,
 and streams its events (`events`, a Ray streaming generator read by a thread of the front). Outputs come back as
 stream items through Ray's object store (arrays included); the front relays them to the next stage (a Ray stream
-cannot be handed to another actor). Each actor gets its own placement group of one bundle, `NodeSpec.resources`
-(default {"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that
-dies fails its requests with one error naming the stage and is restarted, `max_restarts` times; the front does not
-wait for the new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
+cannot be handed to another actor). Each actor has a bundle of its node's Ray resources (`ray_resources`, else
+`NodeSpec.resources`, else {"CPU": 1}) in a placement group of its stage's (ray_groups.py: PACK for a stage alone,
+SPREAD over a stage's replicas). An actor that dies fails its requests with one error naming the stage, the replica
+and, when its node died, the node; it is restarted `max_restarts` times in its own bundle, which Ray places again
+where the cluster has room (at once, or when a node joins; RESTART_WAIT_S at most). The front does not wait for the
+new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
 StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes. Requests, events and a call's
 answer cross as bytes pickled by omni on each side (transport.pack_event, pack_answer), so one that cannot be
 pickled or unpickled fails its own request or call, never the actor's stream (which the front would take for its
