@@ -175,3 +175,19 @@ def test_omni_serve_on_the_cluster_while_a_node_goes_and_another_joins(omni_cach
             assert server.stop() == 0, server.output()
         finally:
             server.kill()
+
+
+def test_a_parallel_stages_ranks_share_rank_0s_node(tmp_path):
+    """wan_ulysses=2 on Ray: rank 1's actor is placed by the rank launcher the placement handed the stage's actor
+    (STRICT_PACK, near rank 0), so both ranks run on one node although the other node has room too."""
+    from omni_wan.demo import ensure_demo_model
+
+    ensure_demo_model()
+    with ray_cluster({"a": {"slot": 2}, "b": {"slot": 2}}) as cluster:
+        with Omni("wan_t2v", device="cpu", placement="ray", wan_ulysses=2, worker_threads=1,
+                  ray_resources="wan=slot:1") as o:
+            (stage,) = cluster.actor_nodes("StageActor")
+            assert cluster.actor_nodes("RankActor") == [stage] == [o.graph.stages["wan"].where]
+            got = o.generate("a kite", seed=1, output=str(tmp_path / "a.mp4"), **SIZE)
+            assert Path(got.path).is_file()
+        assert cluster.actor_nodes("RankActor") == cluster.actor_nodes("StageActor") == []
