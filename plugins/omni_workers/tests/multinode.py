@@ -1,11 +1,11 @@
 """A real multi-node Ray cluster on this machine for the tests (`ray.cluster_utils.Cluster`, FACTS.md "Ray across
 nodes on one machine"): a head with no CPUs (it runs the GCS, never a stage), one-CPU nodes with custom
 resources, small object stores and Ray's fast health checks (a node removed without grace is known dead within
-about a second). `ray_cluster()` also checks that no Ray process it started outlives it."""
+about a second); `no_ray_left`, the fixture that checks that no Ray process a test started outlives it."""
 
 from __future__ import annotations
 
-import time
+import os
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,8 +19,27 @@ HEALTH = {"health_check_period_ms": 200, "health_check_timeout_ms": 200, "health
 GONE_S = 30  # Ray's processes of a cluster shut down end within this
 
 
+def _parent(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def _ours(pid: int) -> bool:
+    """Started under this process, or orphaned (its parent gone): not another test run's Ray on this machine."""
+    me = os.getpid()
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == me:
+            return True
+    return pid == 1
+
+
 def ray_pids() -> dict[int, str]:
-    """The Ray processes of this machine: {pid: command line} (GCS, raylets, workers and actors, agents)."""
+    """The Ray processes of this test process, or orphaned: {pid: command line} (GCS, raylets, workers and actors,
+    agents)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -29,7 +48,8 @@ def ray_pids() -> dict[int, str]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
-        if cmdline.startswith("ray::") or "/ray/" in cmdline or "gcs_server" in cmdline or "raylet" in cmdline:
+        ray = cmdline.startswith("ray::") or "/ray/" in cmdline or "gcs_server" in cmdline or "raylet" in cmdline
+        if ray and _ours(int(entry.name)):
             found[int(entry.name)] = cmdline
     return found
 
@@ -68,16 +88,34 @@ class NodeCluster:
                       if a["ActorClassName"] == class_name and a["State"] == "ALIVE")
 
 
+@pytest.fixture
+def no_ray_left():
+    """After the test: every Ray process it started (GCS, raylets, workers, actors, agents) has ended, within
+    GONE_S, else the test fails naming them."""
+    before = set(ray_pids())
+    yield
+    left: dict[int, str] = {}
+
+    def gone() -> bool:
+        left.clear()
+        left.update({p: c for p, c in ray_pids().items() if p not in before})
+        return not left
+
+    try:
+        wait_until(gone, GONE_S, "the test's Ray processes to end", interval=0.2)
+    except AssertionError:
+        pytest.fail(f"Ray processes outlived the test: {sorted(left.items())}")
+
+
 @contextmanager
 def ray_cluster(nodes: dict[str, dict], connect: bool = True):
-    """A head and `nodes` ({name: custom resources}); the driver connected when `connect`. On exit: Ray shut down,
-    and every Ray process it started gone within GONE_S (else the test fails, naming them)."""
+    """A head and `nodes` ({name: custom resources}); the driver connected when `connect`. On exit Ray is shut
+    down (the `no_ray_left` fixture checks that its processes end)."""
     try:
         import ray
         from ray.cluster_utils import Cluster
     except ImportError as exc:
         pytest.skip(f"Ray is not installed here ({exc}); `pip install 'omni-workers[ray]'` (make test does)")
-    before = set(ray_pids())
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "include_dashboard": False, "object_store_memory": STORE, "_system_config": HEALTH})
     try:
@@ -90,20 +128,3 @@ def ray_cluster(nodes: dict[str, dict], connect: bool = True):
     finally:
         ray.shutdown()
         cluster.shutdown()
-        left = {}
-
-        def gone() -> bool:
-            left.clear()
-            left.update({p: c for p, c in ray_pids().items() if p not in before})
-            return not left
-
-        try:
-            wait_until(gone, GONE_S, "the cluster's Ray processes to end", interval=0.2)
-        except AssertionError:
-            pytest.fail(f"Ray processes outlived the test: {sorted(left.items())}")
-
-
-def wait_for(what: str, check, timeout: float, interval: float = 0.2):
-    """`check()`'s first truthy value within `timeout` seconds (else the test fails, saying what and how long)."""
-    started = time.monotonic()
-    return wait_until(check, timeout, f"{what} (waited {timeout:g}s from {started:.0f})", interval=interval)

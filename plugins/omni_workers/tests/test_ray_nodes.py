@@ -17,11 +17,11 @@ from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.testing import drain, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
-from multinode import ray_cluster  # noqa: E402
+from multinode import no_ray_left, ray_cluster  # noqa: E402
 from test_workers import within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
-pytestmark = [pytest.mark.process]
+pytestmark = [pytest.mark.process, pytest.mark.usefixtures(no_ray_left.__name__)]
 
 IMAGE = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 SIZE = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 4}
@@ -99,6 +99,9 @@ def test_wan_replicas_on_two_nodes_a_node_dies_mid_burst_and_its_replica_comes_b
                 else:
                     assert isinstance(done[rid], RequestFinished), done[rid]
             assert lost.restarting and kept.where == cluster.nodes["a"].node_id
+            meanwhile = o.submit(o.request("a kite meanwhile", output=str(tmp_path / "meanwhile.mp4"), **SIZE))
+            assert wan.owner[meanwhile] is kept  # the live replica takes it
+            assert isinstance(finished(within(lambda: drain(o), timeout=300))[meanwhile], RequestFinished)
             c = cluster.add("c", {"slot": 1})
             group = o.graph.placed[0]
             wait_until(lambda: (group.watch(0.2), lost.ready)[1], BACK_S, "the lost replica back on node c")
