@@ -205,7 +205,7 @@ class RayStage(StageProxy):
         except Exception:  # noqa: BLE001 - dead already
             log.debug("%s: its Ray actor was gone already", self.label, exc_info=True)
         if not node_alive(self.ray, self.where):
-            died = f"Ray node {self.where[:12]} died, and its actor with it"
+            died = f"Ray node {self.where[:12]} died (and its actor with it)"
         else:
             died = f"Ray actor died ({type(exc).__name__})"
         if self._lost(died, "replica" if self.spec.replica is not None else "actor"):

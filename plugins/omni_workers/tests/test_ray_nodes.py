@@ -94,7 +94,7 @@ def test_wan_replicas_on_two_nodes_a_node_dies_mid_burst_and_its_replica_comes_b
                 if owner[rid] is lost:
                     failed = done[rid]
                     assert isinstance(failed, RequestFailed), failed
-                    says = f"stage 'wan' replica {lost.replica}: its Ray node {lost_node[:12]} died, and its actor"
+                    says = f"stage 'wan' replica {lost.replica}: its Ray node {lost_node[:12]} died (and its actor"
                     assert failed.error.startswith(says) and "\n" not in failed.error, failed.error
                 else:
                     assert isinstance(done[rid], RequestFinished), done[rid]
