@@ -96,10 +96,12 @@ class RayStage(StageProxy):
         self.where = None
         self.started = time.monotonic()
 
-    def wait_ready(self, timeout: float | None = PLACE_TIMEOUT_S) -> None:
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Its placement group placed (`timeout`, else PLACE_TIMEOUT_S), then its actor's build (START_TIMEOUT_S)."""
+        timeout = PLACE_TIMEOUT_S if timeout is None else timeout
         if not self.reservation.wait_placed(timeout):
             raise RequestError(f"{self.label}: Ray could not place it with resources {self.resources} "
-                               f"({self.reservation.strategy}) within {timeout}s; see `ray status`") from None
+                               f"({self.reservation.strategy}) within {timeout:g}s; see `ray status`") from None
         self._take_status(START_TIMEOUT_S)
 
     def _take_status(self, timeout: float | None) -> None:
