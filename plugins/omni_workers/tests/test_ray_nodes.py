@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from omni_kernel import Omni
+from omni_kernel.core.errors import RequestError
 from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.testing import drain, wait_until
 
@@ -42,6 +43,19 @@ def test_replicas_spread_over_nodes_where_one_could_hold_them_and_close_waits_fo
             assert sorted(cluster.actor_nodes()) == sorted(node.node_id for node in cluster.nodes.values())
             assert sorted(r.where for r in words.replicas) == cluster.actor_nodes()
             assert o.generate("one two").text == "rendered 2 words"
+        assert cluster.actor_nodes() == []
+
+
+def test_a_stage_no_node_can_hold_fails_its_build_in_one_line_within_the_bound(monkeypatch):
+    import omni_workers.ray_stage
+
+    monkeypatch.setattr(omni_workers.ray_stage, "PLACE_TIMEOUT_S", 2.0)
+    with ray_cluster({"a": {"slot": 1}}) as cluster:
+        got = within(lambda: Omni("fake_slow", host=make_host(), placement="words=ray",
+                                  ray_resources="words=slot:2"), timeout=60)
+        assert isinstance(got, RequestError), got
+        says = "stage 'words': Ray could not place it with resources {'slot': 2.0} (PACK) within 2s; see `ray status`"
+        assert str(got) == says
         assert cluster.actor_nodes() == []
 
 
