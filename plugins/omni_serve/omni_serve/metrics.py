@@ -12,7 +12,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .snapshot import Snapshot, restarts_of
+from .snapshot import Snapshot, node_of, restarting_of, restarts_of
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -34,15 +34,28 @@ class _EngineCollector:
                                     labels=labels)
         restarts = CounterMetricFamily("omni_replica_restarts", "restarts of a stage's replica's worker",
                                        labels=labels)
-        alive = GaugeMetricFamily("omni_replica_alive", "1 while a stage's replica takes requests", labels=labels)
+        alive = GaugeMetricFamily("omni_replica_alive", "1 while a stage's replica takes requests (0 while it is dead "
+                                  "or restarting)", labels=labels)
         for s in snap.stages:
             for index, replica in enumerate(s.replicas):
                 key = [s.pipeline, s.node, str(index)]
                 running.add_metric(key, replica.running)
                 waiting.add_metric(key, replica.waiting)
                 restarts.add_metric(key, restarts_of(replica))
-                alive.add_metric(key, int(replica.dead is None))
+                alive.add_metric(key, int(replica.dead is None and not restarting_of(replica)))
         return running, waiting, restarts, alive
+
+    @staticmethod
+    def _nodes(snap: Snapshot):
+        """Where each placed stage's worker (each replica's) runs, where its placement tells: a Ray node id."""
+        where = GaugeMetricFamily("omni_stage_node", "1 for the node a stage's (or replica's) worker runs on (Ray's "
+                                  "node id); none while it has no node", labels=["model", "stage", "replica", "node"])
+        for s in snap.stages:
+            placed = [(str(i), r) for i, r in enumerate(s.replicas)] or [("", s.stats)]
+            for index, stats in placed:
+                if node_of(stats) is not None:
+                    where.add_metric([s.pipeline, s.node, index, node_of(stats)], 1)
+        return where
 
     def collect(self):
         snap = self.snapshot()
@@ -77,6 +90,7 @@ class _EngineCollector:
             restarting.add_metric([s.pipeline, s.node], int(s.restarting))
         yield from (running, waiting, used, total, hits, cache_hits, cache_misses, restarts, restarting)
         yield from self._replicas(snap)
+        yield self._nodes(snap)
         errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",
                                      labels=["model", "stage", "kind"])
         for (pipeline, node, kind), count in sorted(snap.errors.items()):

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .options import image_input, option_cards
 from .protocol import APIError
+from .snapshot import placed_of
 from .state import State
 
 router = APIRouter()
@@ -48,7 +49,10 @@ async def health(served: State):
         reason = snap.dead or "; ".join(f"{n}: {d}" for n, d in dead.items()) or "the engine thread stopped"
         return JSONResponse({"status": "dead", "error": reason, "dead_models": sorted(dead)}, status_code=503)
     restarting = sorted(f"{s.pipeline}/{s.node}" for s in snap.stages if s.restarting)
-    return {"status": "ok", "models": sorted(served.names), "in_flight": snap.in_flight, "restarting": restarting}
+    placed = {f"{s.pipeline}/{s.node}": [placed_of(r) for r in s.replicas] or [placed_of(s.stats)]
+              for s in snap.stages if s.stats.placed is not None}
+    return {"status": "ok", "models": sorted(served.names), "in_flight": snap.in_flight, "restarting": restarting,
+            "placed": placed}
 
 
 @router.get("/metrics")

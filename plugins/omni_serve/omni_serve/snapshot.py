@@ -5,7 +5,8 @@ reads `AsyncOmni.snapshot` never sees one half-built.
 What a placement adds to a stage's stats (`StageStats.placed`, an attrs value of the placement plugin's own) is
 read by field name with a default, so this plugin imports no placement plugin: `restarts` (of the stage's worker
 process or Ray actor), `restarting` (that worker is building its stage again: requests to it get 503 meanwhile)
-and `replicas` (a replicated stage's: each replica's own StageStats). A stage in this process has none of them.
+`replicas` (a replicated stage's: each replica's own StageStats) and `node` (where its worker runs: a Ray actor's node
+id). A stage in this process has none of them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def restarting_of(stats: StageStats) -> bool:
 
 def replicas_of(stats: StageStats) -> tuple[StageStats, ...]:
     return tuple(getattr(stats.placed, "replicas", ()))
+
+
+def node_of(stats: StageStats) -> str | None:
+    return getattr(stats.placed, "node", None)
+
+
+def placed_of(stats: StageStats) -> dict:
+    """For /health: a placed stage's (or replica's) worker: alive (taking requests), its restarts, its node."""
+    alive = stats.dead is None and not restarting_of(stats)
+    return {"alive": alive, "restarts": restarts_of(stats), "node": node_of(stats)}
 
 
 @attrs.frozen

@@ -63,3 +63,35 @@ def test_a_stage_without_replicas_has_no_replica_series():
     assert not [k for k in got if k[0].startswith("omni_replica_")]
     labels = (("model", "ar_text"), ("stage", "generate"))
     assert got[("omni_stage_restarts_total", labels)] == 0 and got[("omni_stage_restarting", labels)] == 0
+
+
+@attrs.frozen
+class OnNodes:
+    """Ray-placed replicas (omni-workers' WorkerStats has `node`): one on node n1, one restarting with no node."""
+
+    kind: str = "diffusion"
+
+    def stats(self) -> StageStats:
+        each = (StageStats(placed=PlacedOnNode(node="n1")), StageStats(placed=PlacedOnNode(1, True)))
+        return StageStats(placed=PlacedOnNode(1, False, each))
+
+
+@attrs.frozen
+class PlacedOnNode:
+    restarts: int = 0
+    restarting: bool = False
+    replicas: tuple[StageStats, ...] = ()
+    node: str | None = None
+
+
+def test_a_replica_restarting_is_not_alive_and_each_replica_names_its_node():
+    from omni_serve.snapshot import placed_of
+
+    snap = Snapshot(stages=(StageSnapshot.of("wan_t2v", "wan", OnNodes()),))
+    got = samples(Metrics(lambda: snap, dict))
+    alive = {dict(k[1])["replica"]: v for k, v in got.items() if k[0] == "omni_replica_alive"}
+    assert alive == {"0": 1, "1": 0}
+    nodes = [dict(k[1]) for k, v in got.items() if k[0] == "omni_stage_node" and v == 1]
+    assert nodes == [{"model": "wan_t2v", "stage": "wan", "replica": "0", "node": "n1"}]
+    assert [placed_of(r) for r in snap.stages[0].replicas] == [{"alive": True, "restarts": 0, "node": "n1"},
+                                                               {"alive": False, "restarts": 1, "node": None}]

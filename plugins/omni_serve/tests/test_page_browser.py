@@ -24,8 +24,10 @@ ROOT = Path(__file__).resolve().parents[3]
 ASSET = ROOT / "examples" / "assets" / "image.png"
 BROWSER_DIR = ROOT / ".browser"
 ARTIFACTS = ROOT / "build" / "test-artifacts" / "browser"
-# Enough denoise steps on the tiny checkpoint that the page's poll sees the bar move several times.
-SLOW = {"num_inference_steps": "200", "width": "64", "height": "64", "num_frames": "9", "seed": "1"}
+# 200 denoise steps (the most the tiny checkpoint's scheduler takes) at 128x128x17: a few seconds of steps, so the
+# page's poll (every 100 ms) sees the bar move several times even when a loaded machine slows the browser (at
+# 64x64x9 the whole job took under 2 s and a busy machine's browser saw only [0, 99]).
+SLOW = {"num_inference_steps": "200", "width": "128", "height": "128", "num_frames": "17", "seed": "1"}
 QUICK = {"num_inference_steps": "2", "width": "64", "height": "64", "num_frames": "5", "seed": "1"}
 LAUNCH = ("const c = require('@sparticuz/chromium').default;"
           "c.executablePath().then(p => console.log(JSON.stringify({path: p, args: c.args})))")
@@ -46,9 +48,12 @@ WATCH_PROGRESS = """() => {
 PLAYING = "video => video.readyState >= 1 && video.duration > 0"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def chromium():
-    """The browser's executable, unpacked by its npm package into the temp directory, and the flags it lists."""
+    """The browser's executable, unpacked by its npm package into the temp directory, and the flags it lists.
+
+    Module-scoped: Playwright's sync API keeps an event loop running in this thread while it is open, and a
+    later module's asyncio.run() would fail under it."""
     if not (BROWSER_DIR / "node_modules" / "@sparticuz" / "chromium").is_dir():
         pytest.skip("no headless Chromium: `make browser` installs it (npm ci of @sparticuz/chromium)")
     found = json.loads(subprocess.run(["node", "-e", LAUNCH], cwd=BROWSER_DIR, check=True, capture_output=True,

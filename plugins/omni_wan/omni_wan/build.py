@@ -129,10 +129,10 @@ def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, devic
     the transformer stays on its devices, and one process is rank 0 of one group at most (torch.distributed's
     default group is the process's)."""
     from .parallel import check_degrees
-    from .rank_launch import in_ray_actor
+    from .rank_launch import placed_ranks
 
     check_degrees(config.wan_cfg_parallel, config.wan_ulysses, layout.num_heads, device.device,
-                  PRESETS[preset].guidance_scale, count_devices=not in_ray_actor())
+                  PRESETS[preset].guidance_scale, count_devices=not placed_ranks())
     if device.offloaded:
         raise UserError(f"node {node.id!r}: wan_cfg_parallel / wan_ulysses keep the transformer on each rank's GPU: "
                         "add -c disable_cpu_offload=true")

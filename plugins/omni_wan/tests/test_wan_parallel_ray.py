@@ -38,5 +38,6 @@ def test_a_parallel_stage_on_ray_runs_its_other_rank_as_an_actor(ray, omni, tmp_
     with Omni("wan_t2v", host=omni.host, model=model, device="cpu", placement="ray", wan_ulysses=2) as o:
         groups = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
         assert sorted(len(g["bundles"]) for g in groups) == [1, 1]  # the stage's actor's, and its rank's
+        assert sorted(g["strategy"] for g in groups) == ["PACK", "STRICT_PACK"]  # the rank group: one node
         got = o.generate("a kite", seed=2, output=str(tmp_path / "b.mp4"), return_frames=True, **SIZE)
     assert float(np.abs(got.output.data["frames"] - expected.output.data["frames"]).max()) <= 1e-4

@@ -53,16 +53,15 @@ class Placement:
         spec = WorkerSpec(build.node, build.node_type.kind, build.config, host_factory or default_host_factory(),
                           settings.worker_threads)
         count = settings.replicas_of(build.node)
+        if self.name == "ray":
+            from .ray_stage import ray_stages
+
+            stages = ray_stages(spec, count, group, settings)
+            return ReplicaStage(stages) if count > 1 else stages[0]
         if count > 1:  # each replica in a worker of its own
-            return ReplicaStage([self.proxy(attrs.evolve(spec, replica=i), group, settings) for i in range(count)])
-        return self.proxy(spec, group, settings, self.worker_for(build, settings, host_factory))
-
-    def proxy(self, spec: WorkerSpec, group: WorkerGroup, settings: WorkersSettings, worker=None):
-        if self.name == "process":
-            return ProcessStage(spec, group, settings.max_restarts, worker)
-        from .ray_stage import RayStage
-
-        return RayStage(spec, group, settings)
+            return ReplicaStage([ProcessStage(attrs.evolve(spec, replica=i), group, settings.max_restarts)
+                                 for i in range(count)])
+        return ProcessStage(spec, group, settings.max_restarts, self.worker_for(build, settings, host_factory))
 
     def worker_for(self, build: NodeBuild, settings: WorkersSettings, host_factory) -> WorkerProcess | None:
         """The running worker of the node's share key, or a new one (kept for the next node of that key)."""

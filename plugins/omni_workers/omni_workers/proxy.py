@@ -103,6 +103,9 @@ class StageProxy:
 
     def __init__(self, spec: WorkerSpec, group: WorkerGroup, max_restarts: int):
         self.node: NodeSpec = spec.node
+        self.replica = spec.replica
+        self.label = f"stage {spec.node.id!r}" + (f" replica {spec.replica}" if spec.replica is not None else "")
+        self.where: str | None = None  # the machine its worker runs on, where the placement tells (Ray's node id)
         self.kind = spec.kind
         self.group = group
         self.max_restarts = max_restarts
@@ -198,19 +201,19 @@ class StageProxy:
             return StageStats(dead=str(self.dead), placed=WorkerStats(restarts=self.restarts))
         if not self.ready:
             return StageStats(waiting=len(self.held), placed=WorkerStats(self.restarts, self.restarting))
-        return attrs.evolve(self.remote, placed=WorkerStats(restarts=self.restarts))
+        return attrs.evolve(self.remote, placed=WorkerStats(restarts=self.restarts, node=self.where))
 
     def _lost(self, died: str, who: str) -> bool:
         """The worker died (`died` says how): its requests fail; True if it is to be restarted, one of
         `max_restarts`, else the stage is dead."""
         if self.restarts < self.max_restarts:
             self.restarts += 1
-            message = (f"stage {self.node.id!r}: its {died}; the request was lost and the {who} restarted "
+            message = (f"{self.label}: its {died}; the request was lost and the {who} restarted "
                        f"({self.restarts} of {self.max_restarts} restarts)")
             log.error("%s", message)
             self._fail_held(message)
             return True
-        message = f"stage {self.node.id!r}: its {died} and was not restarted ({self.max_restarts} restarts used)"
+        message = f"{self.label}: its {died} and was not restarted ({self.max_restarts} restarts used)"
         log.error("%s", message)
         self.dead = EngineDead(message)
         self._fail_held(message)
@@ -223,8 +226,8 @@ class StageProxy:
 
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
-        return StageUnavailable(f"stage {self.node.id!r}: its {self.what} is restarting (it died) and takes requests "
-                                "again once it has built its stage", left)
+        return StageUnavailable(f"stage unavailable: {self.label}: its {self.what} is restarting (it died) and takes "
+                                "requests again once it has built its stage", left)
 
     @property
     def node_id(self) -> str:

@@ -14,8 +14,10 @@ import threading
 from typing import Any
 
 from omni_kernel.core.errors import PluginError, classify
+from omni_kernel.core.ranks import set_rank_launcher
 from omni_kernel.events import StageFailed
 
+from .ray_groups import RayRankLauncher
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker, step_hosts
 from .transport import pack_answer, pack_event
 
@@ -59,7 +61,7 @@ class StageActor:
     by the engine thread between two steps, as in a worker process (at once when the stage's
     `concurrent_process` says it may run beside a step)."""
 
-    def __init__(self, sys_path: list[str], spec_bytes: bytes):
+    def __init__(self, sys_path: list[str], spec_bytes: bytes, rank_strategy: str = "STRICT_PACK"):
         for entry in sys_path:  # what the front imports (plugins, test modules), where it exists here
             if entry not in sys.path:
                 sys.path.append(entry)
@@ -74,6 +76,8 @@ class StageActor:
         try:
             spec: WorkerSpec = pickle.loads(spec_bytes)  # our own bytes, from the front, through Ray
             setup_worker(spec)
+            # a parallel stage built here starts its other ranks as actors with this one's resources
+            set_rank_launcher(RayRankLauncher(dict(spec.node.resources or {"CPU": 1}), rank_strategy))
             stage = build_stage(spec)
             set_torch_threads(spec.threads)
         except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
@@ -84,8 +88,9 @@ class StageActor:
         self.status = ("ready", stage.kind, stage.concurrent_process, stage.stats())
         threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
 
-    def ready(self) -> tuple:
-        return self.status
+    def ready(self) -> tuple[str, tuple]:
+        """(the Ray node id this actor runs on, its build's status)."""
+        return import_ray().get_runtime_context().get_node_id(), self.status
 
     def _loop(self) -> None:
         set_torch_threads(self.threads)  # OpenMP's thread count is per calling thread

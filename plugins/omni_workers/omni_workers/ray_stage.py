@@ -4,10 +4,12 @@ The same contract as `process_stage.ProcessStage`: the front's proxy sends add /
 process / check calls; the actor (ray_actor.py) runs its stage's engine loop on a thread of its own, continuously,
 and streams its events (`events`, a Ray streaming generator read by a thread of the front). Outputs come back as
 stream items through Ray's object store (arrays included); the front relays them to the next stage (a Ray stream
-cannot be handed to another actor). Each actor gets its own placement group of one bundle, `NodeSpec.resources`
-(default {"CPU": 1}; {"GPU": 1} puts the stage on a GPU of whichever node of the cluster has one). An actor that
-dies fails its requests with one error naming the stage and is restarted, `max_restarts` times; the front does not
-wait for the new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
+cannot be handed to another actor). Each actor has a bundle of its node's Ray resources (`ray_resources`, else
+`NodeSpec.resources`, else {"CPU": 1}) in a placement group of its stage's (ray_groups.py: PACK for a stage alone,
+SPREAD over a stage's replicas). An actor that dies fails its requests with one error naming the stage, the replica
+and, when its node died, the node; it is restarted `max_restarts` times in its own bundle, which Ray places again
+where the cluster has room (at once, or when a node joins; RESTART_WAIT_S at most). The front does not wait for the
+new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
 StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes. Requests, events and a call's
 answer cross as bytes pickled by omni on each side (transport.pack_event, pack_answer), so one that cannot be
 pickled or unpickled fails its own request or call, never the actor's stream (which the front would take for its
@@ -25,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 import attrs
 
@@ -34,12 +37,30 @@ from omni_kernel.core.request import StageInput
 from .cores import SHARED
 from .proxy import StageProxy, WorkerDied
 from .ray_actor import actor_class, ensure_ray
+from .ray_groups import PLACE_TIMEOUT_S, Reservation, kill_all, node_alive, ray_options
 from .settings import WorkersSettings
 from .stage_host import WorkerSpec
 
 log = logging.getLogger("omni")
-START_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 600.0  # an actor placed builds its stage (loads its model) within this
+RESTART_WAIT_S = 600.0  # a lost actor waits this long for room (a node that joins) and its build, then its stage
+# (or replica) is dead
+CALL_TIMEOUT_S = 300.0  # a process / check call is answered within this (it waits for the step running now)
 STARTED = ("started",)  # the mailbox's word that a restarted actor's build is over (ready, failed or timed out)
+
+
+def ray_stages(spec: WorkerSpec, count: int, group, settings: WorkersSettings) -> list[RayStage]:
+    """The node's stage as `count` actors (its replicas when more than one) in one placement group of a bundle
+    each, the node's Ray resources (`WorkersSettings.resources_of`): strategy SPREAD for replicas (distinct
+    nodes where the cluster has them), PACK for one."""
+    ray = ensure_ray(settings.ray_address)
+    resources = settings.resources_of(spec.node)
+    spec = attrs.evolve(spec, node=attrs.evolve(spec.node, resources=resources))
+    strategy = "SPREAD" if count > 1 else "PACK"
+    reservation = Reservation(ray, resources, count, strategy, f"omni-{spec.node.id}-{uuid.uuid4().hex[:8]}")
+    if count == 1:
+        return [RayStage(spec, group, settings, reservation)]
+    return [RayStage(attrs.evolve(spec, replica=i), group, settings, reservation, i) for i in range(count)]
 
 
 class RayStage(StageProxy):
@@ -47,56 +68,50 @@ class RayStage(StageProxy):
 
     what = "Ray actor"
 
-    def __init__(self, spec: WorkerSpec, group, settings: WorkersSettings):
+    def __init__(self, spec: WorkerSpec, group, settings: WorkersSettings, reservation: Reservation, index: int = 0):
         self.ray = ensure_ray(settings.ray_address)
         super().__init__(spec, group, settings.max_restarts)
         self.spec = spec
         self.actor = None
+        self.where: str | None = None  # the Ray node id of the actor now serving
         # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);
         # what it brings back waits in `mailbox`, and a byte on `bell` wakes the front's one wait over every pipe.
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
         self.bell, self.ringer = socket.socketpair()
         self.bell.setblocking(False)
-        resources = dict(spec.node.resources or {"CPU": 1})
-        self.resources = resources
+        self.resources = dict(spec.node.resources or {"CPU": 1})
         if spec.threads == SHARED:  # not shared across actors: the fixed split of the bundle's CPUs
-            self.spec = attrs.evolve(self.spec, threads=max(1, int(resources.get("CPU", 1))))
-        from ray.util.placement_group import placement_group
-
-        self.pg = placement_group([resources], strategy="PACK", name=f"omni-{spec.node.id}-{id(self):x}")
+            self.spec = attrs.evolve(self.spec, threads=max(1, int(self.resources.get("CPU", 1))))
+        self.reservation, self.index = reservation.hold(), index
+        self.rank_strategy = settings.ray_rank_strategy
         group.add(self)
         self._start()
 
     def _start(self) -> None:
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        r = self.resources
-        custom = {k: v for k, v in r.items() if k not in ("CPU", "GPU")}
-        options = dict(num_cpus=r.get("CPU", 0), num_gpus=r.get("GPU", 0), max_concurrency=8,
-                       scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
-                       name=None)
-        if custom:
-            options["resources"] = custom
-        self.actor = actor_class(self.ray).options(**options).remote(list(sys.path), pickle.dumps(self.spec))
+        options = ray_options(self.resources, self.reservation, self.index)
+        self.actor = actor_class(self.ray).options(max_concurrency=8, **options).remote(
+            list(sys.path), pickle.dumps(self.spec), self.rank_strategy)
         self.ready_ref = self.actor.ready.remote()
         self.ready = False
+        self.where = None
         self.started = time.monotonic()
 
-    def wait_ready(self, timeout: float | None = START_TIMEOUT_S) -> None:
-        try:
-            self.ray.get(self.pg.ready(), timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - GetTimeoutError: no node has the resources
-            raise RequestError(f"stage {self.node.id!r}: Ray could not place it with resources {self.resources} "
-                               f"within {timeout}s ({type(exc).__name__}); see `ray status`") from None
-        self._take_status(timeout)
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Its placement group placed (`timeout`, else PLACE_TIMEOUT_S), then its actor's build (START_TIMEOUT_S)."""
+        timeout = PLACE_TIMEOUT_S if timeout is None else timeout
+        if not self.reservation.wait_placed(timeout):
+            raise RequestError(f"{self.label}: Ray could not place it with resources {self.resources} "
+                               f"({self.reservation.strategy}) within {timeout:g}s; see `ray status`") from None
+        self._take_status(START_TIMEOUT_S)
 
     def _take_status(self, timeout: float | None) -> None:
         """The actor's build is over (or `timeout` passes): ready, with its event stream read, or the typed error."""
         try:
-            status = self.ray.get(self.ready_ref, timeout=timeout)
-        except Exception as exc:  # noqa: BLE001 - the actor died while starting
-            raise RequestError(f"stage {self.node.id!r}: its Ray actor failed to start: {type(exc).__name__}: "
+            node, status = self.ray.get(self.ready_ref, timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - the actor died while starting, or no room within the bound
+            raise RequestError(f"{self.label}: its Ray actor failed to start: {type(exc).__name__}: "
                                f"{' '.join(str(exc).split())[:300]}") from None
+        self.where = node
         if status[0] == "failed":
             self.close()
             raise rebuild(*status[1:])
@@ -107,7 +122,7 @@ class RayStage(StageProxy):
     def _await_start(self, actor, ready_ref) -> None:
         """On a thread of its own: wait for a restarted actor's build, then ring the front (pump takes it)."""
         try:
-            self.ray.wait([ready_ref], timeout=START_TIMEOUT_S)
+            self.ray.wait([ready_ref], timeout=RESTART_WAIT_S)
         finally:
             self._deliver(actor, STARTED)
 
@@ -118,7 +133,7 @@ class RayStage(StageProxy):
         try:
             self._take_status(0)
         except Exception as exc:  # noqa: BLE001 - e.g. its model is gone now
-            self.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {exc}")
+            self.dead = EngineDead(f"{self.label}: its Ray actor could not restart within {RESTART_WAIT_S:g}s: {exc}")
             log.error("%s", self.dead)
             self.close()
 
@@ -142,20 +157,16 @@ class RayStage(StageProxy):
             pass
 
     def close(self) -> None:
+        """Kill the actor and return once Ray reports it dead (GONE_TIMEOUT_S at most); the last holder of its
+        placement group removes it."""
         actor, self.actor = self.actor, None
         for sock in (self.bell, self.ringer):
             sock.close()
         if actor is not None:
-            try:
-                self.ray.kill(actor)
-            except Exception:  # noqa: BLE001
-                pass
-        try:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.pg)
-        except Exception:  # noqa: BLE001
-            pass
+            kill_all(self.ray, [actor])
+        if self.reservation is not None:
+            self.reservation.drop()
+            self.reservation = None
 
     # Receiving.
 
@@ -190,17 +201,20 @@ class RayStage(StageProxy):
                 self._take_event(request_id, data)
 
     def _died(self, exc: BaseException) -> None:
-        why = type(exc).__name__
         actor, self.actor = self.actor, None
         try:
             self.ray.kill(actor)  # its stream failed but it may live on
         except Exception:  # noqa: BLE001 - dead already
-            log.debug("stage %s: its Ray actor was gone already", self.node.id, exc_info=True)
-        if self._lost(f"Ray actor died ({why})", "actor"):
+            log.debug("%s: its Ray actor was gone already", self.label, exc_info=True)
+        if not node_alive(self.ray, self.where):
+            died = f"Ray node {self.where[:12]} died (and its actor with it)"
+        else:
+            died = f"Ray actor died ({type(exc).__name__})"
+        if self._lost(died, "replica" if self.spec.replica is not None else "actor"):
             try:
                 self._start()
             except Exception as error:  # noqa: BLE001 - Ray itself is gone
-                self.dead = EngineDead(f"stage {self.node.id!r}: its Ray actor could not restart: {error}")
+                self.dead = EngineDead(f"{self.label}: its Ray actor could not restart: {error}")
                 log.error("%s", self.dead)
                 self.actor = None
                 return
@@ -215,24 +229,24 @@ class RayStage(StageProxy):
             if not self.ready and self.actor is not None:
                 if not self.group.wait_for_restarts:
                     raise self._restarting()
-                self.ray.wait([self.ready_ref], timeout=START_TIMEOUT_S)
+                self.ray.wait([self.ready_ref], timeout=RESTART_WAIT_S)
                 self._restarted()
         if self.actor is None:
-            raise self.dead or WorkerDied(f"stage {self.node.id!r}: its Ray actor is gone")
+            raise self.dead or WorkerDied(f"{self.label}: its Ray actor is gone")
         data = self._pickle(item)
         try:
-            ok, answer = self.ray.get(self.actor.process.remote(rpc, data))
+            ok, answer = self.ray.get(self.actor.process.remote(rpc, data), timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the actor died, or (not expected) the call failed in it
             if not isinstance(exc, self.ray.exceptions.RayActorError):
                 raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {rpc!r} call "
                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
-            raise WorkerDied(f"stage {self.node.id!r}: its Ray actor died while processing the input") from None
+            raise WorkerDied(f"{self.label}: its Ray actor died while processing the input") from None
         return self._answer(rpc, ok, answer)
 
     def _gone(self):
         if self.actor is None or self.dead is not None:
-            return self.dead or f"stage {self.node.id!r}: its Ray actor is gone"
+            return self.dead or f"{self.label}: its Ray actor is gone"
         return None
 
     def _send_add(self, rpc: str, item: StageInput) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 
-from omni_kernel.core.errors import EngineDead
+from omni_kernel.core.errors import EngineDead, StageUnavailable
 from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
 
@@ -41,10 +41,15 @@ class ReplicaStage:
         return self.replicas[0].dead if all(r.dead is not None for r in self.replicas) else None
 
     def pick(self):
-        """The replica with the least outstanding work among those that take requests now (else any not dead)."""
+        """The replica with the least outstanding work among those that take requests now; with none, one that is
+        restarting (a call to it waits for its build, or, where the group does not wait, is refused here as
+        `stage unavailable`), else any."""
         taking = [r for r in self.replicas if r._gone() is None and not r.restarting]
-        candidates = taking or [r for r in self.replicas if r.dead is None] or self.replicas
-        return min(candidates, key=lambda r: (len(r.request_ids()), r.restarts))
+        alive = [r for r in self.replicas if r.dead is None]
+        if not taking and alive and not alive[0].group.wait_for_restarts:
+            raise StageUnavailable(f"stage unavailable: stage {self.node_id!r} has no replica that takes requests now "
+                                   f"({len(alive)} restarting, {len(self.replicas) - len(alive)} dead)", None)
+        return min(taking or alive or self.replicas, key=lambda r: (len(r.request_ids()), r.restarts))
 
     def _route(self, request_id: str):
         replica = self.routed.pop(request_id, None) or self.pick()
