@@ -29,7 +29,6 @@ import copy
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ from wan_i2v import BENCH_DIMS  # noqa: E402 - the same checkpoint as the wan_i2
 PROMPT, NEGATIVE = "a cat surfing on a blue wave at sunset", "blurred, static, low quality"
 LOOPBACK, GUIDANCE, SEED = "127.0.0.1", 5.0, 0
 NUM_STEPS = 4  # the request's schedule; every forward is its first step
+_STORES: list = []  # the ranks' rendezvous stores, hosted here
 
 
 def log(*args) -> None:
@@ -53,13 +53,14 @@ def _serve(rank: int, num_ranks: int, port: int, pipe, args) -> None:
     """A rank: loads the model, prepares the request, then times `repeats` forwards per order it gets."""
     import torch
 
-    from omni_wan.comm import Mesh, init_ranks
+    from omni_wan.comm import Mesh, init_ranks, open_store
     from omni_wan.device import WanDevice
     from omni_wan.model import TextEmbeds, Wan22I2VPipeline
     from omni_wan.parallel import WanParallel
 
     torch.set_num_threads(args.threads)
-    device = init_ranks(rank, num_ranks, LOOPBACK, port, args.device) if num_ranks > 1 else None
+    device = init_ranks(rank, num_ranks, open_store(LOOPBACK, port, num_ranks), args.device) \
+        if num_ranks > 1 else None
     if args.device == "cuda":
         placement = WanDevice("cuda", "bf16", "bf16", "benchmark", "off")
         torch.cuda.set_device(device or 0)
@@ -93,9 +94,12 @@ def _serve(rank: int, num_ranks: int, port: int, pipe, args) -> None:
 
 
 def _start(context, num_ranks: int, args) -> list:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        port = sock.getsockname()[1]
+    """The ranks, meeting at a store this process hosts on a port the OS assigns (kept for the run)."""
+    from omni_wan.comm import open_store
+
+    store = open_store(LOOPBACK, 0, num_ranks)
+    _STORES.append(store)
+    port = store.port
     pipes = []
     for rank in range(num_ranks):
         parent, child = context.Pipe()

@@ -119,6 +119,44 @@ def test_atomic_path_error_inside_block_removes_temp(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+WRITER = """
+import sys, time
+from omni_kernel.util.files import atomic_path
+with atomic_path(sys.argv[1]) as tmp:
+    with open(tmp, "wb") as f:
+        f.write(b"half")
+        f.flush()
+        print("writing", flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_writer_killed_by_sigkill_inside_atomic_path_leaves_nothing(tmp_path):
+    """The temporary file has no name until it replaces the output (O_TMPFILE), so even SIGKILL, which no
+    handler sees, leaves nothing behind."""
+    import signal
+    import subprocess
+    import sys
+
+    from omni_kernel.util.files import _unnamed_file
+
+    probe = _unnamed_file(tmp_path)
+    if probe is None:
+        pytest.skip("this file system has no O_TMPFILE: a killed writer leaves a hidden file there")
+    os.close(probe)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "v.bin")], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        assert list(tmp_path.iterdir()) == []  # nothing named while it writes
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(10)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+    assert list(tmp_path.iterdir()) == []
+
+
 # Request values through the Python API: one-line InvalidParameter naming the field.
 BAD_PARAMS = {
     "seed 2**63": ({"seed": 2**63}, "seed"), "seed 2**70": ({"seed": 2**70}, "seed"),

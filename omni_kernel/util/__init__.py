@@ -1,1 +1,1 @@
-"""Utilities for plugins (output files), over the request path only."""
+"""Utilities for plugins: output files (files.py) and the launcher of child interpreters (launch.py)."""

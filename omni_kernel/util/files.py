@@ -3,6 +3,7 @@ an output path passes before any work starts, and the cache directory where omni
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -18,6 +19,7 @@ from omni_kernel.core.errors import InvalidParameter
 # Room kept in a file name for the temporary name an atomic write uses (".NAME.XXXXXXXX.tmp.mp4") and for
 # names derived from it (out.mp4 -> out.trace.json).
 NAME_RESERVE = 32
+AT_FDCWD, AT_EMPTY_PATH = -100, 0x1000  # linkat(2)
 
 
 def check_output_path(path: str | Path, field: str = "output") -> Path:
@@ -108,10 +110,81 @@ def refuse_special(path: Path) -> None:
 @contextmanager
 def atomic_path(path: str | Path, suffix: str = ".tmp") -> Iterator[Path]:
     """Yield a temporary path next to `path`; it replaces `path` when the block ends, and is removed on error.
-    A `path` that is a directory or a special file (/dev/null, a FIFO) is never replaced."""
+    A `path` that is a directory or a special file (/dev/null, a FIFO) is never replaced.
+
+    Where the file system allows (Linux O_TMPFILE), the temporary file has no name until it replaces `path`: the
+    path yielded is this process's descriptor of it (/proc/PID/fd/N, which a child such as ffmpeg may open too),
+    so a process killed by any signal, SIGKILL included, leaves nothing behind. Elsewhere it is a hidden file
+    (".NAME.XXXXXXXX" + `suffix`) that such a kill leaves (remove_atomic_leftovers)."""
     path = Path(path)
     refuse_special(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    fd = _unnamed_file(path.parent)
+    if fd is None:
+        with _named_temporary(path, suffix) as tmp:
+            yield tmp
+        return
+    try:
+        yield Path(f"/proc/{os.getpid()}/fd/{fd}")
+        os.fchmod(fd, 0o666 & ~UMASK)
+        refuse_special(path)  # it may have appeared while the output was written
+        _link(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _unnamed_file(folder: Path) -> int | None:
+    """A new file in `folder` with no name (O_TMPFILE), or None where the platform or file system has none."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(folder, flag | os.O_RDWR, 0o600)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return None
+        raise
+
+
+def _link(fd: int, path: Path) -> None:
+    """Give the unnamed file `fd` the name `path`, replacing what is there: named under a fresh hidden name
+    first, then renamed over `path` (a link cannot replace a file)."""
+    name = path.parent / f".{path.name}.{os.urandom(4).hex()}.tmp"
+    if not _linkat(fd, name):
+        with open(name, "xb") as copy:  # no way to link it here: its bytes, copied
+            os.lseek(fd, 0, os.SEEK_SET)
+            while chunk := os.read(fd, 1 << 20):
+                copy.write(chunk)
+            os.fsync(copy.fileno())
+        os.chmod(name, 0o666 & ~UMASK)
+    try:
+        os.replace(name, path)
+    except BaseException:
+        name.unlink(missing_ok=True)
+        raise
+
+
+def _linkat(fd: int, name: Path) -> bool:
+    """linkat(fd, "", AT_EMPTY_PATH), else through /proc/self/fd; False where neither is allowed."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.linkat(fd, b"", AT_FDCWD, os.fsencode(name), AT_EMPTY_PATH) == 0:
+            return True
+    except (OSError, AttributeError):
+        pass
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, follow_symlinks=True)
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.ENOENT, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+@contextmanager
+def _named_temporary(path: Path, suffix: str) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     os.close(fd)
     tmp = Path(name)

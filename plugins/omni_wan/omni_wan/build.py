@@ -150,7 +150,7 @@ def start_group(settings: WanEngineSettings, model):
     config = settings.config
     resources = dict(settings.resources) if settings.resources else None
     group = RankGroup(settings.node_id, model, settings.layout.path, settings.device, config.wan_cfg_parallel,
-                      config.wan_ulysses, resources)
+                      config.wan_ulysses, resources, config.wan_rank_restart_wait)
     group.start()
     return group
 

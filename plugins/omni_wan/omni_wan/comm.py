@@ -56,14 +56,24 @@ class Mesh:
         return cls(cfg, ulysses, local // ulysses, local % ulysses, seq_group, cfg_group)
 
 
-def init_ranks(rank: int, num_ranks: int, address: str, port: int, device: str = "cpu",
+def open_store(address: str, port: int = 0, num_ranks: int = 1,
+               timeout_s: float = COLLECTIVE_TIMEOUT_S) -> dist.TCPStore:
+    """The group's rendezvous store. `port` 0: host it on a port the OS assigns (`store.port`, which the other
+    ranks are told), so no port is picked free and then raced for; otherwise reach the one hosted there."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if port == 0:
+        return dist.TCPStore(address, 0, num_ranks, is_master=True, timeout=timeout, wait_for_workers=False)
+    return dist.TCPStore(address, port, num_ranks, is_master=False, timeout=timeout)
+
+
+def init_ranks(rank: int, num_ranks: int, store: dist.Store, device: str = "cpu",
                timeout_s: float = COLLECTIVE_TIMEOUT_S) -> torch.device:
-    """Join the default process group as `rank` (TCP rendezvous at address:port); NCCL and GPU `rank` (modulo the
+    """Join the default process group as `rank` through `store` (open_store); NCCL and GPU `rank` (modulo the
     visible GPUs) on CUDA, gloo on a CPU. The device this rank computes on."""
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=num_ranks,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=num_ranks,
                             timeout=datetime.timedelta(seconds=timeout_s))
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
 

@@ -11,6 +11,7 @@ checkpoint: all-noise latents and a mask of ones (no first-frame condition), so 
 from __future__ import annotations
 
 import logging
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,18 @@ class Wan22I2VPipeline:
         else:
             speed_up_cpu_vae(pipe.vae)
         return cls(pipe, device)
+
+    @classmethod
+    def load_transformer(cls, path: str | Path, device: WanDevice) -> Wan22I2VPipeline:
+        """Only the transformer, on its device: what a rank other than 0 runs (denoise_batch); no text encoder,
+        no VAE (rank 0 encodes, prepares and decodes)."""
+        from diffusers import WanTransformer3DModel
+
+        transformer = WanTransformer3DModel.from_pretrained(path, subfolder="transformer",
+                                                            dtype=torch_dtype(device.dtype), use_safetensors=True)
+        if device.device != "cpu":
+            transformer.to(device.device)
+        return cls(types.SimpleNamespace(transformer=transformer), device)
 
     @property
     def device(self) -> torch.device:

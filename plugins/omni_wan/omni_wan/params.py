@@ -56,6 +56,10 @@ class WanConfig:
     wan_ulysses: int = option(
         1, help="ranks that split each forward's latent tokens (Ulysses sequence parallelism; divides the "
                 "transformer's attention heads)", type=int, validator=integer(1))
+    wan_rank_restart_wait: float = option(
+        600.0, help="seconds a request waits for a parallel stage's rank group that restarts after a rank died "
+                    "(the new ranks load the transformer); past that it is refused as stage unavailable",
+        type=float, validator=number(minimum=0))
     wan_video_preset: str = option(
         "veryfast", help="x264 preset of the MP4 export: faster presets use less CPU for larger files at the same "
                          "quality (medium is ffmpeg's default)", choices=X264_PRESETS)

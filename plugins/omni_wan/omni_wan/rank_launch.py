@@ -1,20 +1,18 @@
 """How rank 0 of a parallel Wan stage starts its other ranks (ranks.py): as processes on its machine, or, where
 rank 0's placement hands it a launcher (placement `ray`: Ray actors in one placement group of a bundle per rank).
 
-Each launcher gives `launch(specs)` (one spec per rank 1..N-1), `address` (where the others reach rank 0),
-`gone()` (the ranks that ended, in words) and `stop()`.
+Each launcher gives `launch(specs)` (one spec per rank 1..N-1, whose "entry" is what the rank runs), `address`
+(where the others reach rank 0), `gone()` (the ranks that ended, in words) and `stop()`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
 import sys
 
 from omni_kernel.core.errors import UserError
 from omni_kernel.core.ranks import rank_launcher
+from omni_kernel.util.launch import Child, start
 
 LOOPBACK = "127.0.0.1"
 
@@ -32,28 +30,25 @@ def launcher(resources: dict | None):
 
 
 class ProcessRanks:
-    """The ranks as fresh interpreters on this machine; each exits when this process is gone."""
+    """The ranks as fresh interpreters on this machine, started by the kernel's launcher (omni_kernel/util/
+    launch.py): each dies with this process, and says how it ended."""
 
     address = LOOPBACK
 
     def __init__(self):
-        self.processes: list[subprocess.Popen] = []
+        self.children: list[Child] = []
 
     def launch(self, specs: list[dict]) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        code = "from omni_wan.ranks import rank_main; import sys, json; rank_main(json.loads(sys.argv[1]))"
-        self.processes = [subprocess.Popen([sys.executable, "-c", code, json.dumps({**spec, "parent": os.getpid()})],
-                                           env=env, stdin=subprocess.DEVNULL, stdout=2) for spec in specs]
+        self.children = [start(spec["entry"], spec, env=env) for spec in specs]
 
     def gone(self) -> list[str]:
-        return [f"rank {i} ({_how(p.returncode)})" for i, p in enumerate(self.processes, 1) if p.poll() is not None]
+        return [f"rank {i} ({c.cause()})" for i, c in enumerate(self.children, 1) if c.poll() is not None]
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait(10)
-        self.processes = []
+        for child in self.children:
+            child.kill()
+        self.children = []
 
 
 class PlacedRanks:
@@ -66,7 +61,7 @@ class PlacedRanks:
 
     def launch(self, specs: list[dict]) -> None:
         try:
-            self.group.launch("omni_wan.ranks:rank_main", specs)
+            self.group.launch(specs[0]["entry"], specs)
         except TimeoutError as exc:
             raise UserError(str(exc)) from None
 
@@ -75,9 +70,3 @@ class PlacedRanks:
 
     def stop(self) -> None:
         self.group.stop()
-
-
-def _how(code: int | None) -> str:
-    if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exit code {code}"

@@ -10,16 +10,19 @@ Then every rank runs `denoise_batch` on the same states, so every rank's states 
 predictions, combined and stepped alike) and nothing comes back.
 
 A rank that dies (or a collective that fails) fails the step's requests with one message naming the stage and
-the rank, and the group restarts: the other ranks are stopped and started again, and the requests still
-denoising are sent to the new ranks at their next step. A rank exits when rank 0's process is gone (Ray: its
-owner, rank 0's actor).
+the rank, and the group restarts off the step: the other ranks are stopped, and new ones are started and joined
+by a background thread, so the step returns at once. A denoise step meanwhile waits for the group, at most
+`restart_wait_s` (the stage's `wan_rank_restart_wait`), then runs, or past that fails its requests as stage
+unavailable; the requests still denoising are sent to the new ranks at their next step. Ranks other than 0 load
+only the transformer (all they run). The ranks meet at a TCPStore that rank 0 hosts on a port
+the OS assigns. A rank dies with rank 0's process (the kernel launcher's PR_SET_PDEATHSIG; Ray: with its owner,
+rank 0's actor).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
 import time
 
@@ -27,14 +30,15 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from omni_kernel.core.errors import ModelError, RequestError
+from omni_kernel.core.errors import EngineDead, ModelError, RequestError, StageUnavailable
 
-from .comm import Mesh, init_ranks
+from .comm import Mesh, init_ranks, open_store
 from .device import WanDevice
 from .rank_launch import launcher
 
 log = logging.getLogger("omni")
 
+ENTRY = "omni_wan.ranks:rank_main"  # what the other ranks run (rank_launch.py starts them)
 POLL_S = 0.2  # how often rank 0 looks at its ranks while they load and join
 DEATH_VISIBLE_S = 2.0  # how long a failed collective waits to see which rank exited (it is usually at once)
 
@@ -43,17 +47,11 @@ class RankDied(RequestError):
     """A rank of a stage's group died (or a collective failed): the step's requests fail, the group restarts."""
 
 
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 class RankGroup:
     """Rank 0's side (see the module docstring). `start()` starts the other ranks and joins the group."""
 
     def __init__(self, node_id: str, model, path, device: WanDevice, cfg: int, ulysses: int,
-                 resources: dict | None = None):
+                 resources: dict | None = None, restart_wait_s: float = 600.0):
         self.node_id = node_id
         self.model = model
         self.path = path
@@ -61,24 +59,36 @@ class RankGroup:
         self.cfg, self.ulysses, self.resources = cfg, ulysses, resources
         self.num_ranks = cfg * ulysses
         self.ranks = None  # the launcher of the other ranks (rank_launch.py)
+        self.store = None  # the group's rendezvous store, hosted by rank 0
         self.sent: set[str] = set()  # request ids whose state the other ranks hold
         self.left: list[str] = []  # request ids that left since the last step
         self.num_restarts = 0
+        self.restart_wait_s = restart_wait_s
+        self.ready = threading.Event()  # clear while the group restarts in the background
+        self.ready.set()
+        self.restart_error: BaseException | None = None  # why the last restart failed: the group is gone
 
     def start(self) -> None:
-        from .parallel import WanParallel
+        self._launch()
+        self._join()
+        self._install()
 
+    def _launch(self) -> None:
+        """Start the other ranks (they load, then join the group at the store this process hosts)."""
         self.ranks = launcher(self.resources)
-        port = free_port(self.ranks.address)
-        spec = {"address": self.ranks.address, "port": port, "num_ranks": self.num_ranks, "cfg": self.cfg,
-                "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),
+        self.store = open_store(self.ranks.address, 0, self.num_ranks)  # the port the OS gave it, told to the ranks
+        spec = {"entry": ENTRY, "address": self.ranks.address, "port": self.store.port, "num_ranks": self.num_ranks,
+                "cfg": self.cfg, "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),
                 "threads": torch.get_num_threads(), "node_id": self.node_id}
         self.ranks.launch([{**spec, "rank": rank} for rank in range(1, self.num_ranks)])
-        self._join(port)
+
+    def _install(self) -> None:
+        from .parallel import WanParallel
+
         WanParallel.install(self.model, Mesh.build(self.cfg, self.ulysses))
         self.sent = set()
 
-    def _join(self, port: int) -> None:
+    def _join(self) -> None:
         """Join the group as rank 0 once every rank has loaded the model (they load, then join); a rank that
         ends first fails the start in one line instead of leaving rank 0 waiting for the collective timeout."""
         outcome: list = []
@@ -86,7 +96,7 @@ class RankGroup:
 
         def join() -> None:
             try:
-                init_ranks(0, self.num_ranks, self.ranks.address, port, self.device.device)
+                init_ranks(0, self.num_ranks, self.store, self.device.device)
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 outcome.append(exc)
             joined.set()
@@ -103,6 +113,7 @@ class RankGroup:
 
     def denoise(self, states: list, steps: list[int], request_ids: list[str], cfg_batched: bool) -> None:
         """One denoise step of the batch on every rank (rank 0's own share here)."""
+        self._wait_ready()
         new = {rid: state for rid, state in zip(request_ids, states) if rid not in self.sent}
         message = [("step", new, request_ids, steps, self.left, cfg_batched)]
         try:
@@ -112,6 +123,17 @@ class RankGroup:
             self.model.denoise_batch(states, steps, cfg_batched=cfg_batched)
         except Exception as exc:  # noqa: BLE001 - a rank died or a collective failed: restart the group
             raise self._restart(exc) from None
+
+    def _wait_ready(self) -> None:
+        """Wait for a group that restarts, `restart_wait_s` at most: StageUnavailable past that, EngineDead when
+        its restart failed."""
+        if not self.ready.wait(self.restart_wait_s):
+            raise StageUnavailable(f"stage {self.node_id!r}: stage unavailable: its rank group is restarting (a rank "
+                                   f"died) and was not back within {self.restart_wait_s:g}s (wan_rank_restart_wait)",
+                                   self.restart_wait_s)
+        if self.restart_error is not None:
+            raise EngineDead(f"stage {self.node_id!r}: its rank group could not be restarted after a rank died: "
+                             f"{' '.join(str(self.restart_error).split())}")
 
     def forget(self, request_id: str) -> None:
         """A request left the stage: the other ranks drop its state at the next step."""
@@ -124,12 +146,34 @@ class RankGroup:
         what = ", ".join(dead) or f"a collective failed ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
         self.num_restarts += 1
         message = (f"stage {self.node_id!r}: {what} of its {self.num_ranks} ranks died; the step's requests "
-                   f"failed and the group was restarted ({self.num_restarts} restarts)")
+                   f"failed and the group restarted ({self.num_restarts} restarts)")
         log.error("%s", message)
         self.stop()
         self.left = []
-        self.start()
+        self.sent = set()
+        self.ready.clear()
+        try:
+            self._launch()  # starting the processes is quick; their model loads are not: joined in the background
+        except Exception as exc:  # noqa: BLE001 - raised by the next denoise step (EngineDead)
+            self._restart_failed(exc)
+            return RankDied(message)
+        threading.Thread(target=self._join_again, name=f"omni-{self.node_id}-restart", daemon=True).start()
         return RankDied(message)
+
+    def _join_again(self) -> None:
+        """The restart's wait, off the step: the new ranks loaded and joined; a failure is kept for the next step."""
+        try:
+            self._join()
+            self._install()
+        except BaseException as exc:  # noqa: BLE001 - raised by the next denoise step (EngineDead)
+            self._restart_failed(exc)
+            return
+        self.ready.set()
+
+    def _restart_failed(self, exc: BaseException) -> None:
+        log.error("stage %r: its rank group could not be restarted: %s", self.node_id, exc)
+        self.restart_error = exc
+        self.ready.set()
 
     def _dead_ranks(self) -> list[str]:
         """The ranks that exited. A killed rank's sockets close as it dies, so the collective can fail a moment
@@ -149,10 +193,11 @@ class RankGroup:
             self.model.parallel.uninstall(self.model)
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.store = None
 
 
 def rank_main(spec: dict) -> None:
-    """A rank other than 0: load the model, join the group, then run each step rank 0 broadcasts."""
+    """A rank other than 0: load the transformer, join the group, then run each step rank 0 broadcasts."""
     from pathlib import Path
 
     import omni_hf
@@ -161,15 +206,14 @@ def rank_main(spec: dict) -> None:
     from .parallel import WanParallel
 
     logging.basicConfig(format=f"omni[{spec['node_id']} rank {spec['rank']}]: %(message)s", level=logging.INFO)
-    if "parent" in spec:  # a process of rank 0's (a Ray actor ends with its owner instead)
-        threading.Thread(target=_exit_with, args=(spec["parent"],), daemon=True).start()
     torch.set_num_threads(spec["threads"])
     device = WanDevice(**spec["device"])
     if device.device == "cuda":
         torch.cuda.set_device(spec["rank"] % torch.cuda.device_count())
     with omni_hf.quiet_hf_load(("transformers", "diffusers")):  # rank 0 checked the tensors and says it loads
-        model = Wan22I2VPipeline.load(Path(spec["path"]), device)
-    comm_device = init_ranks(spec["rank"], spec["num_ranks"], spec["address"], spec["port"], device.device)
+        model = Wan22I2VPipeline.load_transformer(Path(spec["path"]), device)
+    store = open_store(spec["address"], spec["port"], spec["num_ranks"])
+    comm_device = init_ranks(spec["rank"], spec["num_ranks"], store, device.device)
     WanParallel.install(model, Mesh.build(spec["cfg"], spec["ulysses"]))
     states: dict = {}
     while True:
@@ -185,9 +229,3 @@ def rank_main(spec: dict) -> None:
         model.denoise_batch([states[rid] for rid in request_ids], steps, cfg_batched=cfg_batched)
         if not states:
             model.forget_batch()
-
-
-def _exit_with(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(0.5)
-    os._exit(0)

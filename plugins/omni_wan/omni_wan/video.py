@@ -64,7 +64,7 @@ def _ffmpeg(pixels: np.ndarray, out: Path, target: Path, width: int, height: int
            "-crf", str(crf), "-preset", preset]
     if width % 2 or height % 2:
         cmd += ["-vf", f"scale={width + width % 2}:{height + height % 2}"]
-    cmd += ["-v", "error", "-movflags", "+faststart", str(out)]
+    cmd += ["-v", "error", "-movflags", "+faststart", "-f", "mp4", str(out)]  # `out` may have no extension
     with tempfile.TemporaryFile() as errors:
         # its own session: a terminal's Ctrl-C reaches omni, which stops ffmpeg and removes the file
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors,

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 import time
 import traceback
 from multiprocessing import connection
 
-from omni_wan.comm import init_ranks
+from omni_wan.comm import init_ranks, open_store
 
 LOOPBACK = "127.0.0.1"
 COLLECTIVE_TIMEOUT_S = 60  # a collective whose peer died fails after this
@@ -21,18 +20,13 @@ JOIN_TIMEOUT_S = 5
 PRELOAD = ("wan_ranks", "omni_wan.model", "diffusers.pipelines.wan.pipeline_wan_i2v")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
-
-
 def _serve(rank: int, num_ranks: int, port: int, pipe, num_threads: int) -> None:
     import torch
 
     torch.set_num_threads(num_threads)
     try:
-        init_ranks(rank, num_ranks, LOOPBACK, port, timeout_s=COLLECTIVE_TIMEOUT_S)
+        store = open_store(LOOPBACK, port, num_ranks, timeout_s=COLLECTIVE_TIMEOUT_S)
+        init_ranks(rank, num_ranks, store, timeout_s=COLLECTIVE_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - reported to the parent, which fails the test with it
         pipe.send((False, traceback.format_exc()))
         return
@@ -56,13 +50,15 @@ class Ranks:
         self.timeout_s = timeout_s
         self.processes: list = []
         self.pipes: list = []
+        self.store = None
 
     def start(self) -> None:
         # A fork server imports torch and diffusers once for every rank (not once per rank, on two cores) and has
         # run nothing: no fork of a process that has torch's threads.
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOAD))
-        port = free_port()
+        self.store = open_store(LOOPBACK, 0, self.num_ranks)  # hosted here, on a port the OS assigns
+        port = self.store.port
         for rank in range(self.num_ranks):
             parent, child = context.Pipe()
             process = context.Process(target=_serve, args=(rank, self.num_ranks, port, child, self.num_threads),

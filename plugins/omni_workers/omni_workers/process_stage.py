@@ -12,9 +12,9 @@ Faults: a worker that dies fails its in-flight requests with one error naming th
 restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
 worker builds its stage, what the front sends it waits in its WorkerProcess (`backlog`), so a send never blocks on
 a full pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False
-(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker exits when its
-parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on `close()`; the front stops its workers at
-exit.
+(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker dies with
+its parent (the kernel launcher's PR_SET_PDEATHSIG, omni_kernel/util/launch.py) and exits on `close()`; the front
+stops its workers at exit.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import time
 from omni_kernel.core.errors import EngineDead, OmniError, RequestError
 from omni_kernel.core.request import StageInput
 
+from . import shared
 from .proxy import StageProxy, WorkerDied, WorkerGroup
 from .stage_host import WorkerSpec
-from .transport import unspill
 from .worker_process import WorkerProcess
 
 log = logging.getLogger("omni")
@@ -111,9 +111,6 @@ class ProcessStage(StageProxy):
             return EngineDead(f"stage {self.node.id!r}: its worker was stopped (close)")
         return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
 
-    def _load_event(self, data: bytes):
-        return unspill(super()._load_event(data))
-
     # Calls answered between the worker's steps.
 
     def _call(self, rpc: str, item: StageInput):
@@ -137,8 +134,13 @@ class ProcessStage(StageProxy):
             self.pump()
         return self._answer(rpc, *worker.replies.pop(call_id))
 
+    def _dumps(self, value) -> tuple[bytes, list]:
+        """`value` pickled with its arrays in shared memory, and those memory files (shared.py)."""
+        fds: list = []
+        return shared.dumps(value, fds), fds
+
     def _send(self, message) -> None:
-        self.worker.send_bytes(self._pickle(message))
+        self.worker.send_bytes(*self._pickle(message))
 
     def _gone(self):
         if self.conn is None or self.dead is not None:
@@ -146,9 +148,9 @@ class ProcessStage(StageProxy):
         return None
 
     def _send_add(self, rpc: str, item: StageInput) -> None:
-        data = self._pickle_add(item, (rpc, self.spec.tag, item))
-        if data is not None:
-            self.worker.send_bytes(data)
+        packed = self._pickle_add(item, (rpc, self.spec.tag, item))
+        if packed is not None:
+            self.worker.send_bytes(*packed)
 
     def _send_abort(self, request_id: str) -> None:
         if self.conn is not None:

@@ -120,9 +120,13 @@ class StageProxy:
         self.started = 0.0  # when the worker (or actor) now running was started
         self.build_s: float | None = None  # how long the last build took: a restart's expected wait
 
-    def _pickle(self, value) -> bytes:
+    def _dumps(self, value):
+        """`value` as its worker takes it: pickled bytes (a ProcessStage's: with the shared memory it refers to)."""
+        return dumps(value)
+
+    def _pickle(self, value):
         try:
-            return dumps(value)
+            return self._dumps(value)
         except Exception as exc:  # noqa: BLE001 - e.g. a lock in a connector's output: that request fails alone
             raise RequestError(f"stage {self.node.id!r}: its input could not be sent to its {self.what} "
                                f"({type(exc).__name__}: {exc})") from exc
@@ -131,7 +135,7 @@ class StageProxy:
         return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())})")
 
-    def _pickle_add(self, item: StageInput, value) -> bytes | None:
+    def _pickle_add(self, item: StageInput, value):
         """`value` pickled to add `item`; None where it cannot be: that request alone fails, no longer held."""
         try:
             return self._pickle(value)
@@ -145,8 +149,8 @@ class StageProxy:
 
     def _take_event(self, request_id: str, data: bytes) -> None:
         try:
-            event = self._load_event(data)  # loaded even when dropped below: that deletes its spill files
-        except Exception as exc:  # noqa: BLE001 - a class the front lacks, a spill file gone: this request only;
+            event = self._load_event(data)  # loaded even when dropped below: that releases its shared memory
+        except Exception as exc:  # noqa: BLE001 - a class the front lacks, shared memory lost: this request only;
             # it stays held, so the abort that comes with its failure stops it in the worker too
             event = StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime")
         if request_id not in self.held:

@@ -71,7 +71,7 @@ class RayStage(StageProxy):
     def __init__(self, spec: WorkerSpec, group, settings: WorkersSettings, reservation: Reservation, index: int = 0):
         self.ray = ensure_ray(settings.ray_address)
         super().__init__(spec, group, settings.max_restarts)
-        self.spec = attrs.evolve(spec, spill_dir=None)
+        self.spec = spec
         self.actor = None
         self.where: str | None = None  # the Ray node id of the actor now serving
         # The actor's event stream is read on a thread of the front per stage (blocking in Ray, never spinning);

@@ -46,11 +46,9 @@ class WorkerSpec:
     config: Any
     host_factory: Callable[[], Any]
     threads: int | str | None = None  # an int, "shared" (cores.py) or None (the library's default)
-    spill_dir: str | None = None
     cores: tuple[str, int] | None = None  # with "shared": the board's file and this worker's slot
     tag: int = 0  # which of its worker's stages it is (a worker hosts every stage of one share key)
     replica: int | None = None  # which replica of its node it is (replicas.py), if it is one
-    parent_pid: int = attrs.field(factory=os.getpid)
 
 
 def default_host_factory() -> Callable[[], Any]:

@@ -1,5 +1,6 @@
-"""The front's temporary directories (`omni-run-PID-*`: spilled arrays; `omni-cores-PID-*`: the shared-cores
-board), named after the front's pid, and the sweep of those whose front is gone.
+"""The front's temporary directories (`omni-cores-PID-*`: the shared-cores board; `omni-run-PID-*`: an older
+version's spilled arrays, now in shared memory, shared.py), named after the front's pid, and the sweep of those
+whose front is gone.
 
 A front removes its own at `close()` and at exit, but one killed by a signal's default action (SIGTERM, SIGKILL)
 cannot: its workers die with it (PR_SET_PDEATHSIG) and the directories stay. The library installs no signal

@@ -1,16 +1,16 @@
 """The worker process of placement `process`: it rebuilds its stages (stage_host.py: one, or every stage of one
 share key, whose plugin gives them one engine) and runs their engine loop.
 
-The front starts it as a fresh interpreter (spawn.py) and sends it its sys.path, then its WorkerSpec. The worker
-runs its engine loop continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps
+The front starts it through the kernel's launcher (spawn.py, omni_kernel/util/launch.py) and sends it its sys.path,
+then its WorkerSpec. The worker runs its engine loop continuously: it drains its inbox (add_request / hand_off / abort / the process RPC), steps
 its stage while it has work and sends the events back with the stage's stats when they changed (from a sender
 thread); when idle it blocks on its inbox.
 Its reader thread answers `check` at once (model-free by the Stage contract), so a submit never waits for a long
 denoise step of a downstream stage; `process` is answered by the engine loop between two of its steps (it waits
 for the step running now: one decode step for an AR entry stage), or at once too when the stage's
 `concurrent_process` says it may run beside a step (Wan's, the AR stages'). A downstream input is handed off in one message
-(`hand_off`: process then add, in the worker), so the front never waits at a hand-off. A worker exits when its
-parent dies (PR_SET_PDEATHSIG on Linux, plus polling getppid) and on the front's `close()`.
+(`hand_off`: process then add, in the worker), so the front never waits at a hand-off. A worker dies with its
+parent (the launcher's PR_SET_PDEATHSIG) and exits on the front's `close()`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import queue
 import signal
 import sys
 import threading
-import time
 from multiprocessing.reduction import ForkingPickler
 
 from omni_kernel.core.errors import classify
 
+from . import shared
 from .cores import CoreShare
 from .stage_host import (
     WAIT_S,
@@ -38,22 +38,9 @@ from .stage_host import (
     setup_worker,
     step_hosts,
 )
-from .transport import pack, spill
+from .transport import pack
 
 log = logging.getLogger("omni")
-
-
-def die_with_parent() -> None:
-    """Linux: the kernel sends SIGKILL to this process when the process that started it dies."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - the getppid poll is the fallback
-        pass
 
 
 def child_main(fd: int) -> None:
@@ -71,7 +58,6 @@ def child_main(fd: int) -> None:
 def worker_main(conn, spec: WorkerSpec) -> None:
     """A stage worker process: build its first stage, then its engine loop until told to stop or the parent is
     gone; the front may send it more stages to build (`build`: the stages of one share key, in one plugin host)."""
-    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_worker(spec)
     outbox: queue.Queue = queue.Queue()
@@ -97,14 +83,16 @@ def worker_main(conn, spec: WorkerSpec) -> None:
 def _send_loop(conn, outbox: queue.Queue, node_id: str = "?") -> None:
     """Sends from a thread, so the engine loop keeps reading its inbox while the front is slow to read."""
     while (message := outbox.get()) is not None:
+        fds: list = []
         try:
-            data = ForkingPickler.dumps(pack(message, node_id))
+            data = ForkingPickler.dumps(pack(message, node_id, fds))
         except Exception as exc:  # noqa: BLE001 - ready / failed / dead are plain data: not expected
             log.error("stage %r: a %r message could not be sent to the front (%s: %s)", node_id, message[0],
                       type(exc).__name__, exc)
+            shared.close(fds)
             continue
         try:
-            conn.send_bytes(data)
+            shared.send(conn, data, fds)
         except (OSError, EOFError, ValueError):
             os._exit(0)  # the front is gone
 
@@ -120,8 +108,15 @@ class EngineLoop:
 
     def read(self, conn, inbox: queue.Queue) -> None:
         try:
+            arrived: list[str] = []
             while True:
                 message = conn.recv()
+                shared.forget(arrived)  # what the message before did not load
+                arrived = []
+                if message[0] == "fds":  # the shared memory of the message that follows
+                    arrived = message[1]
+                    shared.take_fds(conn, arrived)
+                    continue
                 host = self.hosts.get(message[1]) if message[0] in ("check", "process") else None
                 if host is not None and (message[0] == "check" or host.concurrent_process):
                     self.outbox.put(self.handle(message))
@@ -141,12 +136,7 @@ class EngineLoop:
         """Take the queued messages, then step; wait for a message when nothing is in flight."""
         inbox: queue.Queue = queue.Queue()
         threading.Thread(target=self.read, args=(conn, inbox), name="omni-worker-read", daemon=True).start()
-        checked = time.monotonic()
         while True:
-            if time.monotonic() - checked > 1.0:
-                checked = time.monotonic()
-                if os.getppid() != self.spec.parent_pid:
-                    return
             busy = any(h.has_unfinished() for h in self.hosts.values())
             if self.share is not None and not busy:
                 self.share.idle()
@@ -187,7 +177,7 @@ class EngineLoop:
         for tag, host in hosts:
             stats = host.new_stats()  # after each step, and after an add or abort that changed them
             if events.get(host) or stats is not None:
-                self.outbox.put(("events", tag, spill(events.get(host, []), self.spec.spill_dir), stats))
+                self.outbox.put(("events", tag, events.get(host, []), stats))
         still_busy = [host for _, host in hosts if host.has_unfinished()]
         if share is not None and events and not still_busy:
             share.idle()  # lend the cores before the next messages

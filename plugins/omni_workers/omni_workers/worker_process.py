@@ -11,9 +11,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing.connection
-import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,10 +20,10 @@ import attrs
 
 from omni_kernel.core.errors import rebuild
 
+from . import shared
 from .cores import SHARED, board
 from .spawn import start_worker
 from .stage_host import WorkerSpec
-from .tempdirs import make_dir
 
 log = logging.getLogger("omni")
 
@@ -41,17 +38,22 @@ class WorkerProcess:
         self.tags = itertools.count()
         self.calls = itertools.count()
         self.replies: dict[int, tuple] = {}
-        self.spill_dir = make_dir("run")
         self.slot = board().take() if threads == SHARED else None
         self.on_stop = on_stop
-        self.proc = self.conn = None
+        self.child = self.conn = None  # the worker's omni_kernel.util.launch.Child, its pipe
         self.ready = False
-        self.backlog: list[bytes] = []
+        self.backlog: list[tuple[bytes, list]] = []  # (pickled message, the shared memory it refers to)
+        self.arrived: list[str] = []  # the shared memory the message being read brought
         self.stopped = False
+
+    @property
+    def proc(self):
+        """The worker's Popen (None before it starts)."""
+        return None if self.child is None else self.child.proc
 
     def spec_for(self, spec: WorkerSpec) -> WorkerSpec:
         cores = None if self.slot is None else (board().path, self.slot)
-        return attrs.evolve(spec, spill_dir=self.spill_dir, cores=cores, tag=next(self.tags))
+        return attrs.evolve(spec, cores=cores, tag=next(self.tags))
 
     def attach(self, stage) -> None:
         """Host `stage` (its `spec` made by `spec_for`): start the process for the first, build it there for the
@@ -66,11 +68,11 @@ class WorkerProcess:
     def start(self) -> None:
         """Start the process with the first member's stage; the others are built there once it is ready."""
         first, *others = self.members.values()
-        self.proc, self.conn = start_worker(first.spec)
+        self.child, self.conn = start_worker(first.spec)
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
-        self.conn.send(attrs.evolve(first.spec, parent_pid=os.getpid()))
+        self.conn.send(first.spec)
         self.ready = False
-        self.backlog = []
+        self.drop_backlog()
         for stage in others:
             self.send(("build", stage.spec))
 
@@ -94,20 +96,14 @@ class WorkerProcess:
             except (OSError, ValueError):
                 pass
         if process is not None:
-            for stop in (None, process.terminate, process.kill):
-                if stop is not None:
-                    stop()
-                try:
-                    process.wait(timeout if stop is None else 2)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            _end(process, timeout)
+            self.child.close()
         if conn is not None:
             conn.close()
         if self.slot is not None:
             board().give_back(self.slot)
             self.slot = None
-        shutil.rmtree(self.spill_dir, ignore_errors=True)
+        self.drop_backlog()
         if self.on_stop is not None:
             self.on_stop(self)
 
@@ -116,14 +112,21 @@ class WorkerProcess:
     def send(self, message) -> None:
         self.send_bytes(ForkingPickler.dumps(message))
 
-    def send_bytes(self, data: bytes) -> None:
+    def send_bytes(self, data: bytes, fds: list | None = None) -> None:
+        """Send a pickled message and the shared memory files it refers to (shared.py), which are closed here."""
+        fds = fds or []
         if not self.ready:  # still building its first stage: a send must not block on a pipe no one reads yet
-            self.backlog.append(data)
+            self.backlog.append((data, fds))
             return
         try:
-            self.conn.send_bytes(data)
+            shared.send(self.conn, data, fds)
         except (OSError, ValueError):
             self.pump()
+
+    def drop_backlog(self) -> None:
+        for _, fds in self.backlog:
+            shared.close(fds)
+        self.backlog = []
 
     def pump(self) -> None:
         """Take every message the worker sent so far, for whichever of its stages; notice a worker that died (its
@@ -140,7 +143,14 @@ class WorkerProcess:
                     self.died(f"stopped: the front could not read its message, {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}")
                     return
+                if message[0] == "fds":  # the shared memory of the message that follows
+                    self.arrived = message[1]
+                    shared.take_fds(conn, self.arrived)
+                    continue
                 self.receive(message)
+                if message[0] != "reply":  # a call's answer is loaded by its caller (ProcessStage._call), later
+                    shared.forget(self.arrived)  # what the message did not load (a dropped or unreadable event)
+                self.arrived = []
         except (EOFError, OSError):
             if self.conn is conn and conn is not None:
                 self.died()
@@ -163,16 +173,21 @@ class WorkerProcess:
             if not self.ready:
                 self.ready = True
                 conn, backlog, self.backlog = self.conn, self.backlog, []
-                for data in backlog:
+                for index, (data, fds) in enumerate(backlog):
                     if self.conn is not conn:  # it died meanwhile: died() failed what these were for
+                        self.backlog = backlog[index:]
+                        self.drop_backlog()
                         break
-                    self.send_bytes(data)
+                    self.send_bytes(data, fds)
         elif rpc == "failed":
             stage._build_failed(rebuild(*message[2:]))
 
     def died(self, how: str | None = None) -> None:
         """The worker's pipe read EOF: its stages fail what they held; restart it if a stage is to be restarted."""
         how = how or self._exit_cause()
+        self.child.close()
+        shared.forget(self.arrived)
+        self.arrived = []
         self.conn.close()
         self.conn = None
         self.ready = False
@@ -189,13 +204,11 @@ class WorkerProcess:
 
     def _exit_cause(self) -> str:
         try:
-            code = self.proc.wait(5)
+            self.proc.wait(5)
         except subprocess.TimeoutExpired:  # it closed its pipe but lives on: stop it
             self.proc.kill()
-            code = self.proc.wait()
-        if code is not None and code < 0 and -code in signal.Signals._value2member_map_:
-            return f"killed by {signal.Signals(-code).name}"
-        return f"exit code {code}"
+            self.proc.wait()
+        return self.child.cause()
 
     def _fail_members(self, how: str) -> bool:
         """Each stage fails its requests; True if one of them is to be restarted. Stages that are dead, or that
@@ -234,3 +247,15 @@ class WorkerProcess:
         except (OSError, ValueError):  # closed meanwhile (close() from another thread)
             return True
         return bool(ready)
+
+
+def _end(process: subprocess.Popen, timeout: float) -> None:
+    """Wait for a worker told to stop; terminate, then kill, one that does not."""
+    for stop in (None, process.terminate, process.kill):
+        if stop is not None:
+            stop()
+        try:
+            process.wait(timeout if stop is None else 2)
+            return
+        except subprocess.TimeoutExpired:
+            continue

@@ -8,11 +8,13 @@ by input processing, "frames" makes `render` return a numpy array in `data`, a w
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
 "unsendable_output" / "unsendable_handoff" put a lock (which cannot be pickled) in the trace of `words`' processed
 input / `render`'s output / the connector's input for `render`; "unreadable_handoff" puts there an object only the
-front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the
-trace of `words`' processed input / `render`'s output, and "lost_frames" gives `render`'s output a spilled array
-whose file is gone. The config `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model
-load, e.g. of a restart). Each stage's output trace
-has the thread count its worker set for each of its steps (`words.threads`, `render.threads`; shared cores).
+front can unpickle; "unreadable_input" / "unreadable_output" put an object only the worker can unpickle in the trace
+of `words`' processed input / `render`'s output, "big_input" / "big_handoff" put a 1 MiB array in `words`' processed
+input / the connector's input for `render` (whose output trace says its sum and whether it was mapped from shared
+memory), and "lost_frames" gives `render`'s output a shared-memory array that never arrives. The config
+`fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model load, e.g. of a restart). Each
+stage's output trace has the thread count its worker set for each of its steps (`words.threads`, `render.threads`;
+shared cores).
 """
 
 from __future__ import annotations
@@ -40,11 +42,27 @@ from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
-from omni_workers import WorkersPlugin
+from omni_workers import WorkersPlugin, shared
 from omni_workers.cores import step_threads
-from omni_workers.transport import Spilled
 
 log = logging.getLogger("omni")
+
+
+def in_memory_file(address: int) -> bool:
+    """`address` lies in a mapping of one of omni's shared memory files (omni_workers/shared.py)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if "memfd:omni-array" in line:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+class LostArray:
+    """Pickles as a shared-memory array (shared.py) whose memory file was never sent."""
+
+    def __reduce__(self):
+        return shared._attach, ("no-such-token", 96, False, "float32", (2, 3, 4))
 
 
 @attrs.frozen
@@ -118,6 +136,10 @@ class WordsInputs:
             trace["words.lock"] = threading.Lock()
         if "unreadable_input" in item.prompt:
             trace["words.worker_only"] = WorkerOnly()
+        if "big_input" in item.prompt:  # 1 MiB: the answer to `process` crosses through shared memory
+            import numpy as np
+
+            trace["words.big"] = np.arange(2 ** 18, dtype=np.float32)
         return attrs.evolve(item, processed=tuple(item.prompt.split(" ")), trace=trace)
 
 
@@ -163,13 +185,18 @@ class RenderOutputs(Outputs):
             if "frames" in item.prompt:
                 import numpy as np
 
-                data = {"frames": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+                size = 2 ** 18 if "big" in item.prompt else 24  # 1 MiB: shared memory; 96 bytes: in the pickle
+                data = {"frames": np.arange(size, dtype=np.float32).reshape(2, -1, 4)}
             if "lost_frames" in item.prompt:
-                data = {"frames": Spilled(os.path.join(os.path.dirname(__file__), "no-such-spill.npy"))}
+                data = {"frames": LostArray()}
             text = f"rendered {item.processed} words" + (" in the background" if "background" in item.prompt else "")
             trace = {"render.pid": os.getpid(), "render.threads": out.record.state}
             if "background" in item.prompt:
                 trace["render.idle_steps"] = self.idle_steps
+            if "big_handoff" in item.prompt:
+                embeds = item.trace["fake.embeds"]
+                trace["render.embeds_sum"] = float(embeds.sum())
+                trace["render.embeds_mapped"] = in_memory_file(embeds.ctypes.data)
             if "unsendable_output" in item.prompt:
                 trace["render.lock"] = threading.Lock()
             if "unreadable_output" in item.prompt:
@@ -280,6 +307,10 @@ class WordsToRender:
             trace["fake.lock"] = threading.Lock()
         if "unreadable_handoff" in output.text:
             trace["fake.front_only"] = FrontOnly()
+        if "big_handoff" in output.text:  # 1 MiB: crosses to the worker through shared memory
+            import numpy as np
+
+            trace["fake.embeds"] = np.arange(2 ** 18, dtype=np.float32)
         return StageInput(request.request_id, output.text, trace=trace)
 
 
