@@ -5,12 +5,13 @@ matmul-only bound of the same shapes measured in the same run.
 alternates, for `--rounds` rounds: `--steps` plain engine steps (every request decoding one token; their
 median is the step time and `batch / step` the throughput), the same number of probed steps, and the bound:
 each layer's merged matmuls (q/k/v, o, gate/up, down) and the lm_head on `--batch` rows with the model's own
-weights, nothing else. The probed steps time each part from outside (methods wrapped on the instance, the
-decoder module's `F` proxied), so nothing in omni is instrumented:
+weights and kernels, nothing else. The probed steps time each part from outside (methods wrapped on the
+instance), so nothing in omni is instrumented:
 
 - scheduler + outputs: the engine step minus the runner (scheduling, output processing, events)
 - step tensors: `build_step` (the index tensors of the step)
-- matmuls: the layers' `F.linear` calls; lm_head: the vocabulary projection of the sampled rows
+- matmuls: the layers' four matmuls (`PagedDecoder._linear`); lm_head: the vocabulary projection of the
+  sampled rows
 - attention: the K/V gathers over the block table and SDPA (`PagedDecoder._attend`)
 - RMSNorm: `PagedDecoder._norm`
 - rest of forward: embedding, rope, the K/V writes, residuals, SiLU, and the Python between them
@@ -31,13 +32,11 @@ import random
 import statistics
 import sys
 import time
-import types
 from collections import defaultdict
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from omni_kernel import Omni  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
@@ -61,14 +60,13 @@ def machine() -> dict:
 
 
 class Probe:
-    """Accumulates wall time per part while installed on one engine (instance attributes and the decoder module's
-    `F`); removed on exit."""
+    """Accumulates wall time per part while installed on one engine (instance attributes, and `build_step` where the
+    backend module looks it up); removed on exit."""
 
     def __init__(self, engine):
         import omni_qwen.backends as backends
-        import omni_qwen.paged.decoder as decoder
 
-        self.engine, self.backends, self.decoder = engine, backends, decoder
+        self.engine, self.backends = engine, backends
         self.model = engine.runner.backend.model
         self.ms: dict[str, float] = defaultdict(float)
 
@@ -81,12 +79,13 @@ class Probe:
                 self.ms[part] += (time.perf_counter() - start) * 1000
         return wrapper
 
-    def linear(self, x, weight, bias=None):
-        part = "lm_head" if weight is self.model.lm_head else "matmuls"
-        start = time.perf_counter()
-        out = F.linear(x, weight, bias)
-        self.ms[part] += (time.perf_counter() - start) * 1000
-        return out
+    def linear(self, plain):
+        def timed(x, linear):
+            start = time.perf_counter()
+            out = plain(x, linear)
+            self.ms["lm_head" if linear is self.model.lm_head else "matmuls"] += (time.perf_counter() - start) * 1000
+            return out
+        return timed
 
     def __enter__(self) -> Probe:
         runner, model = self.engine.runner, self.model
@@ -95,18 +94,15 @@ class Probe:
         model.forward = self.timed("forward", model.forward)
         model._attend = self.timed("attention", model._attend)
         model._norm = self.timed("RMSNorm", model._norm)
+        model._linear = self.linear(model._linear)
         self.plain_build = self.backends.build_step
         self.backends.build_step = self.timed("step tensors", self.plain_build)
-        proxy = types.SimpleNamespace(**{name: getattr(F, name) for name in dir(F) if not name.startswith("__")})
-        proxy.linear = self.linear
-        self.decoder.F = proxy
         return self
 
     def __exit__(self, *exc) -> None:
         runner, model = self.engine.runner, self.model
-        del runner.run, runner.sampler.sample, model.forward, model._attend, model._norm
+        del runner.run, runner.sampler.sample, model.forward, model._attend, model._norm, model._linear
         self.backends.build_step = self.plain_build
-        self.decoder.F = F
 
     def parts(self, step_ms: float) -> dict[str, float]:
         ms = self.ms
@@ -118,19 +114,17 @@ class Probe:
 
 
 def matmul_bound(model, rows: int, repeats: int) -> float:
-    """ms of one step's matmuls alone: every layer's merged weights and the lm_head, on `rows` rows."""
-    pairs = []
-    for layer in model.layers:
-        for weight, bias in ((layer.qkv_w, layer.qkv_b), (layer.o_w, layer.o_b), (layer.gate_up_w, layer.gate_up_b),
-                             (layer.down_w, layer.down_b)):
-            pairs.append((torch.randn(rows, weight.shape[1], dtype=weight.dtype), weight, bias))
-    pairs.append((torch.randn(rows, model.lm_head.shape[1], dtype=model.lm_head.dtype), model.lm_head, None))
+    """ms of one step's matmuls alone: every layer's merged matmuls and the lm_head, on `rows` rows, run as the
+    decoder runs them (paged/linear.py: oneDNN's prepacked weights on a CPU)."""
+    linears = [linear for layer in model.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    pairs = [(torch.randn(rows, linear.weight.shape[1], dtype=linear.weight.dtype), linear)
+             for linear in [*linears, model.lm_head]]
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             start = time.perf_counter()
-            for x, weight, bias in pairs:
-                F.linear(x, weight, bias)
+            for x, linear in pairs:
+                linear(x)
             times.append((time.perf_counter() - start) * 1000)
     return statistics.median(times[1:])
 

@@ -11,9 +11,10 @@ ids each, all submitted at once, 96 new tokens each (EOS ignored), greedy, 2 thr
 torch threads; vLLM's `VLLM_CPU_OMP_THREADS_BIND=0-1`), the same converted SmolLM2-135M-Instruct directory
 (omni's cache). Each side keeps its model loaded (vLLM in a worker process of its venv, driven over stdin,
 omni in this process) and runs alternate (A B A B, after one warm-up run each); a figure is output tokens per
-second of wall time (prefill included), the ratio is the median of the per-pair ratios. With them: the
-matmul-only bound of one decode step at that batch (every layer's merged matmuls and the lm_head, torch, same
-threads, in this process), the `lscpu` model, the CPU's bf16/AMX flags and the load average.
+second of wall time (prefill included), the ratio is the median of the per-pair ratios. With them: the matmul-only
+bound of one decode step at that batch (every layer's merged matmuls and the lm_head as omni's decoder runs them,
+oneDNN's prepacked weights; same threads, in this process), the `lscpu` model, the CPU's bf16/AMX flags and the
+load average.
 
     .venv/bin/python benchmarks/vs_vllm_cpu.py [--vllm .venv-vllm] [--rounds 3] [--batches 1 8 32] [--dtypes bf16 fp32]
 
@@ -120,17 +121,17 @@ class OmniSide:
     def matmul_bound(self, batch: int, repeats: int = 5) -> float:
         """Tokens/s of a decode step at `batch` rows if it were its matmuls alone (the loaded weights)."""
         import torch
-        import torch.nn.functional as F
 
         model = self.omni.graph.stages["generate"].engine.runner.backend.model
-        weights = [w for layer in model.layers for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)]
-        pairs = [(torch.randn(batch, w.shape[1], dtype=w.dtype), w) for w in [*weights, model.lm_head]]
+        linears = [linear for layer in model.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        pairs = [(torch.randn(batch, linear.weight.shape[1], dtype=linear.weight.dtype), linear)
+                 for linear in [*linears, model.lm_head]]
         times = []
         with torch.inference_mode():
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                for x, w in pairs:
-                    F.linear(x, w)
+                for x, linear in pairs:
+                    linear(x)
                 times.append(time.perf_counter() - start)
         return batch / statistics.median(times[1:])
 
