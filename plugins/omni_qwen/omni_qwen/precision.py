@@ -26,6 +26,7 @@ from omni_kernel.util.files import cache_dir
 SHORT_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 BF16_FLAGS = ("avx512_bf16", "bf16")  # x86's AVX512-BF16, Arm's BF16 (its /proc/cpuinfo "Features")
 MEASURE_ROWS = 32  # the decode batch the measurement stands for
+MEASURE_BYTES = 256 * 2**20  # of fp32 weights: well beyond a CPU's last-level cache
 
 
 @attrs.frozen
@@ -62,6 +63,7 @@ class DecodeShapes:
     q: int  # query heads x head_dim
     kv: int  # K/V heads x head_dim
     intermediate: int
+    num_layers: int = 1
 
     @classmethod
     def of(cls, config) -> DecodeShapes:
@@ -69,7 +71,8 @@ class DecodeShapes:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.hidden_size, heads * head_dim, kv_heads * head_dim, text.intermediate_size)
+        return cls(text.hidden_size, heads * head_dim, kv_heads * head_dim, text.intermediate_size,
+                   text.num_hidden_layers)
 
     @property
     def weights(self) -> tuple[tuple[int, int], ...]:
@@ -107,23 +110,28 @@ def short_name(torch_dtype) -> str:
     return SHORT_NAMES.get(name, name)
 
 
-def time_matmuls(shapes: DecodeShapes, rounds: int = 5, reps: int = 4) -> Timing:
-    """Median time of one layer's decode matmuls at MEASURE_ROWS rows, fp32 against bf16, alternating."""
+def time_matmuls(shapes: DecodeShapes, rounds: int = 5, reps: int = 2) -> Timing:
+    """Median time of the layers' decode matmuls at MEASURE_ROWS rows, run as the paged decoder runs them
+    (paged/linear.py), fp32 against bf16, alternating. Enough layers to stream their weights from memory, as a
+    whole model does (at most MEASURE_BYTES of fp32, at most the model's)."""
     import torch
-    import torch.nn.functional as F
+
+    from .paged.linear import Linear
+
+    layer_bytes = 4 * sum(o * i for o, i in shapes.weights)
+    num_layers = max(1, min(shapes.num_layers, MEASURE_BYTES // layer_bytes))
 
     def setup(dtype):
-        gen = torch.Generator().manual_seed(0)
-        weights = [torch.randn(o, i, generator=gen).to(dtype) for o, i in shapes.weights]
-        inputs = [torch.randn(MEASURE_ROWS, i, generator=gen).to(dtype) for _, i in shapes.weights]
-        return list(zip(inputs, weights))
+        x = {i: torch.full((MEASURE_ROWS, i), 0.5, dtype=dtype) for _, i in shapes.weights}
+        return [(x[i], Linear(torch.full((o, i), 0.01, dtype=dtype))) for _ in range(num_layers)
+                for o, i in shapes.weights]
 
     def run(pairs) -> float:
         start = time.perf_counter()
         with torch.inference_mode():
             for _ in range(reps):
-                for x, w in pairs:
-                    F.linear(x, w)
+                for x, linear in pairs:
+                    linear(x)
         return (time.perf_counter() - start) * 1000 / reps
 
     fp32, bf16 = setup(torch.float32), setup(torch.bfloat16)

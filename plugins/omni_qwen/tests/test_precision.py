@@ -12,7 +12,7 @@ from omni_qwen import precision
 from omni_qwen.precision import CpuInfo, DecodeShapes, Timing
 
 BF16_CONFIG = SimpleNamespace(dtype="bfloat16", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                              intermediate_size=128)
+                              intermediate_size=128, num_hidden_layers=2)
 FP32_CONFIG = SimpleNamespace(**{**vars(BF16_CONFIG), "dtype": "float32"})
 BASE_FLAGS = frozenset("fpu sse sse2 avx avx2 fma avx512f avx512bw".split())
 PLAIN = CpuInfo("Plain CPU", BASE_FLAGS)
@@ -59,7 +59,7 @@ def test_avx512_bf16_alone_is_decided_by_the_measurement(tmp_path, monkeypatch, 
     chosen = precision.choose("auto", "cpu", BF16_CONFIG, cpu=EPYC, measure=measure)
     assert chosen.dtype == dtype
     assert words in chosen.reason and "avx512_bf16 without AMX" in chosen.reason
-    assert calls == [DecodeShapes(64, 64, 32, 128)]
+    assert calls == [DecodeShapes(64, 64, 32, 128, 2)]
 
 
 def test_the_measurement_is_cached_per_cpu_model_and_flags(tmp_path):
