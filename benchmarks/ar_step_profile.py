@@ -38,7 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from omni_kernel import Omni  # noqa: E402
+from omni_kernel import Omni, RequestFailed  # noqa: E402
 from omni_kernel.plugins import load_host  # noqa: E402
 
 PARTS = ("scheduler + outputs", "step tensors", "matmuls", "attention", "RMSNorm", "lm_head", "rest of forward",
@@ -133,8 +133,11 @@ def timed_steps(omni: Omni, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        omni.step()
+        events = omni.step()
         times.append((time.perf_counter() - start) * 1000)
+        failed = [e for e in events if isinstance(e, RequestFailed)]
+        if failed or not omni.graph.stages["generate"].engine.scheduler.running:
+            raise SystemExit(f"the requests ended before the measurement did: {failed[0].error if failed else ''}")
     return times
 
 
