@@ -18,13 +18,26 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """oneDNN's packed copy of `weight`, or None where oneDNN cannot run it (a CPU without the instructions its
+    bf16 kernels need, say): tried once on one row."""
+    if not can_pack(weight):
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        torch.ops.mkldnn._linear_pointwise(weight.new_zeros(1, weight.shape[1]), packed, bias, "none", [], "")
+    except RuntimeError:
+        return None
+    return packed
 
 
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True):
         self.weight, self.bias = weight, bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None) if prepack and can_pack(weight) else None
+        self.packed = pack(weight, bias) if prepack else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
