@@ -2,8 +2,8 @@
 
 Loading follows a real checkpoint's path exactly (AutoTokenizer / AutoModelForCausalLM, safetensors only,
 trust_remote_code off unless asked); the dtype is the config's, or under auto what the machine runs fastest
-(precision.py), said in one log line. The model calls belong to
-the KV backends (backends.py); tokenizing a prompt to the stage's input processor (inputs.py).
+(precision.py), said in one log line. The model calls belong to the KV backends (backends.py); tokenizing a
+prompt to the stage's input processor (inputs.py).
 """
 
 from __future__ import annotations

@@ -122,6 +122,7 @@ class PagedDecoder:
         return self._linear(h, self.lm_head)
 
     def _linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """Every matmul of the step goes through here (benchmarks/ar_step_profile.py times them)."""
         return linear(x)
 
     def _workspace(self, step: StepBatch, pool: KVPool):
