@@ -91,8 +91,8 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, engine: 
     kv = runner.kv
     inputs = ARInputProcessor(tokenizer or lm.tokenizer, settings, context_window, lm.vocab_size, kv.capacity,
                               grammars=runner.grammars, concurrent=tokenizer is not None)
-    model_trace = {**kv.trace, "model": str(lm.path), "dtype": lm.dtype, "load_ms": round(lm.load_ms, 3),
-                   "context_window": context_window}
+    model_trace = {**kv.trace, "model": str(lm.path), "dtype": lm.dtype, "precision_reason": lm.precision_reason,
+                   "load_ms": round(lm.load_ms, 3), "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, LogprobsOutput(TokenTexts(lm.tokenizer)))
     summary = (
         f"{node.id}: {kv.backend} KV backend, {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.capacity} tokens "

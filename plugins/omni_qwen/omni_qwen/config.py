@@ -56,7 +56,8 @@ class QwenConfig:
     ar_model: str | os.PathLike | None = option(
         None, help="Local causal-LM directory (default: SmolLM2-135M-Instruct from `omni models fetch`, else a tiny "
                    "demo model)", flag="--ar-model", validator=_path)
-    ar_dtype: str | None = option(None, help="weights dtype (default: the checkpoint's)", choices=DTYPE_NAMES)
+    ar_dtype: str = option("auto", help="weights dtype; auto: the checkpoint's on a GPU, on a CPU bf16 where its bf16 "
+                                        "matmuls are faster (AMX-BF16, or measured), else fp32", choices=DTYPE_NAMES)
     ar_device: str | None = option(None, help="torch device, e.g. cpu or cuda:0 (default: cuda if available)",
                                    validator=text)
     ar_trust_remote_code: bool = option(False, help="allow the model directory's own Python code", type=bool,

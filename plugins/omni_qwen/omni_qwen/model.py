@@ -1,8 +1,9 @@
 """CausalLM: a local causal-LM directory loaded with transformers: the model, its tokenizer and its limits.
 
 Loading follows a real checkpoint's path exactly (AutoTokenizer / AutoModelForCausalLM, safetensors only,
-trust_remote_code off unless asked, dtype from the checkpoint unless overridden). The model calls belong to
-the KV backends (backends.py); tokenizing a prompt to the stage's input processor (inputs.py).
+trust_remote_code off unless asked); the dtype is the config's, or under auto what the machine runs fastest
+(precision.py), said in one log line. The model calls belong to the KV backends (backends.py); tokenizing a
+prompt to the stage's input processor (inputs.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from omni_kernel.core.errors import ModelError
+
+from . import precision as _precision
 
 log = logging.getLogger("omni")
 
@@ -98,20 +101,22 @@ def check_model_dir(path: Path, trust_remote_code: bool = False):
 
 
 class CausalLM:
-    def __init__(self, model, tokenizer, path: Path, device: str, load_ms: float = 0.0):
+    def __init__(self, model, tokenizer, path: Path, device: str, load_ms: float = 0.0, reason: str = ""):
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
         self.device = device
         self.load_ms = load_ms
+        self.precision_reason = reason  # why it runs in its dtype (precision.choose)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str | None = None, device: str | None = None,
              trust_remote_code: bool = False) -> CausalLM:
         path = Path(path).expanduser().resolve()
-        torch_dtype = omni_hf.torch_dtype(dtype, "ar_dtype")
+        omni_hf.torch_dtype(dtype, "ar_dtype")  # an unknown name is refused before anything loads
         config = check_model_dir(path, trust_remote_code)
         device = resolve_device(device)
+        chosen = _precision.choose(dtype, device, config)
         start = time.perf_counter()
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             raise ModelError(f"AR model directory {str(path)!r} has no usable tokenizer (none of "
@@ -125,8 +130,8 @@ class CausalLM:
         check_shapes(path, config, trust_remote_code)
         kwargs: dict[str, Any] = {"use_safetensors": True, "trust_remote_code": trust_remote_code,
                                   "output_loading_info": True}
-        if torch_dtype is not None:
-            kwargs["dtype"] = torch_dtype
+        if chosen.dtype in _precision.SHORT_NAMES.values():  # else (an unusual checkpoint dtype) the checkpoint's
+            kwargs["dtype"] = getattr(torch, chosen.torch_name)
         try:
             with quiet_progress():
                 model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
@@ -142,11 +147,14 @@ class CausalLM:
                 raise ModelError(f"AR model directory {str(path)!r} does not match its config.json: {what} "
                                  f"tensor(s) {', '.join(keys[:3])}{more}")
         model = model.to(device).eval()
-        return cls(model, tokenizer, path, device, (time.perf_counter() - start) * 1000)
+        lm = cls(model, tokenizer, path, device, (time.perf_counter() - start) * 1000, chosen.reason)
+        log.info("AR model %s on %s in %s: %s", path.name, device, lm.dtype, chosen.reason)
+        return lm
 
     @property
     def dtype(self) -> str:
-        return str(self.model.dtype).removeprefix("torch.")
+        """bf16, fp32 or fp16 (torch's name for any other)."""
+        return _precision.short_name(self.model.dtype)
 
     @property
     def context_window(self) -> int:

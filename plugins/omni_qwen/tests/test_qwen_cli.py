@@ -38,10 +38,10 @@ def test_stream_prints_the_same_text(tiny_ckpt):
 
 
 def test_real_qwen25_layout(qwen25_dir, hf_greedy):
-    result = omni("--ar-model", str(qwen25_dir), "--prompt", PROMPT, "--json")
+    result = omni("--ar-model", str(qwen25_dir), "-c", "ar_dtype=bf16", "--prompt", PROMPT, "--json")
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
-    assert body["trace"]["ar.dtype"] == "bfloat16"
+    assert body["trace"]["ar.dtype"] == "bf16"
     assert body["trace"]["ar.sampling"] == "greedy"
     from transformers import AutoTokenizer
 
@@ -60,7 +60,7 @@ def test_ar_dtype_override(tiny_ckpt, host):
 
     result = Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="bf16", ar_device="cpu").generate(
         "hi", max_tokens=3)
-    assert result.trace["ar.dtype"] == "bfloat16"
+    assert result.trace["ar.dtype"] == "bf16"
 
 
 @pytest.fixture(scope="module")

@@ -120,7 +120,7 @@ def test_each_prompt_alone_equals_generate(make_omni, reference, tokenizer):
     for i, prompt in enumerate(PROMPTS):
         out = drain(omni, [(f"a{i}", user(prompt))])[f"a{i}"]
         assert out.data["token_ids"] == reference(user(prompt)), prompt
-        assert out.trace["ar.kv_cache_backend"] == "paged" and out.trace["ar.dtype"] == "float32"
+        assert out.trace["ar.kv_cache_backend"] == "paged" and out.trace["ar.dtype"] == "fp32"
         assert out.trace["ar.input_tokens"] == len(chat_ids(tokenizer, user(prompt)))
         assert scheduler.blocks.num_used == 0 or scheduler.blocks.caching  # only cached blocks stay
 

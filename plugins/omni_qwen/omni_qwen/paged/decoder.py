@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import StepBatch
+from .linear import Linear
 from .pool import KVPool
 
 
@@ -36,12 +37,12 @@ def _merge(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 class _Layer:
-    def __init__(self, layer):
+    def __init__(self, layer, prepack: bool):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv_w, self.qkv_b = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up_w, self.gate_up_b = _merge([mlp.gate_proj, mlp.up_proj])
-        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        self.qkv = Linear(*_merge([attn.q_proj, attn.k_proj, attn.v_proj]), prepack=prepack)
+        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias, prepack=prepack)
+        self.gate_up = Linear(*_merge([mlp.gate_proj, mlp.up_proj]), prepack=prepack)
+        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias, prepack=prepack)
         self.ln1, self.ln2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
 
 
@@ -64,7 +65,8 @@ class PagedDecoder:
             return "it does not implement pretraining_tp > 1"
         return None
 
-    def __init__(self, model):
+    def __init__(self, model, prepack: bool = True):
+        """prepack: run the matmuls over oneDNN's prepacked weights on a CPU (paged/linear.py)."""
         config = model.config
         reason = self.supports(config)
         if reason:
@@ -78,9 +80,9 @@ class PagedDecoder:
         self.group = self.num_heads // self.num_kv_heads
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        self.layers = [_Layer(layer, prepack) for layer in inner.layers]
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = Linear(model.lm_head.weight, prepack=prepack)
         self.rotary = inner.rotary_emb
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ class PagedDecoder:
         nq, nkv, hd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.ln1)
-            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)
+            qkv = self._linear(h, layer.qkv)
             qk = qkv[:, :nq + nkv].view(-1, self.num_heads + self.num_kv_heads, hd)
             half = hd // 2
             rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
@@ -112,12 +114,16 @@ class PagedDecoder:
             k_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, k)
             v_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, v)
             attn = self._attend(step, q, k_pool, v_pool, workspace)
-            x = x + F.linear(attn, layer.o_w, layer.o_b)
+            x = x + self._linear(attn, layer.o)
             h = self._norm(x, layer.ln2)
-            gate, up = F.linear(h, layer.gate_up_w, layer.gate_up_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_w, layer.down_b)
+            gate, up = self._linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + self._linear(F.silu(gate) * up, layer.down)
         h = self._norm(x.index_select(0, step.sample_rows), self.norm)
-        return F.linear(h, self.lm_head)
+        return self._linear(h, self.lm_head)
+
+    def _linear(self, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """Every matmul of the step goes through here (benchmarks/ar_step_profile.py times them)."""
+        return linear(x)
 
     def _workspace(self, step: StepBatch, pool: KVPool):
         """Gather buffers reused by every layer, so the per-layer gathers allocate nothing."""
