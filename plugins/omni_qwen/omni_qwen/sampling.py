@@ -1,6 +1,6 @@
 """Token sampling for one engine step, batched over its requests.
 
-Greedy rows take one fp32 argmax (as HF's greedy; fp32 is also 3x faster than bf16 on CPU). Sampled rows
+Greedy rows take one fp32 argmax (as HF's greedy). Sampled rows
 apply their own temperature / top-k / top-p together, then draw from each request's own CPU generator, so a
 seed reproduces a request's tokens whatever else runs in the same step and whichever device computed the
 logits. Every token reaches the host in one transfer.

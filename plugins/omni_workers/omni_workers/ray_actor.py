@@ -73,11 +73,13 @@ class StageActor:
         self.aborted: dict[str, None] = {}
         self.status: tuple = ("starting",)
         self.stop = False
+        self.ranks: RayRankLauncher | None = None
         try:
             spec: WorkerSpec = pickle.loads(spec_bytes)  # our own bytes, from the front, through Ray
             setup_worker(spec)
             # a parallel stage built here starts its other ranks as actors with this one's resources
-            set_rank_launcher(RayRankLauncher(dict(spec.node.resources or {"CPU": 1}), rank_strategy))
+            self.ranks = RayRankLauncher(dict(spec.node.resources or {"CPU": 1}), rank_strategy)
+            set_rank_launcher(self.ranks)
             stage = build_stage(spec)
             set_torch_threads(spec.threads)
         except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
@@ -201,6 +203,11 @@ class StageActor:
                     return
                 out, self.out = self.out, []
             yield out
+
+    def stop_ranks(self) -> None:
+        """End the actors of this stage's rank groups (the front's close() calls it before killing this actor)."""
+        if self.ranks is not None:
+            self.ranks.stop_all()
 
     def shutdown(self) -> None:
         with self.lock:

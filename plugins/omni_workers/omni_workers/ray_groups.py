@@ -102,9 +102,19 @@ class RayRankLauncher:
 
     def __init__(self, resources: dict, strategy: str = "STRICT_PACK"):
         self.resources, self.strategy = dict(resources), strategy
+        self.groups: list[RayRanks] = []
 
     def __call__(self) -> RayRanks:
-        return RayRanks(self.resources, self.strategy)
+        group = RayRanks(self.resources, self.strategy)
+        self.groups.append(group)
+        return group
+
+    def stop_all(self) -> None:
+        """Stop every rank group started here, returning once Ray reports their actors dead: the stage's actor
+        calls it before the front kills it, since the rank actors it owns would otherwise die only later, with it."""
+        for group in self.groups:
+            group.stop()
+        self.groups = []
 
 
 class RayRanks:

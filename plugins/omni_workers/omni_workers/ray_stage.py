@@ -37,7 +37,7 @@ from omni_kernel.core.request import StageInput
 from .cores import SHARED
 from .proxy import StageProxy, WorkerDied
 from .ray_actor import actor_class, ensure_ray
-from .ray_groups import PLACE_TIMEOUT_S, Reservation, kill_all, node_alive, ray_options
+from .ray_groups import GONE_TIMEOUT_S, PLACE_TIMEOUT_S, Reservation, kill_all, node_alive, ray_options
 from .settings import WorkersSettings
 from .stage_host import WorkerSpec
 
@@ -163,6 +163,7 @@ class RayStage(StageProxy):
         for sock in (self.bell, self.ringer):
             sock.close()
         if actor is not None:
+            stop_ranks(self.ray, actor)
             kill_all(self.ray, [actor])
         if self.reservation is not None:
             self.reservation.drop()
@@ -257,3 +258,11 @@ class RayStage(StageProxy):
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:
             self.actor.abort.remote(request_id)
+
+
+def stop_ranks(ray, actor) -> None:
+    """Ask the stage's actor to end its rank groups' actors (GONE_TIMEOUT_S at most; a dead actor has none)."""
+    try:
+        ray.get(actor.stop_ranks.remote(), timeout=GONE_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - the actor is dead or stuck: killing it ends its ranks with it, later
+        pass

@@ -75,9 +75,10 @@ def test_qwen_to_wan_i2v_with_its_stages_on_two_nodes_matches_inproc(tmp_path):
         assert np.allclose(got.output.data["frames"], want.output.data["frames"], atol=1e-4)
 
 
-def _burst(o, tmp_path: Path, tag: str) -> tuple[list[str], dict]:
+def _burst(o, tmp_path: Path, tag: str, steps: int = SIZE["num_inference_steps"]) -> tuple[list[str], dict]:
     """Six text-to-video requests submitted; (their ids, {id: the replica that holds it})."""
-    ids = [o.submit(o.request(f"a kite {tag} {i}", seed=i, output=str(tmp_path / f"{tag}{i}.mp4"), **SIZE))
+    size = {**SIZE, "num_inference_steps": steps}
+    ids = [o.submit(o.request(f"a kite {tag} {i}", seed=i, output=str(tmp_path / f"{tag}{i}.mp4"), **size))
            for i in range(6)]
     wan = o.graph.stages["wan"]
     return ids, {rid: wan.owner[rid] for rid in ids}
@@ -97,7 +98,9 @@ def test_wan_replicas_on_two_nodes_a_node_dies_mid_burst_and_its_replica_comes_b
             wan = o.graph.stages["wan"]
             assert sorted(r.where for r in wan.replicas) == cluster.actor_nodes() == sorted(
                 n.node_id for n in cluster.nodes.values())
-            ids, owner = _burst(o, tmp_path, "first")
+            # 60 steps: seconds of work a replica, so node b goes while its three still run (at 4 steps a quiet
+            # machine finished them before the removal took effect)
+            ids, owner = _burst(o, tmp_path, "first", steps=60)
             assert sorted(sum(owner[rid] is r for rid in ids) for r in wan.replicas) == [3, 3]
             lost = next(r for r in wan.replicas if cluster.name_of(r.where) == "b")
             kept = next(r for r in wan.replicas if r is not lost)
@@ -168,7 +171,10 @@ def test_omni_serve_on_the_cluster_while_a_node_goes_and_another_joins(omni_cach
                     n.node_id for n in cluster.nodes.values()}, placed
                 expected = _chat(http)
                 body = {"prompt": "a kite", "model": "wan_t2v", "size": "64x96", "num_frames": "9", "seed": "1"}
-                job = http.post("/v1/videos", data={**body, "num_inference_steps": "200"}).json()
+                # 256x256x17 at 200 steps: long enough that the node goes while it runs (at 64x96x9 a quiet
+                # machine finished it before the removal took effect)
+                long = {**body, "size": "256x256", "num_frames": "17", "num_inference_steps": "200"}
+                job = http.post("/v1/videos", data=long).json()
                 wait_until(lambda: http.get(f"/v1/videos/{job['id']}").json()["status"] == "in_progress", 60,
                            "the video job to run", interval=0.1)
                 cluster.remove(cluster.name_of(wan["node"]))
