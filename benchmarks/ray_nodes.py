@@ -28,31 +28,15 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from wan_batching import PROMPTS  # noqa: E402 - the same prompts as the batching benchmark
+from wan_devices import burst  # noqa: E402 - the same burst as the devices benchmark (its prompts too)
 
 STORE = 80 << 20
 HEALTH = {"health_check_period_ms": 200, "health_check_timeout_ms": 200, "health_check_failure_threshold": 5,
           "health_check_initial_delay_ms": 0}
-
-
-def burst(omni, n: int, params: dict, out: Path) -> float:
-    """Seconds from sending `n` requests at once to the last one's end; every one must finish."""
-    from omni_kernel import RequestFinished
-    from omni_kernel.testing import drain
-
-    start = time.perf_counter()
-    ids = [omni.submit(omni.request(PROMPTS[i % len(PROMPTS)], seed=i, output=str(out / f"{i}.mp4"), **params))
-           for i in range(n)]
-    finished = {e.request_id for e in drain(omni, None) if isinstance(e, RequestFinished)}
-    elapsed = time.perf_counter() - start
-    if finished != set(ids):
-        raise SystemExit(f"{len(set(ids) - finished)} of {n} requests did not finish")
-    return elapsed
 
 
 def actor_nodes(stage) -> list[str]:

@@ -120,21 +120,11 @@ class OmniSide:
 
     def matmul_bound(self, batch: int, repeats: int = 5) -> float:
         """Tokens/s of a decode step at `batch` rows if it were its matmuls alone (the loaded weights): the fastest
-        of `repeats` runs (a bound: the run the other tenants of a shared machine disturbed least)."""
-        import torch
+        of `repeats` runs, as ar_step_profile.py measures it (imported here: the vLLM side has no omni)."""
+        from ar_step_profile import matmul_bound
 
         model = self.omni.graph.stages["generate"].engine.runner.backend.model
-        linears = [linear for layer in model.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        pairs = [(torch.randn(batch, linear.weight.shape[1], dtype=linear.weight.dtype), linear)
-                 for linear in [*linears, model.lm_head]]
-        times = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                for x, linear in pairs:
-                    linear(x)
-                times.append(time.perf_counter() - start)
-        return batch / min(times[1:])
+        return batch / (matmul_bound(model, batch, repeats) / 1000)
 
 
 def machine() -> dict:

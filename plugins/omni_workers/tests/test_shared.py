@@ -26,18 +26,12 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from worker_fakes import make_host  # noqa: E402 - the fakes module lives next to this one
+from worker_fakes import in_memory_file, make_host  # noqa: E402 - the fakes module lives next to this one
 
 
 def in_shared_memory(array) -> bool:
     """`array`'s memory (numpy, or a tensor's storage) lies in a mapping of one of omni's memory files."""
-    address = array.data_ptr() if isinstance(array, torch.Tensor) else array.ctypes.data
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        if "memfd:omni-array" in line:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            if start <= address < end:
-                return True
-    return False
+    return in_memory_file(array.data_ptr() if isinstance(array, torch.Tensor) else array.ctypes.data)
 
 
 def entries(path: str) -> set[str]:
