@@ -6,6 +6,7 @@ about a second); `no_ray_left`, the fixture that checks that no Ray process a te
 from __future__ import annotations
 
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,6 +36,20 @@ def _ours(pid: int) -> bool:
         if pid == me:
             return True
     return pid == 1
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process under `root` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            children.setdefault(_parent(int(entry.name)), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found.extend(below)
+        todo.extend(below)
+    return found
 
 
 def ray_pids() -> dict[int, str]:
@@ -73,8 +88,19 @@ class NodeCluster:
         return node.node_id
 
     def remove(self, name: str) -> None:
-        """A hard node failure: its raylet and every worker on it killed, no grace."""
-        self.cluster.remove_node(self.nodes.pop(name), allow_graceful=False)
+        """A hard node failure: its raylet and every process under it (workers, actors and their children) killed
+        at once, no grace. Ray's own remove_node kills only the raylet and lets its workers notice, and an actor
+        that kept running that long finished work a dead machine could not have."""
+        from ray._private import ray_constants
+
+        node = self.nodes.pop(name)
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid
+        for pid in [raylet, *_descendants(raylet)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.cluster.remove_node(node, allow_graceful=False)
 
     def name_of(self, node_id: str | None) -> str | None:
         return next((name for name, node in self.nodes.items() if node.node_id == node_id), None)
