@@ -149,7 +149,8 @@ def profile(args) -> dict:
         raise SystemExit(f"SmolLM2-135M-Instruct is not in omni's cache: `make models` or `{FETCH_COMMAND}`")
     omni = Omni("ar_text", host=load_host(), ar_model=str(path), ar_dtype=args.dtype, ar_device="cpu",
                 ar_kv_backend="paged", ar_kv_memory="512MiB", ar_max_num_seqs=args.batch,
-                ar_max_num_batched_tokens=max(512, args.batch * args.prompt), ar_prefix_caching=False)
+                ar_max_num_batched_tokens=max(512, args.batch * args.prompt), ar_prefix_caching=False,
+                ar_compile=args.compile)
     engine = omni.graph.stages["generate"].engine
     rng = random.Random(0)
     new_tokens = 3 + 2 * args.steps * args.rounds
@@ -199,6 +200,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=8, help="steps per round, plain and probed each")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="ar_compile: the decode step compiled (paged/graph.py); "
+                        "its parts are then one, the compiled forward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = profile(args)

@@ -19,6 +19,7 @@ from omni_kernel.core.ar_scheduler import ARSchedulerOutput, ARSequence
 
 from .paged.batch import build_step
 from .paged.decoder import PagedDecoder
+from .paged.graph import DecodeGraph
 from .paged.pool import KVPool
 
 
@@ -77,15 +78,22 @@ class DynamicCacheBackend:
 
 
 class PagedBackend:
-    kv_trace = {"kv_cache": True, "kv_cache_type": "PagedKVPool", "kv_cache_backend": "paged",
-                "kv_cache_source": "runtime", "runtime_kv_manager": True}
 
-    def __init__(self, model: PagedDecoder, pool: KVPool):
+    def __init__(self, model: PagedDecoder, pool: KVPool, graph: DecodeGraph | None = None):
+        """graph: the compiled decode step (ar_compile), which runs the steps it can (paged/graph.py)."""
         self.model = model
         self.pool = pool
+        self.graph = graph
+
+    @property
+    def kv_trace(self) -> dict:
+        return {"kv_cache": True, "kv_cache_type": "PagedKVPool", "kv_cache_backend": "paged",
+                "kv_cache_source": "runtime", "runtime_kv_manager": True, "decode_compiled": self.graph is not None}
 
     def forward(self, batch: ARSchedulerOutput) -> tuple[tuple[str, ...], torch.Tensor]:
         step = build_step(batch.chunks, batch.block_size, self.model.dtype, self.pool.device)
+        if self.graph is not None and self.graph.runs(step):
+            return step.sample_ids, self.graph.forward(step, self.pool)
         return step.sample_ids, self.model.forward(step, self.pool)
 
     def forward_rows(self, batch: ARSchedulerOutput, every_row: frozenset[str]

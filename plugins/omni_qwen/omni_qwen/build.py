@@ -30,6 +30,7 @@ from .logprobs import LogprobsOutput, TokenTexts
 from .model import CausalLM
 from .outputs import AROutputProcessor
 from .paged.decoder import PagedDecoder
+from .paged.graph import DecodeGraph
 from .paged.pool import KVPool
 from .runner import ARModelRunner, KVCacheSpec
 
@@ -55,6 +56,19 @@ def kv_bytes_per_token(config, element_size: int) -> int:
     return text.num_hidden_layers * 2 * kv_heads * head_dim * element_size
 
 
+def compile_decode(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
+    """The decode step compiled now (ar_compile), or a one-line ModelError saying why torch.compile could not."""
+    graph = DecodeGraph(paged)
+    try:
+        seconds = graph.warm_up(pool)
+    except Exception as exc:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) have no common type
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"ar_compile: torch.compile could not compile the decode step ({first}); "
+                         "run without ar_compile") from exc
+    log.info("decode steps compiled with torch.compile (inductor) in %.1fs", seconds)
+    return graph
+
+
 def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_model: Callable[[], PagedDecoder],
                  tokenizer=None) -> Engine:
     """The Engine of every AR stage with this model and these engine settings (the kernel shares it: one batch, one
@@ -68,9 +82,13 @@ def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_mode
     if num_blocks < 1:
         raise InvalidParameter("ar_kv_memory", f"{memory} bytes hold no block of {BLOCK_SIZE} tokens "
                                                f"({per_token * BLOCK_SIZE} bytes for this model)")
+    if config.ar_compile and backend_name != "paged":
+        raise InvalidParameter("ar_compile", f"compiles the paged backend's decode step; this engine runs "
+                                             f"{backend_name}")
     if backend_name == "paged":
         paged = paged_model()
-        backend = PagedBackend(paged, KVPool.for_model(paged, num_blocks, BLOCK_SIZE))
+        pool = KVPool.for_model(paged, num_blocks, BLOCK_SIZE)
+        backend = PagedBackend(paged, pool, compile_decode(paged, pool) if config.ar_compile else None)
     else:
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks
@@ -94,12 +112,13 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, engine: 
     model_trace = {**kv.trace, "model": str(lm.path), "dtype": lm.dtype, "precision_reason": lm.precision_reason,
                    "load_ms": round(lm.load_ms, 3), "context_window": context_window}
     outputs = AROutputProcessor(node.id, lm.decode, settings, model_trace, LogprobsOutput(TokenTexts(lm.tokenizer)))
+    compiled = "compiled (ar_compile)" if kv.trace.get("decode_compiled") else "eager"
     summary = (
         f"{node.id}: {kv.backend} KV backend, {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.capacity} tokens "
         f"({kv.capacity * kv.bytes_per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "
         f"{kv.capacity / context_window:.1f} requests at the full {context_window}-token context; up to "
         f"{scheduler.max_num_seqs} sequences and {scheduler.max_num_batched_tokens} tokens per step; prefix caching "
-        f"{'on' if kv.prefix_caching else 'off'}")
+        f"{'on' if kv.prefix_caching else 'off'}; decode steps {compiled}")
     return Stage(node, "ar", inputs, engine, outputs, summary)
 
 

@@ -120,3 +120,29 @@ def test_bad_dtype_is_refused(tiny_ckpt, host):
 
     with pytest.raises(InvalidParameter, match="ar_dtype"):
         Omni("ar_text", host=host, ar_model=str(tiny_ckpt), ar_dtype="int3")
+
+
+@pytest.mark.real_model  # not a real model, but tens of seconds of torch.compile: outside the fast tier
+def test_ar_compile_same_text_and_its_errors(tiny_ckpt, monkeypatch, tmp_path):
+    """-c ar_compile=true: the same greedy text as eager, and the load line says so; on the dynamic_cache backend,
+    or where inductor has no C++ compiler, one line and exit 2."""
+    args = ("--ar-model", str(tiny_ckpt), "--prompt", PROMPT, "-c", "ar_max_num_seqs=4", "--json")
+    eager = omni(*args)
+    compiled = omni(*args, "-c", "ar_compile=true")
+    assert eager.exit_code == 0 and compiled.exit_code == 0, eager.output + compiled.output
+    assert json.loads(compiled.stdout)["output"]["text"] == json.loads(eager.stdout)["output"]["text"]
+    assert json.loads(compiled.stdout)["trace"]["ar.decode_compiled"] is True
+    assert json.loads(eager.stdout)["trace"]["ar.decode_compiled"] is False
+
+    wrong = omni(*args, "-c", "ar_compile=true", "-c", "ar_kv_backend=dynamic_cache")
+    assert wrong.exit_code == 2 and "ar_compile" in wrong.stderr and "dynamic_cache" in wrong.stderr, wrong.output
+
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached: it must compile
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-compiler")))
+    failed = omni(*args, "-c", "ar_compile=true")
+    lines = failed.stderr.strip().splitlines()
+    says = "Error: ar_compile: torch.compile could not compile the decode step (InvalidCxxCompiler"
+    assert failed.exit_code == 2 and lines[-1].startswith(says), failed.output

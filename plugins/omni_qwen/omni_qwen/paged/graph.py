@@ -1,0 +1,149 @@
+"""DecodeGraph: the paged decoder's decode step compiled by torch.compile (inductor), behind `ar_compile`.
+
+Eager, a batch-32 decode step spends a sixth of its time in the ~20 small ops of each layer between the matmuls
+(norms, rope, residuals, SiLU), one kernel launch each; inductor fuses them into a few C++ loops a layer and,
+with freezing, packs the weights for oneDNN as paged/linear.py does. The whole step is one graph: regions of a
+layer measured slower than eager, dynamo's per-call cost exceeding what fusing saved (docs/qwen.md).
+
+Only steps whose every row is a one-token decode that samples run here (a batch's steady state); a step with a
+prefill chunk or prompt logprobs, or a single decode (dynamo would specialize a batch of 1), runs eager
+(PagedDecoder.forward). The K/V write, the block gather and SDPA are one opaque op (`omni_qwen::decode_attention`):
+traced as plain ops, the write into the pool (an input of the graph) would be functionalized into a copy of the
+whole pool every step. Batch and context are dynamic, so one compile (tens of seconds, at load) serves a
+process; inductor's on-disk cache makes the next load's shorter.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+
+from .batch import StepBatch
+from .pool import KVPool
+
+log = logging.getLogger("omni")
+
+
+@torch.library.custom_op("omni_qwen::decode_attention", mutates_args=("kv",))
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
+                     slots: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """One layer's attention of a decode-only step, as PagedDecoder._attend runs it: write the step's K/V into
+    the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows."""
+    num_decodes, num_kv_heads, head_dim = k.shape
+    num_heads = q.shape[1]
+    k_pool, v_pool = kv[layer, 0], kv[layer, 1]
+    k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    keys = k_pool.index_select(0, blocks).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_pool.index_select(0, blocks).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
+    return out.reshape(num_decodes, num_heads * head_dim)
+
+
+@decode_attention.register_fake
+def _decode_attention_shape(q, k, v, kv, layer, slots, blocks, bias):
+    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def _frozen(tensor: torch.Tensor | None) -> torch.nn.Parameter | None:
+    return None if tensor is None else torch.nn.Parameter(tensor, requires_grad=False)
+
+
+class _LayerWeights(torch.nn.Module):
+    """One decoder layer's weights as parameters (inductor's freezing folds parameters, not plain attributes)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        for name in ("qkv", "o", "gate_up", "down"):
+            linear = getattr(layer, name)
+            self.register_parameter(f"{name}_weight", _frozen(linear.weight))
+            self.register_parameter(f"{name}_bias", _frozen(linear.bias))
+        self.ln1, self.ln2 = _frozen(layer.ln1), _frozen(layer.ln2)
+
+
+class DecodeStep(torch.nn.Module):
+    """PagedDecoder.forward for a decode-only step, written for tracing: the same math, the same weights (shared,
+    not copied), every row's logits."""
+
+    def __init__(self, decoder):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+        self.eps = decoder.eps
+        self.embed, self.norm = _frozen(decoder.embed), _frozen(decoder.norm)
+        self.lm_head = _frozen(decoder.lm_head.weight)
+        self.layers = torch.nn.ModuleList(_LayerWeights(layer) for layer in decoder.layers)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        split = (heads + kv_heads) * head_dim
+        qk = qkv[:, :split].view(-1, heads + kv_heads, head_dim)
+        half = head_dim // 2
+        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+        return qk[:, :heads], qk[:, heads:], qkv[:, split:].view(-1, kv_heads, head_dim)
+
+    def forward(self, input_ids, cos, sin, kv, slots, blocks, bias) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)
+        for index, layer in enumerate(self.layers):
+            h = self._norm(x, layer.ln1)
+            q, k, v = self._rope(F.linear(h, layer.qkv_weight, layer.qkv_bias), cos, sin)
+            attn = torch.ops.omni_qwen.decode_attention(q, k, v, kv, index, slots, blocks, bias)
+            x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            h = self._norm(x, layer.ln2)
+            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        return F.linear(self._norm(x, self.norm), self.lm_head)
+
+
+class DecodeGraph:
+    """The compiled DecodeStep of one PagedDecoder, and which steps it runs."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.compiled = torch.compile(DecodeStep(decoder))
+
+    @staticmethod
+    def runs(step: StepBatch) -> bool:
+        """A step of two or more one-token decodes, each sampled, nothing else."""
+        return (step.num_decodes >= 2 and step.num_decodes == step.num_tokens and not step.prefills
+                and not step.every_rows and step.sample_rows.shape[0] == step.num_tokens)
+
+    @torch.inference_mode()
+    def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
+        cos, sin = self.decoder.rotary(self.decoder.embed[:1], step.positions[None])
+        inputs = (step.input_ids, cos[0, :, None, :], sin[0, :, None, :], pool.kv, step.slots, step.decode_blocks,
+                  step.decode_bias)
+        for dynamic in (*inputs[:3], *inputs[4:]):  # the batch (the blocks' count for decode_blocks)
+            torch._dynamo.maybe_mark_dynamic(dynamic, 0)
+        torch._dynamo.maybe_mark_dynamic(step.decode_bias, 3)  # the context
+        # Freezing (weights as constants, packed for oneDNN) is a global inductor setting; scoped to our calls,
+        # so it holds for a recompile too. `options=` of torch.compile did not reach it (torch 2.13).
+        with inductor_config.patch(freezing=True):
+            return self.compiled(*inputs)
+
+    def warm_up(self, pool: KVPool) -> float:
+        """Compile now (seconds taken) rather than at the first batch, on a step of five decodes over three
+        blocks each, all block 0: block 0 is scratch until the scheduler hands it out, and a block's K/V is
+        always written before it is read. Only the batch and the context are dynamic (`forward` marks them), and
+        the warm-up's sizes (5, 15 blocks, 48 positions) are distinct, so dynamo ties none of them to another."""
+        num_decodes, num_blocks, device = 5, 3, pool.device
+        positions = torch.arange(num_decodes, device=device)
+        step = StepBatch(input_ids=torch.zeros(num_decodes, dtype=torch.long, device=device), positions=positions,
+                         slots=positions, num_decodes=num_decodes,
+                         decode_blocks=torch.zeros(num_decodes * num_blocks, dtype=torch.long, device=device),
+                         decode_bias=torch.zeros(num_decodes, 1, 1, num_blocks * pool.block_size,
+                                                 dtype=self.decoder.dtype, device=device),
+                         prefills=(), sample_rows=positions, sample_ids=tuple(f"warm-up-{i}" for i in
+                                                                              range(num_decodes)))
+        start = time.perf_counter()
+        self.forward(step, pool)
+        return time.perf_counter() - start
