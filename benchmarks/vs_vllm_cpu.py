@@ -95,12 +95,12 @@ class VLLMWorker:
 
 
 class OmniSide:
-    def __init__(self, model: str, dtype: str):
+    def __init__(self, model: str, dtype: str, compile: bool):
         from omni_kernel import Omni
         from omni_kernel.plugins import load_host
 
         self.omni = Omni("ar_text", host=load_host(), ar_model=model, ar_dtype=dtype, ar_device="cpu",
-                         ar_max_num_seqs=32)
+                         ar_max_num_seqs=32, ar_compile=compile)
         self.num = 0
 
     def run(self, batch: int) -> float:
@@ -141,7 +141,7 @@ def compare(args, model: str, dtype: str) -> list[dict]:
 
     torch.set_num_threads(THREADS)
     say(f"{dtype}: loading omni and vLLM (vLLM compiles at load: minutes)")
-    ours, theirs = OmniSide(model, dtype), VLLMWorker(args.vllm, model, dtype)
+    ours, theirs = OmniSide(model, dtype, args.compile), VLLMWorker(args.vllm, model, dtype)
     rows = []
     try:
         for batch in args.batches:
@@ -187,6 +187,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(TORCH_DTYPES))
     parser.add_argument("--rounds", type=int, default=3, help="A B pairs per figure")
+    parser.add_argument("--compile", action="store_true", help="omni with ar_compile (its decode step compiled by "
+                        "torch.compile, as vLLM compiles its model)")
     args = parser.parse_args()
     if not (args.vllm / "bin" / "python").is_file():
         raise SystemExit(f"no vLLM CPU venv at {args.vllm}; install it (about 2.6 GB) with:\n    {INSTALL}")
@@ -198,7 +200,7 @@ def main() -> None:
         raise SystemExit(f"SmolLM2-135M-Instruct is not in omni's cache: `make models` or `{FETCH_COMMAND}`")
     rows = [row for dtype in args.dtypes for row in compare(args, str(model), dtype)]
     say(f"{machine()}\n{table(rows)}")
-    print(json.dumps({"benchmark": "vs_vllm_cpu", "model": str(model), "threads": THREADS,
+    print(json.dumps({"benchmark": "vs_vllm_cpu", "model": str(model), "threads": THREADS, "omni_compile": args.compile,
                       "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rows": rows}))
 
 

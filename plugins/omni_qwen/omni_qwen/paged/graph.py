@@ -138,7 +138,7 @@ class DecodeGraph:
         num_decodes, num_blocks, device = 5, 3, pool.device
         positions = torch.arange(num_decodes, device=device)
         step = StepBatch(input_ids=torch.zeros(num_decodes, dtype=torch.long, device=device), positions=positions,
-                         slots=positions, num_decodes=num_decodes,
+                         slots=positions.clone(), num_decodes=num_decodes,
                          decode_blocks=torch.zeros(num_decodes * num_blocks, dtype=torch.long, device=device),
                          decode_bias=torch.zeros(num_decodes, 1, 1, num_blocks * pool.block_size,
                                                  dtype=self.decoder.dtype, device=device),
