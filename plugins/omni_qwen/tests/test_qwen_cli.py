@@ -140,9 +140,8 @@ def test_ar_compile_same_text_and_its_errors(tiny_ckpt, monkeypatch, tmp_path):
     from torch._inductor import config as inductor_config
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # nothing cached: it must compile
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (None, str(tmp_path / "no-such-compiler")))
-    failed = omni(*args, "-c", "ar_compile=true")
+    with inductor_config.patch({"fx_graph_cache": False, "cpp.cxx": (None, str(tmp_path / "no-such-compiler"))}):
+        failed = omni(*args, "-c", "ar_compile=true")
     lines = failed.stderr.strip().splitlines()
     says = "Error: ar_compile: torch.compile could not compile the decode step (InvalidCxxCompiler"
     assert failed.exit_code == 2 and lines[-1].startswith(says), failed.output

@@ -150,9 +150,9 @@ class PagedDecoder:
             length = span.context_len
             k = k_pool.index_select(0, span.blocks).view(1, -1, self.num_kv_heads, hd)[:, :length]
             v = v_pool.index_select(0, span.blocks).view(1, -1, self.num_kv_heads, hd)[:, :length]
-            k = k.transpose(1, 2).repeat_interleave(self.group, dim=1)
-            v = v.transpose(1, 2).repeat_interleave(self.group, dim=1)
             qp = q[rows].transpose(0, 1)[None]
-            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=span.mask, is_causal=span.mask is None)
+            # enable_gqa: each K/V head serves its group of query heads in the kernel, no repeated copy of K/V.
+            o = F.scaled_dot_product_attention(qp, k.transpose(1, 2), v.transpose(1, 2), attn_mask=span.mask,
+                                               is_causal=span.mask is None, enable_gqa=True)
             out[rows] = o[0].transpose(0, 1).reshape(span.num_tokens, -1)
         return out

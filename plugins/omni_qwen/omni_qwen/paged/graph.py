@@ -5,17 +5,16 @@ Eager, a batch-32 decode step spends a sixth of its time in the ~20 small ops of
 with freezing, packs the weights for oneDNN as paged/linear.py does. The whole step is one graph: regions of a
 layer measured slower than eager, dynamo's per-call cost exceeding what fusing saved (docs/qwen.md).
 
-Only steps whose every row is a one-token decode that samples run here (a batch's steady state); a step with a
-prefill chunk or prompt logprobs, or a single decode (dynamo would specialize a batch of 1), runs eager
-(PagedDecoder.forward). The K/V write, the block gather and SDPA are one opaque op (`omni_qwen::decode_attention`):
-traced as plain ops, the write into the pool (an input of the graph) would be functionalized into a copy of the
-whole pool every step. Batch and context are dynamic, so one compile (tens of seconds, at load) serves a
+Only steps whose every row is a one-token decode that samples run here (a batch's steady state, or one
+request's); a step with a prefill chunk or prompt logprobs runs eager (PagedDecoder.forward). The K/V write, the
+block gather and SDPA are one opaque op (`omni_qwen::decode_attention`): traced as plain ops, the write into the
+pool (an input of the graph) would be functionalized into a copy of the whole pool every step. Batch and context
+are dynamic, so two compiles at load (batches of two or more, and a lone decode; tens of seconds) serve a
 process; inductor's on-disk cache makes the next load's shorter.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -25,14 +24,14 @@ from torch._inductor import config as inductor_config
 from .batch import StepBatch
 from .pool import KVPool
 
-log = logging.getLogger("omni")
-
 
 @torch.library.custom_op("omni_qwen::decode_attention", mutates_args=("kv",))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
                      slots: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """One layer's attention of a decode-only step, as PagedDecoder._attend runs it: write the step's K/V into
-    the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows."""
+    the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows. It mutates
+    the whole pool and picks the layer itself: an op that mutated views of a graph input (`kv[layer, 0]`) gave
+    wrong logits under torch 2.13's functionalization."""
     num_decodes, num_kv_heads, head_dim = k.shape
     num_heads = q.shape[1]
     k_pool, v_pool = kv[layer, 0], kv[layer, 1]
@@ -113,9 +112,10 @@ class DecodeGraph:
 
     @staticmethod
     def runs(step: StepBatch) -> bool:
-        """A step of two or more one-token decodes, each sampled, nothing else."""
-        return (step.num_decodes >= 2 and step.num_decodes == step.num_tokens and not step.prefills
-                and not step.every_rows and step.sample_rows.shape[0] == step.num_tokens)
+        """A step of one-token decodes, each sampled, nothing else, over more than one block in all (a lone
+        decode within its first block would be a size-1 dimension, which dynamo specializes: a third compile)."""
+        return (step.num_decodes == step.num_tokens and not step.prefills and not step.every_rows
+                and step.sample_rows.shape[0] == step.num_tokens and step.decode_blocks.shape[0] >= 2)
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
@@ -131,19 +131,22 @@ class DecodeGraph:
             return self.compiled(*inputs)
 
     def warm_up(self, pool: KVPool) -> float:
-        """Compile now (seconds taken) rather than at the first batch, on a step of five decodes over three
-        blocks each, all block 0: block 0 is scratch until the scheduler hands it out, and a block's K/V is
-        always written before it is read. Only the batch and the context are dynamic (`forward` marks them), and
-        the warm-up's sizes (5, 15 blocks, 48 positions) are distinct, so dynamo ties none of them to another."""
-        num_decodes, num_blocks, device = 5, 3, pool.device
+        """Compile now rather than at the first batch (seconds taken): one graph for batches of two or more,
+        traced on five decodes over three blocks each (sizes that differ, so dynamo ties none to another), and
+        one for a lone decode (dynamo specializes a dimension of size 1), on scratch steps over block 0: block 0
+        is scratch until the scheduler hands it out, and a block's K/V is always written before it is read."""
+        start = time.perf_counter()
+        for num_decodes in (5, 1):
+            self.forward(self._scratch_step(num_decodes, 3, pool), pool)
+        return time.perf_counter() - start
+
+    def _scratch_step(self, num_decodes: int, num_blocks: int, pool: KVPool) -> StepBatch:
+        device = pool.device
         positions = torch.arange(num_decodes, device=device)
-        step = StepBatch(input_ids=torch.zeros(num_decodes, dtype=torch.long, device=device), positions=positions,
+        return StepBatch(input_ids=torch.zeros(num_decodes, dtype=torch.long, device=device), positions=positions,
                          slots=positions.clone(), num_decodes=num_decodes,
                          decode_blocks=torch.zeros(num_decodes * num_blocks, dtype=torch.long, device=device),
                          decode_bias=torch.zeros(num_decodes, 1, 1, num_blocks * pool.block_size,
                                                  dtype=self.decoder.dtype, device=device),
-                         prefills=(), sample_rows=positions, sample_ids=tuple(f"warm-up-{i}" for i in
-                                                                              range(num_decodes)))
-        start = time.perf_counter()
-        self.forward(step, pool)
-        return time.perf_counter() - start
+                         prefills=(), sample_rows=positions,
+                         sample_ids=tuple(f"warm-up-{i}" for i in range(num_decodes)))
