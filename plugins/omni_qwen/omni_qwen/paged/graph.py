@@ -9,8 +9,8 @@ Only steps whose every row is a one-token decode that samples run here (a batch'
 request's); a step with a prefill chunk or prompt logprobs runs eager (PagedDecoder.forward). The K/V write, the
 block gather and SDPA are one opaque op (`omni_qwen::decode_attention`): traced as plain ops, the write into the
 pool (an input of the graph) would be functionalized into a copy of the whole pool every step. Batch and context
-are dynamic, so two compiles at load (batches of two or more, and a lone decode; tens of seconds) serve a
-process; inductor's on-disk cache makes the next load's shorter.
+are dynamic, so the compiles at load (batches of two or more; a lone decode, but in fp32 on a CPU; tens of
+seconds) serve a process; inductor's on-disk cache makes the next load's shorter.
 """
 
 from __future__ import annotations
@@ -109,13 +109,17 @@ class DecodeGraph:
     def __init__(self, decoder):
         self.decoder = decoder
         self.compiled = torch.compile(DecodeStep(decoder))
+        # A lone decode gets its own graph except in fp32 on a CPU: there inductor packs the weights for MKL,
+        # which at one row measured slower than the eager step's oneDNN packing (docs/qwen.md).
+        self.lone = not (decoder.dtype == torch.float32 and decoder.device.type == "cpu")
 
-    @staticmethod
-    def runs(step: StepBatch) -> bool:
+    def runs(self, step: StepBatch) -> bool:
         """A step of one-token decodes, each sampled, nothing else, over more than one block in all (a lone
-        decode within its first block would be a size-1 dimension, which dynamo specializes: a third compile)."""
+        decode within its first block would be a size-1 dimension, which dynamo specializes: a third compile);
+        a lone decode only where it has its graph."""
         return (step.num_decodes == step.num_tokens and not step.prefills and not step.every_rows
-                and step.sample_rows.shape[0] == step.num_tokens and step.decode_blocks.shape[0] >= 2)
+                and step.sample_rows.shape[0] == step.num_tokens and step.decode_blocks.shape[0] >= 2
+                and (step.num_decodes > 1 or self.lone))
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
@@ -133,10 +137,10 @@ class DecodeGraph:
     def warm_up(self, pool: KVPool) -> float:
         """Compile now rather than at the first batch (seconds taken): one graph for batches of two or more,
         traced on five decodes over three blocks each (sizes that differ, so dynamo ties none to another), and
-        one for a lone decode (dynamo specializes a dimension of size 1), on scratch steps over block 0: block 0
+        one for a lone decode (`lone`; dynamo specializes a dimension of size 1), on scratch steps over block 0: block 0
         is scratch until the scheduler hands it out, and a block's K/V is always written before it is read."""
         start = time.perf_counter()
-        for num_decodes in (5, 1):
+        for num_decodes in (5, 1) if self.lone else (5,):
             self.forward(self._scratch_step(num_decodes, 3, pool), pool)
         return time.perf_counter() - start
 
