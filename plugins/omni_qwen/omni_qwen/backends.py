@@ -78,7 +78,6 @@ class DynamicCacheBackend:
 
 
 class PagedBackend:
-
     def __init__(self, model: PagedDecoder, pool: KVPool, graph: DecodeGraph | None = None):
         """graph: the compiled decode step (ar_compile), which runs the steps it can (paged/graph.py)."""
         self.model = model

@@ -62,7 +62,9 @@ def compile_decode(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
     try:
         seconds = graph.warm_up(pool)
     except Exception as exc:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) have no common type
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = getattr(exc, "inner_exception", None) or exc  # dynamo wraps the backend's error
+        text = str(cause).strip()
+        first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
         raise ModelError(f"ar_compile: torch.compile could not compile the decode step ({first}); "
                          "run without ar_compile") from exc
     log.info("decode steps compiled with torch.compile (inductor) in %.1fs", seconds)
