@@ -58,8 +58,9 @@ def hf_outputs(model_dir, tokenizer, prompts, dtype, tokens) -> list[list[int]]:
     return outs
 
 
-def omni_outputs(model_dir, prompts, dtype, tokens) -> list[list[int]]:
-    omni = Omni("ar_text", ar_model=str(model_dir), ar_device="cpu", ar_dtype=dtype, ar_kv_memory="256MiB")
+def omni_outputs(model_dir, prompts, dtype, tokens, compile: bool = False) -> list[list[int]]:
+    omni = Omni("ar_text", ar_model=str(model_dir), ar_device="cpu", ar_dtype=dtype, ar_kv_memory="256MiB",
+                ar_compile=compile)
     for i, ids in enumerate(prompts):
         omni.submit(omni.request("", request_id=f"r{i}", prompt_token_ids=ids, max_tokens=tokens, ignore_eos=True))
     done = {}
@@ -86,6 +87,7 @@ def main() -> None:
                                                          "cache)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--fp32", action="store_true", help="also compare with HF generate in fp32")
+    parser.add_argument("--compile", action="store_true", help="omni with ar_compile (its decode step compiled)")
     args = parser.parse_args()
     model_dir = args.ar_model
     if model_dir is None:
@@ -98,8 +100,8 @@ def main() -> None:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for p in PROMPTS]
     start = time.perf_counter()
-    ours = omni_outputs(model_dir, prompts, "bf16", args.tokens)
-    result = {"benchmark": "bf16_agreement", "model": str(model_dir),
+    ours = omni_outputs(model_dir, prompts, "bf16", args.tokens, args.compile)
+    result = {"benchmark": "bf16_agreement", "model": str(model_dir), "omni_compile": args.compile,
               "omni_bf16_vs_hf_bf16": summary("vs HF bf16", ours, hf_outputs(model_dir, tokenizer, prompts,
                                                                               torch.bfloat16, args.tokens),
                                               args.tokens, tokenizer, PROMPTS)}
