@@ -36,6 +36,46 @@ def _merge(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     return weight, bias
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As HF: normalize in fp32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+         head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k (rotated) and v of a merged q/k/v matmul's output."""
+    split = (num_heads + num_kv_heads) * head_dim
+    qk = qkv[:, :split].view(-1, num_heads + num_kv_heads, head_dim)
+    half = head_dim // 2
+    qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
+    return qk[:, :num_heads], qk[:, num_heads:], qkv[:, split:].view(-1, num_kv_heads, head_dim)
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The step's K/V into their slots (block * block_size + offset) of one layer's pool."""
+    k_pool.view(-1, k.shape[1], k.shape[2]).index_copy_(0, slots, k)
+    v_pool.view(-1, v.shape[1], v.shape[2]).index_copy_(0, slots, v)
+
+
+def attend_decodes(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, blocks: torch.Tensor,
+                   bias: torch.Tensor, k_buf: torch.Tensor | None = None,
+                   v_buf: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention of `q`'s one-token decodes over their blocks (gathered into k_buf/v_buf when given), in one
+    SDPA call: a decode's query heads of one KV group ride as that group's query rows, so K/V are not repeated."""
+    num_decodes, num_heads, head_dim = q.shape[0], q.shape[1], q.shape[2]
+    num_kv_heads = k_pool.shape[2]
+    keys = torch.index_select(k_pool, 0, blocks, out=k_buf) if k_buf is not None else k_pool.index_select(0, blocks)
+    values = torch.index_select(v_pool, 0, blocks, out=v_buf) if v_buf is not None else v_pool.index_select(0, blocks)
+    keys = keys.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    values = values.view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
+    queries = q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
+    return out.reshape(num_decodes, num_heads * head_dim)
+
+
 class _Layer:
     def __init__(self, layer, prepack: bool):
         attn, mlp = layer.self_attn, layer.mlp
@@ -77,7 +117,6 @@ class PagedDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.group = self.num_heads // self.num_kv_heads
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
         self.layers = [_Layer(layer, prepack) for layer in inner.layers]
@@ -86,10 +125,7 @@ class PagedDecoder:
         self.rotary = inner.rotary_emb
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As HF: normalize in fp32, cast back, then scale.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        return rms_norm(x, weight, self.eps)
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
@@ -99,20 +135,12 @@ class PagedDecoder:
         cos, sin = self.rotary(x, step.positions[None])
         cos, sin = cos[0, :, None, :], sin[0, :, None, :]
         workspace = self._workspace(step, pool)
-        nq, nkv, hd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        hd = self.head_dim
         for index, layer in enumerate(self.layers):
             h = self._norm(x, layer.ln1)
-            qkv = self._linear(h, layer.qkv)
-            qk = qkv[:, :nq + nkv].view(-1, self.num_heads + self.num_kv_heads, hd)
-            half = hd // 2
-            rotated = torch.cat((-qk[..., half:], qk[..., :half]), dim=-1)
-            qk = qk * cos + rotated * sin
-            q = qk[:, :self.num_heads]
-            k = qk[:, self.num_heads:]
-            v = qkv[:, nq + nkv:].view(-1, self.num_kv_heads, hd)
+            q, k, v = rope(self._linear(h, layer.qkv), cos, sin, self.num_heads, self.num_kv_heads, hd)
             k_pool, v_pool = pool.layer(index)
-            k_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, k)
-            v_pool.view(-1, self.num_kv_heads, hd).index_copy_(0, step.slots, v)
+            write_kv(k_pool, v_pool, step.slots, k, v)
             attn = self._attend(step, q, k_pool, v_pool, workspace)
             x = x + self._linear(attn, layer.o)
             h = self._norm(x, layer.ln2)
@@ -136,15 +164,7 @@ class PagedDecoder:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         d, hd = step.num_decodes, self.head_dim
         if d:
-            k_buf, v_buf = workspace
-            torch.index_select(k_pool, 0, step.decode_blocks, out=k_buf)
-            torch.index_select(v_pool, 0, step.decode_blocks, out=v_buf)
-            k = k_buf.view(d, -1, self.num_kv_heads, hd).transpose(1, 2)
-            v = v_buf.view(d, -1, self.num_kv_heads, hd).transpose(1, 2)
-            # A decode's query heads of one KV group ride as that group's query rows: no K/V repeat.
-            qd = q[:d].reshape(d, self.num_kv_heads, self.group, hd)
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=step.decode_bias)
-            out[:d] = o.reshape(d, -1)
+            out[:d] = attend_decodes(q[:d], k_pool, v_pool, step.decode_blocks, step.decode_bias, *workspace)
         for span in step.prefills:
             rows = slice(span.row, span.row + span.num_tokens)
             length = span.context_len

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
 from .batch import StepBatch
+from .decoder import attend_decodes, rms_norm, rope, write_kv
 from .pool import KVPool
 
 
@@ -32,16 +33,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torc
     the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows. It mutates
     the whole pool and picks the layer itself: an op that mutated views of a graph input (`kv[layer, 0]`) gave
     wrong logits under torch 2.13's functionalization."""
-    num_decodes, num_kv_heads, head_dim = k.shape
-    num_heads = q.shape[1]
     k_pool, v_pool = kv[layer, 0], kv[layer, 1]
-    k_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    v_pool.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
-    keys = k_pool.index_select(0, blocks).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    values = v_pool.index_select(0, blocks).view(num_decodes, -1, num_kv_heads, head_dim).transpose(1, 2)
-    queries = q.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=bias)
-    return out.reshape(num_decodes, num_heads * head_dim)
+    write_kv(k_pool, v_pool, slots, k, v)
+    return attend_decodes(q, k_pool, v_pool, blocks, bias)
 
 
 @decode_attention.register_fake
@@ -66,8 +60,8 @@ class _LayerWeights(torch.nn.Module):
 
 
 class DecodeStep(torch.nn.Module):
-    """PagedDecoder.forward for a decode-only step, written for tracing: the same math, the same weights (shared,
-    not copied), every row's logits."""
+    """PagedDecoder.forward for a decode-only step, written for tracing: the same functions (decoder.py's
+    rms_norm, rope, attend_decodes), the same weights (shared, not copied), every row's logits."""
 
     def __init__(self, decoder):
         super().__init__()
@@ -77,30 +71,18 @@ class DecodeStep(torch.nn.Module):
         self.lm_head = _frozen(decoder.lm_head.weight)
         self.layers = torch.nn.ModuleList(_LayerWeights(layer) for layer in decoder.layers)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
-
-    def _rope(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        split = (heads + kv_heads) * head_dim
-        qk = qkv[:, :split].view(-1, heads + kv_heads, head_dim)
-        half = head_dim // 2
-        qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin
-        return qk[:, :heads], qk[:, heads:], qkv[:, split:].view(-1, kv_heads, head_dim)
-
     def forward(self, input_ids, cos, sin, kv, slots, blocks, bias) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
-            h = self._norm(x, layer.ln1)
-            q, k, v = self._rope(F.linear(h, layer.qkv_weight, layer.qkv_bias), cos, sin)
+            h = rms_norm(x, layer.ln1, self.eps)
+            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
             attn = torch.ops.omni_qwen.decode_attention(q, k, v, kv, index, slots, blocks, bias)
             x = x + F.linear(attn, layer.o_weight, layer.o_bias)
-            h = self._norm(x, layer.ln2)
+            h = rms_norm(x, layer.ln2, self.eps)
             gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
-        return F.linear(self._norm(x, self.norm), self.lm_head)
+        return F.linear(rms_norm(x, self.norm, self.eps), self.lm_head)
 
 
 class DecodeGraph:
