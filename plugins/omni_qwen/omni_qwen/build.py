@@ -31,6 +31,7 @@ from .model import CausalLM
 from .outputs import AROutputProcessor
 from .paged.decoder import PagedDecoder
 from .paged.graph import DecodeGraph
+from .paged.kernel import KernelBuildError
 from .paged.pool import KVPool
 from .runner import ARModelRunner, KVCacheSpec
 
@@ -57,10 +58,12 @@ def kv_bytes_per_token(config, element_size: int) -> int:
 
 
 def compile_decode(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
-    """The decode step compiled now (ar_compile), or a one-line ModelError saying why torch.compile could not."""
-    graph = DecodeGraph(paged)
+    """The decode step compiled now (ar_compile), or a one-line ModelError saying why it could not be."""
     try:
+        graph = DecodeGraph(paged)
         seconds = graph.warm_up(pool)
+    except KernelBuildError as exc:
+        raise ModelError(f"ar_compile: {exc}; run without ar_compile") from exc
     except Exception as exc:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) have no common type
         cause = getattr(exc, "inner_exception", None) or exc  # dynamo wraps the backend's error
         text = str(cause).strip()

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
+from . import kernel
 from .batch import StepBatch
 from .decoder import attend_decodes, rms_norm, rope, write_kv
 from .pool import KVPool
@@ -28,18 +29,21 @@ from .pool import KVPool
 
 @torch.library.custom_op("omni_qwen::decode_attention", mutates_args=("kv",))
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
-                     slots: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+                     slots: torch.Tensor, blocks: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One layer's attention of a decode-only step, as PagedDecoder._attend runs it: write the step's K/V into
-    the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows. It mutates
-    the whole pool and picks the layer itself: an op that mutated views of a graph input (`kv[layer, 0]`) gave
-    wrong logits under torch 2.13's functionalization."""
+    the pool, gather each request's blocks, SDPA with each K/V group's query heads as its query rows (the mask
+    from each decode's position). It mutates the whole pool and picks the layer itself: an op that mutated views
+    of a graph input (`kv[layer, 0]`) gave wrong logits under torch 2.13's functionalization. On a CPU the
+    compiled step calls the C++ kernel of the same signature instead (paged/kernel.py)."""
     k_pool, v_pool = kv[layer, 0], kv[layer, 1]
     write_kv(k_pool, v_pool, slots, k, v)
-    return attend_decodes(q, k_pool, v_pool, blocks, bias)
+    context = torch.arange(blocks.shape[0] // q.shape[0] * k_pool.shape[1], device=q.device)
+    bias = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(context > positions[:, None], float("-inf"))
+    return attend_decodes(q, k_pool, v_pool, blocks, bias[:, None, None, :])
 
 
 @decode_attention.register_fake
-def _decode_attention_shape(q, k, v, kv, layer, slots, blocks, bias):
+def _decode_attention_shape(q, k, v, kv, layer, slots, blocks, positions):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -63,21 +67,23 @@ class DecodeStep(torch.nn.Module):
     """PagedDecoder.forward for a decode-only step, written for tracing: the same functions (decoder.py's
     rms_norm, rope, attend_decodes), the same weights (shared, not copied), every row's logits."""
 
-    def __init__(self, decoder):
+    def __init__(self, decoder, attention):
+        """attention: the op of one layer's attention (decode_attention's signature)."""
         super().__init__()
+        self.attention = attention
         self.num_heads, self.num_kv_heads, self.head_dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
         self.eps = decoder.eps
         self.embed, self.norm = _frozen(decoder.embed), _frozen(decoder.norm)
         self.lm_head = _frozen(decoder.lm_head.weight)
         self.layers = torch.nn.ModuleList(_LayerWeights(layer) for layer in decoder.layers)
 
-    def forward(self, input_ids, cos, sin, kv, slots, blocks, bias) -> torch.Tensor:
+    def forward(self, input_ids, positions, cos, sin, kv, slots, blocks) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.ln1, self.eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
             q, k, v = rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
-            attn = torch.ops.omni_qwen.decode_attention(q, k, v, kv, index, slots, blocks, bias)
+            attn = self.attention(q, k, v, kv, index, slots, blocks, positions)
             x = x + F.linear(attn, layer.o_weight, layer.o_bias)
             h = rms_norm(x, layer.ln2, self.eps)
             gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
@@ -90,10 +96,18 @@ class DecodeGraph:
 
     def __init__(self, decoder):
         self.decoder = decoder
-        self.compiled = torch.compile(DecodeStep(decoder))
+        self.compiled = torch.compile(DecodeStep(decoder, self._attention(decoder.device)))
         # A lone decode gets its own graph except in fp32 on a CPU: there inductor packs the weights for MKL,
         # which at one row measured slower than the eager step's oneDNN packing (docs/qwen.md).
         self.lone = not (decoder.dtype == torch.float32 and decoder.device.type == "cpu")
+
+    @staticmethod
+    def _attention(device: torch.device):
+        """The C++ kernel on a CPU (built now, or taken from the cache), the SDPA op elsewhere."""
+        if device.type != "cpu":
+            return torch.ops.omni_qwen.decode_attention
+        kernel.load()
+        return torch.ops.omni_qwen_cpu.decode_attention
 
     def runs(self, step: StepBatch) -> bool:
         """A step of one-token decodes, each sampled, nothing else, over more than one block in all (a lone
@@ -106,11 +120,10 @@ class DecodeGraph:
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
         cos, sin = self.decoder.rotary(self.decoder.embed[:1], step.positions[None])
-        inputs = (step.input_ids, cos[0, :, None, :], sin[0, :, None, :], pool.kv, step.slots, step.decode_blocks,
-                  step.decode_bias)
-        for dynamic in (*inputs[:3], *inputs[4:]):  # the batch (the blocks' count for decode_blocks)
+        inputs = (step.input_ids, step.positions, cos[0, :, None, :], sin[0, :, None, :], pool.kv, step.slots,
+                  step.decode_blocks)
+        for dynamic in (*inputs[:4], *inputs[5:]):  # the batch (the blocks' count for decode_blocks)
             torch._dynamo.maybe_mark_dynamic(dynamic, 0)
-        torch._dynamo.maybe_mark_dynamic(step.decode_bias, 3)  # the context
         # Freezing (weights as constants, packed for oneDNN) is a global inductor setting; scoped to our calls,
         # so it holds for a recompile too. `options=` of torch.compile did not reach it (torch 2.13).
         with inductor_config.patch(freezing=True):
