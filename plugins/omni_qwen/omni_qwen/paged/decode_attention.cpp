@@ -4,7 +4,8 @@
 //
 // One request per task: its blocks are walked in order and each block's K and V are read once (a block is one
 // contiguous run of block_size * kv_heads * head_dim values), with the next block prefetched. Scores and the
-// weighted sum are fp32, with a softmax that rescales as each block raises the running maximum.
+// weighted sum are fp32, with a softmax that rescales as each block raises the running maximum. Within a block
+// the loops go head by head, so a head's query and its accumulator stay in registers across the block's tokens.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -75,15 +76,15 @@ void attend(const T* q, const T* pool_k, const T* pool_v, const int64_t* blocks,
         }
         const int64_t n = std::min(block_size, length - j * block_size);
         to_float(pool_k + table[j] * block_elems, rows.data(), n * width);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* row = rows.data() + t * width;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float* qh = queries.data() + h * head_dim;
-            const float* kh = row + offset[h];
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* qh = queries.data() + h * head_dim;
+          float* sh = scores.data() + h * block_size;
+          for (int64_t t = 0; t < n; ++t) {
+            const float* kh = rows.data() + t * width + offset[h];
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
             for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * kh[d];
-            scores[h * block_size + t] = dot;
+            sh[t] = dot;
           }
         }
         for (int64_t h = 0; h < num_heads; ++h) {
@@ -105,12 +106,12 @@ void attend(const T* q, const T* pool_k, const T* pool_v, const int64_t* blocks,
           total[h] += sum;
         }
         to_float(pool_v + table[j] * block_elems, rows.data(), n * width);
-        for (int64_t t = 0; t < n; ++t) {
-          const float* row = rows.data() + t * width;
-          for (int64_t h = 0; h < num_heads; ++h) {
-            const float p = scores[h * block_size + t];
-            const float* vh = row + offset[h];
-            float* a = acc.data() + h * head_dim;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const float* sh = scores.data() + h * block_size;
+          float* __restrict a = acc.data() + h * head_dim;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = sh[t];
+            const float* __restrict vh = rows.data() + t * width + offset[h];
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * vh[d];
           }
