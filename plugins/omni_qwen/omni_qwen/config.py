@@ -73,8 +73,9 @@ class QwenConfig:
                                             type=int, validator=integer(1))
     ar_prefix_caching: bool = option(True, help="reuse the K/V of shared prompt prefixes (paged backend only)",
                                      type=bool, validator=boolean)
-    ar_compile: bool = option(False, help="compile the decode step with torch.compile (paged backend; needs a C++ "
-                                          "compiler on a CPU; tens of seconds at load)", type=bool, validator=boolean)
+    ar_compile: bool = option(False, help="compile the decode step with torch.compile, and on a CPU build its C++ "
+                                          "attention kernel (paged backend; needs a C++ compiler on a CPU; tens of "
+                                          "seconds at load)", type=bool, validator=boolean)
 
     def kv_memory_for(self, bytes_per_token: int, context_window: int) -> int:
         return self.ar_kv_memory or bytes_per_token * max(context_window, DEFAULT_KV_TOKENS)
