@@ -63,6 +63,22 @@ def test_kernel_writes_and_attends_as_sdpa(dtype, atol, num_heads, num_kv_heads,
     torch.testing.assert_close(out[0].float(), own.float(), atol=atol, rtol=0)
 
 
+def test_inputs_outside_the_pool_are_refused_not_read():
+    """A position past its block table, a block or slot outside the pool, a layer the pool lacks: an error, not
+    a read or write of memory that is not the pool's."""
+    kernel.load()
+    kv = torch.zeros(2, 2, 4, BLOCK_SIZE, 1, 32)
+    q, k, v = torch.zeros(1, 1, 32), torch.zeros(1, 1, 32), torch.zeros(1, 1, 32)
+    good = {"layer": 1, "slots": torch.tensor([17]), "blocks": torch.tensor([2, 1]), "positions": torch.tensor([17])}
+    torch.ops.omni_qwen_cpu.decode_attention(q, k, v, kv, *good.values())
+    for name, value, says in (("positions", torch.tensor([32]), "beyond its block table"),
+                              ("blocks", torch.tensor([2, 4]), "a block outside the pool"),
+                              ("slots", torch.tensor([64]), "a slot outside the pool"),
+                              ("layer", 2, "no layer 2")):
+        with pytest.raises(RuntimeError, match=says):
+            torch.ops.omni_qwen_cpu.decode_attention(q, k, v, kv, *{**good, name: value}.values())
+
+
 def test_a_missing_compiler_is_one_line(tmp_path):
     with inductor_config.patch({"cpp.cxx": (None, str(tmp_path / "no-such-compiler"))}), \
             pytest.raises(kernel.KernelBuildError) as raised:

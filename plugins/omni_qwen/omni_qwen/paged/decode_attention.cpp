@@ -179,6 +179,23 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   Shape shape{qc.size(0), qc.size(1), kv.size(4), kv.size(5), kv.size(3), 0};
   shape.max_blocks = shape.num_decodes ? blocks_c.numel() / shape.num_decodes : 0;
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "decode_attention: heads must be a multiple of kv heads");
+  // What the loops index with: every position within its padded table, every block and slot within the pool.
+  TORCH_CHECK(layer >= 0 && layer < kv.size(0), "decode_attention: no layer ", layer);
+  TORCH_CHECK(kc.size(0) == shape.num_decodes && vc.size(0) == shape.num_decodes && slots_c.numel() ==
+                  shape.num_decodes && positions_c.numel() == shape.num_decodes,
+              "decode_attention: q, k, v, slots and positions must have one row per decode");
+  const int64_t num_blocks = kv.size(2);
+  const int64_t* table = blocks_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < shape.num_decodes; ++b) {
+    const int64_t position = positions_c.data_ptr<int64_t>()[b], slot = slots_c.data_ptr<int64_t>()[b];
+    TORCH_CHECK(position >= 0 && position < shape.max_blocks * shape.block_size,
+                "decode_attention: a position beyond its block table");
+    TORCH_CHECK(slot >= 0 && slot < num_blocks * shape.block_size, "decode_attention: a slot outside the pool");
+    for (int64_t j = 0; j <= position / shape.block_size; ++j) {
+      const int64_t block = table[b * shape.max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "decode_attention: a block outside the pool");
+    }
+  }
   auto out = at::empty({shape.num_decodes, shape.num_heads * shape.head_dim}, qc.options());
   const int64_t layer_elems = kv.size(2) * kv.size(3) * kv.size(4) * kv.size(5);
   if (kv.scalar_type() == at::kFloat) {

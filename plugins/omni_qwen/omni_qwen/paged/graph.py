@@ -6,9 +6,11 @@ with freezing, packs the weights for oneDNN as paged/linear.py does. The whole s
 layer measured slower than eager, dynamo's per-call cost exceeding what fusing saved (docs/qwen.md).
 
 Only steps whose every row is a one-token decode that samples run here (a batch's steady state, or one
-request's); a step with a prefill chunk or prompt logprobs runs eager (PagedDecoder.forward). The K/V write, the
-block gather and SDPA are one opaque op (`omni_qwen::decode_attention`): traced as plain ops, the write into the
-pool (an input of the graph) would be functionalized into a copy of the whole pool every step. Batch and context
+request's); a step with a prefill chunk or prompt logprobs runs eager (PagedDecoder.forward). Each layer's
+attention, the K/V write included, is one opaque op: traced as plain ops, the write into the pool (an input of
+the graph) would be functionalized into a copy of the whole pool every step. On a CPU that op is the C++ kernel
+`omni_qwen_cpu::decode_attention` (paged/kernel.py: it reads the blocks in place, where SDPA needs them
+gathered); elsewhere `omni_qwen::decode_attention` below (the write, the gather, SDPA). Batch and context
 are dynamic, so the compiles at load (batches of two or more; a lone decode, but in fp32 on a CPU; tens of
 seconds) serve a process; inductor's on-disk cache makes the next load's shorter.
 """
@@ -65,7 +67,8 @@ class _LayerWeights(torch.nn.Module):
 
 class DecodeStep(torch.nn.Module):
     """PagedDecoder.forward for a decode-only step, written for tracing: the same functions (decoder.py's
-    rms_norm, rope, attend_decodes), the same weights (shared, not copied), every row's logits."""
+    rms_norm and rope; attend_decodes inside the attention op off a CPU), the same weights (shared, not copied),
+    every row's logits."""
 
     def __init__(self, decoder, attention):
         """attention: the op of one layer's attention (decode_attention's signature)."""
