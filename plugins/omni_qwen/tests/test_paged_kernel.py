@@ -63,6 +63,14 @@ def test_kernel_writes_and_attends_as_sdpa(dtype, atol, num_heads, num_kv_heads,
     torch.testing.assert_close(out[0].float(), own.float(), atol=atol, rtol=0)
 
 
+def test_loading_the_kernel_keeps_denormals():
+    """Linked with -ffast-math, gcc < 13 adds crtfastmath.o, which sets flush-to-zero for the whole process when the
+    library loads (inductor's kernels ran 5x slower, and every op's numerics changed); kernel.py links without it."""
+    kernel.load()
+    tiny = torch.tensor([1e-40])  # a denormal in fp32
+    assert (tiny * 1.0).item() > 0
+
+
 def test_inputs_outside_the_pool_are_refused_not_read():
     """A position past its block table, a block or slot outside the pool, a layer the pool lacks: an error, not
     a read or write of memory that is not the pool's."""
