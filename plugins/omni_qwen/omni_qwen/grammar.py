@@ -57,15 +57,17 @@ def grammar_of(structure: Structure) -> xgr.Grammar:
 # \n), which JSON forbids (json.loads refuses them), and every string hold UTF-8-encoded surrogates
 # (U+D800..U+DFFF: bytes ED A0..BF xx), which are not UTF-8 at all (they decode to U+FFFD, three per surrogate,
 # so a maxLength string comes out too long): string characters are narrowed to printable ones, surrogates out.
-_LOOSE_CHARACTERS = r'_characters ::= (([^\"\\\r\n]))'
-_STRICT_CHARACTERS = r'_characters ::= (([^\0-\x1f\"\\\uD800-\uDFFF]))'
+# A length-bounded string's character class is replaced wherever xgrammar writes it: in a `_characters` rule, or
+# inlined into the property's own rule (maxLength 1: `root_prop_1 ::= ("" | ([^\"\\\r\n]))`).
+_LOOSE_CHARACTER = r'[^\"\\\r\n]'
+_STRICT_CHARACTER = r'[^\0-\x1f\"\\\uD800-\uDFFF]'
 _LOOSE_STRING = r'[^\0-\x1f\"\\\r\n]'
 _STRICT_STRING = r'[^\0-\x1f\"\\\r\n\uD800-\uDFFF]'
 
 
 def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
-    strict = text.replace(_LOOSE_CHARACTERS, _STRICT_CHARACTERS).replace(_LOOSE_STRING, _STRICT_STRING)
+    strict = text.replace(_LOOSE_CHARACTER, _STRICT_CHARACTER).replace(_LOOSE_STRING, _STRICT_STRING)
     if strict == text:
         return grammar
     return xgr.Grammar.from_ebnf(strict)
