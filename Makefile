@@ -58,10 +58,18 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 	$(VENV)/bin/omni run --pipeline qwen_to_wan_i2v --prompt "$(PROMPT)" --image $(IMAGE) $(DEMO_FLAGS) \
 		--seed 0 --output out/demo.mp4 --trace-json out/demo_trace.json
 
-# Every test. pytest prints its 10 slowest phases; build/test-durations.txt gets every test's time, slowest first
-# (the root conftest.py, --durations-file), and its top 10 are printed after them.
-test: $(STAMP) lint models browser test-kernel-only
-	$(PY) -m pytest --durations=10 --durations-file=build/test-durations.txt
+# Every test. The set-up steps run side by side (make -j), then pytest on TEST_WORKERS pytest-xdist workers (2: one
+# per core here; --dist loadgroup keeps the Ray and browser modules on one worker each, conftest.py), then the
+# kernel's tests without torch. pytest prints its 10 slowest phases; build/test-durations.txt gets every test's
+# time, slowest first (the root conftest.py, --durations-file), and its top 10 are printed after them.
+TEST_WORKERS ?= 2
+test:
+	$(MAKE) -j5 --output-sync=target test-setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 --durations-file=build/test-durations.txt
+	$(MAKE) test-kernel-only
+
+.PHONY: test-setup kernel-venv
+test-setup: lint models browser fixtures kernel-venv
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist
@@ -77,12 +85,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# The kernel's tests again, in a venv that has no torch at all.
-test-kernel-only:
+# The kernel's tests again, in a venv that has no torch at all (the wheels tier, which installs torch, aside).
+# After $(STAMP): both editable installs write omni_kernel.egg-info in the checkout.
+kernel-venv: $(STAMP)
 	test -x $(KERNEL_VENV)/bin/python || $(PYTHON) -m venv $(KERNEL_VENV)
-	$(KERNEL_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(KERNEL_VENV)/bin/python -m pip install -q -c constraints.txt -e '.[test]'
 	$(KERNEL_VENV)/bin/python -c "import torch" 2>/dev/null && { echo "torch leaked into $(KERNEL_VENV)"; exit 1; } || true
-	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider tests
+
+test-kernel-only: kernel-venv
+	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) -m "not wheels" tests
 
 clean:
 	rm -rf $(VENV) $(KERNEL_VENV) $(BROWSER) *.egg-info plugins/*/*.egg-info
@@ -91,4 +102,3 @@ clean:
 .PHONY: fixtures
 fixtures: $(STAMP)
 	$(PY) -m omni_qwen.qwen25_tokenizer
-test: fixtures

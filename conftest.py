@@ -47,6 +47,14 @@ TIER_OF_FIXTURE = {
 }
 
 
+# Modules that must not run beside themselves on two pytest-xdist workers (`make test` runs `--dist loadgroup`):
+# each starts Ray clusters on this machine's ports and /tmp/ray, or unpacks and drives the one headless Chromium.
+XDIST_GROUPS = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_wan_parallel_ray.py": "ray",
+                "test_page_browser.py": "browser"}
+# Longest first, so that two workers end together instead of one waiting on the other's last slow module.
+TIER_ORDER = ("browser", "server", "process", "real_model", "cli_subprocess")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
@@ -54,6 +62,19 @@ def pytest_collection_modifyitems(config, items):
         for fixture, tier in TIER_OF_FIXTURE.items():
             if fixture in fixtures and item.get_closest_marker(tier) is None:
                 item.add_marker(tier)
+        group = XDIST_GROUPS.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    order: dict[Path, int] = {}
+    for item in items:
+        order[item.path] = min(order.get(item.path, len(TIER_ORDER)), _rank(item))
+    items.sort(key=lambda item: order[item.path])  # stable: a module's tests stay together and in order
+
+
+def _rank(item) -> int:
+    if item.path.name in XDIST_GROUPS:
+        return -1
+    return next((i for i, tier in enumerate(TIER_ORDER) if item.get_closest_marker(tier)), len(TIER_ORDER))
 
 
 @pytest.fixture(scope="session", autouse=True)

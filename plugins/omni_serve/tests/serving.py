@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+from forkserver import fork_server
 
 from omni_kernel.testing import wait_until
 
@@ -49,7 +50,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, plugins: tuple[str, ...] = (), env: dict | None = None):
+    """`fork=False` starts a fresh interpreter instead of a child of the fork server (forkserver.py): for a test
+    that reads the server's RSS, which in a forked child grows as it touches pages shared with the fork server.
+    OMNI_TEST_FORK_SERVER=0 makes every server a fresh interpreter."""
+
+    def __init__(self, args: list[str], log_path: Path, plugins: tuple[str, ...] = (), env: dict | None = None,
+                 fork: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -57,8 +63,12 @@ class ServerProcess:
         environ = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    **(env or {})}
         self.log = open(log_path, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--host", "127.0.0.1", "--port",
-                                      str(self.port), *args], stdout=self.log, stderr=subprocess.STDOUT, env=environ)
+        argv = ["serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
+        if fork and os.environ.get("OMNI_TEST_FORK_SERVER", "1") == "1":
+            self.proc = fork_server(str(log_path.parent)).spawn(code, argv, environ, log_path)
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=self.log,
+                                         stderr=subprocess.STDOUT, env=environ)
 
     def wait_ready(self, timeout: float = 180) -> ServerProcess:
         def answers() -> bool:

@@ -31,9 +31,10 @@ ROUNDS = int(os.environ.get("OMNI_TEST_KILL_ROUNDS", "20"))
 BURST = 6  # jobs a round submits at most
 
 
-def start(tmp: Path, name: str, out: Path, *extra: str, fault: str = "", ready: bool = True) -> ServerProcess:
+def start(tmp: Path, name: str, out: Path, *extra: str, fault: str = "", ready: bool = True,
+          fork: bool = True) -> ServerProcess:
     proc = ServerProcess([*ARGS, "--output-dir", str(out), *extra], tmp / f"{name}.log", plugins=PLUGINS,
-                         env={"OMNI_TEST_STORE_FAULT": fault})
+                         env={"OMNI_TEST_STORE_FAULT": fault}, fork=fork)
     return proc.wait_ready() if ready else proc
 
 
@@ -262,7 +263,7 @@ def test_a_19_mb_upload_is_streamed_to_disk_not_held_in_memory(tmp_path, omni_ca
     from test_server_limits import rss_mb
 
     out = tmp_path / "videos"
-    server = start(tmp_path, "server", out)
+    server = start(tmp_path, "server", out, fork=False)  # its RSS is read
     size, boundary = 19_000_000, "b0undary"
     head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"prompt\"\r\n\r\np\r\n--{boundary}\r\n"
             f"Content-Disposition: form-data; name=\"input_reference\"; filename=\"big.png\"\r\n"

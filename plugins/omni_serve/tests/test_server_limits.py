@@ -25,7 +25,7 @@ CHAT = {"model": "ar_text", "max_tokens": 4, "temperature": 0, "ignore_eos": Tru
 def server(omni_cache, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("limits")
     proc = ServerProcess(["--pipeline", "ar_text", "--header-timeout", "1", "--body-timeout", "1"],
-                         tmp / "server.log")
+                         tmp / "server.log", fork=False)  # its RSS is read
     try:
         yield proc.wait_ready()
     finally:

@@ -5,7 +5,9 @@ left, no shared-memory segment, nothing in the temp directory and no partial out
 The worker (and its rank) is frozen (SIGSTOP) at the first sign of the phase that the test can see: right after
 the submit (prepare), after the first denoise step (denoise), after the last one (decode), and once the worker
 has started ffmpeg (export); then the front is killed. So the kill finds the request in that phase however fast
-or slow the machine is. ffmpeg is left running: it ends when its input closes."""
+or slow the machine is. A tiny video's ffmpeg can run and end between two looks at the process table, so the
+first run's ffmpeg (IMAGEIO_FFMPEG_EXE) is a gate that marks its start and waits for the test to freeze the
+worker, then becomes the real ffmpeg, which is left running: it ends when its input closes."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import imageio_ffmpeg
 import pytest
 
 from omni_kernel.testing import wait_until
@@ -82,31 +85,42 @@ def command(pid: int) -> bytes:
         return b""
 
 
-def reached(phase: str, line: dict, front: int) -> bool:
-    """The front's line (or its processes) shows the request in `phase`."""
+def ffmpeg_gate(tmp_path: Path) -> tuple[Path, Path]:
+    """An ffmpeg that writes `started` and waits until that file is gone (or its worker is), then runs the real one;
+    (exe, started)."""
+    started, gate = tmp_path / "ffmpeg-started", tmp_path / "ffmpeg-gate"
+    gate.write_text(f"#!/bin/sh\necho $$ > {started}\n"
+                    f"while [ -e {started} ] && kill -0 $PPID 2>/dev/null; do sleep 0.02; done\n"
+                    f'exec {imageio_ffmpeg.get_ffmpeg_exe()} "$@"\n')
+    gate.chmod(0o755)
+    return gate, started
+
+
+def reached(phase: str, line: dict, started: Path) -> bool:
+    """The front's line (or the ffmpeg gate) shows the request in `phase`."""
     if phase == "prepare":
         return "submitted" in line
     if phase == "denoise":
         return line.get("step") == 1
     if phase == "decode":
         return "step" in line and line["step"] == line["total"]
-    return any(b"ffmpeg" in command(pid) for pid in descendants(front))
+    if "step" in line and line["step"] == line["total"]:  # ffmpeg starts after the last step's line
+        wait_until(started.exists, 60, "the worker to start ffmpeg", interval=0.01)
+    return started.exists()
 
 
-def freeze_at(front: subprocess.Popen, phase: str) -> list[int]:
+def freeze_at(front: subprocess.Popen, phase: str, started: Path) -> list[int]:
     """Read the front's lines until the request is in `phase`; then SIGSTOP the processes omni's launcher started
-    (the worker, the rank) and return every process under the front."""
+    (the worker, the rank), open the ffmpeg gate, and return every process under the front."""
     for raw in front.stdout:
         line = json.loads(raw)
         assert "finished" not in line, f"the request finished before its {phase} was seen"
-        while phase == "export" and "step" in line and line["step"] == line["total"] \
-                and not reached(phase, line, front.pid) and front.poll() is None:
-            pass  # ffmpeg starts after the last step's line, between two lines of the front
-        if reached(phase, line, front.pid):
+        if reached(phase, line, started):
             procs = descendants(front.pid)
             for pid in procs:
                 if b"omni_kernel.util.launch" in command(pid):  # not ffmpeg, which may be between fork and exec
                     os.kill(pid, signal.SIGSTOP)
+            started.unlink(missing_ok=True)
             return procs
     raise AssertionError(f"the front ended before the request reached {phase}")
 
@@ -120,10 +134,11 @@ def test_a_front_killed_at_any_moment_leaves_nothing_and_the_next_run_works(phas
     temp.mkdir()
     outputs.mkdir()
     env = {**os.environ, "TMPDIR": str(temp), "OMP_NUM_THREADS": "1"}
+    gate, started = ffmpeg_gate(tmp_path)
     before = shm()
-    front = run_front(tiny_model, outputs / "v.mp4", config, env, script)
+    front = run_front(tiny_model, outputs / "v.mp4", config, {**env, "IMAGEIO_FFMPEG_EXE": str(gate)}, script)
     try:
-        procs = freeze_at(front, phase)
+        procs = freeze_at(front, phase, started)
         assert procs, "the front started no process"
         front.kill()
         front.wait(10)
