@@ -95,6 +95,13 @@ kernel-venv: $(STAMP)
 test-kernel-only: kernel-venv
 	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) -m "not wheels" tests
 
+# The wheels tier alone (tests/test_wheels.py; make test runs it too): every distribution's sdist and wheel built
+# and checked for each file of its package, the wheels pip-installed (not editable) with the pinned CPU torch into a
+# fresh venv, and that venv's omni run from outside the checkout, on the real default model (hence models).
+.PHONY: test-wheels
+test-wheels: $(STAMP) models
+	$(PY) -m pytest -m wheels tests/test_wheels.py
+
 clean:
 	rm -rf $(VENV) $(KERNEL_VENV) $(BROWSER) *.egg-info plugins/*/*.egg-info
 
