@@ -52,7 +52,7 @@ TIER_OF_FIXTURE = {
 XDIST_GROUPS = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_wan_parallel_ray.py": "ray",
                 "test_page_browser.py": "browser"}
 # Longest first, so that two workers end together instead of one waiting on the other's last slow module.
-TIER_ORDER = ("browser", "server", "process", "real_model", "cli_subprocess")
+TIER_ORDER = ("wheels", "browser", "server", "process", "real_model", "cli_subprocess")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -14,7 +14,6 @@ child's exit status as Popen would (minus the signal number for a signal).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
@@ -118,9 +117,17 @@ class ForkServer:
             self.changed.notify_all()
 
 
-@functools.cache
-def fork_server(log_dir: str) -> ForkServer:
-    return ForkServer(Path(log_dir) / f"forkserver-{os.getpid()}.log")
+_SERVER: list[ForkServer] = []
+_SERVER_LOCK = threading.Lock()
+
+
+def fork_server(log_dir: Path) -> ForkServer:
+    """This process's fork server, started on the first call (its log in that call's `log_dir`); a new one if it
+    died."""
+    with _SERVER_LOCK:
+        if not _SERVER or not _SERVER[0].alive():
+            _SERVER[:] = [ForkServer(log_dir / f"forkserver-{os.getpid()}.log")]
+        return _SERVER[0]
 
 
 # The fork server's side.

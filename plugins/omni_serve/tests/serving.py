@@ -65,7 +65,7 @@ class ServerProcess:
         self.log = open(log_path, "wb")
         argv = ["serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         if fork and os.environ.get("OMNI_TEST_FORK_SERVER", "1") == "1":
-            self.proc = fork_server(str(log_path.parent)).spawn(code, argv, environ, log_path)
+            self.proc = fork_server(log_path.parent).spawn(code, argv, environ, log_path)
         else:
             self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], stdout=self.log,
                                          stderr=subprocess.STDOUT, env=environ)
