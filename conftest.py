@@ -10,6 +10,13 @@ import pytest
 
 pytest_plugins = ["omni_kernel.testing"]
 
+# The pytest workers, the servers and stage workers they start and torch's threads in each share this machine's
+# cores: with libgomp's default spin-wait at every barrier a waiting thread burns the core another process needs
+# (SmolLM2's `generate`, two processes at 2 threads on 2 cores: 17.6 s each; with PASSIVE 6.9 s; one alone 7.3 s
+# either way). libgomp reads it when torch loads it: here, before any test module imports torch; every process a
+# test starts inherits it. A value already set wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def pytest_addoption(parser):
     parser.addoption("--durations-file", metavar="PATH", default=None,
@@ -69,6 +76,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         order[item.path] = min(order.get(item.path, len(TIER_ORDER)), _rank(item))
     items.sort(key=lambda item: order[item.path])  # stable: a module's tests stay together and in order
+
+
+def pytest_collection_finish(session):
+    """On a pytest-xdist worker under `--dist loadgroup`: every test of a group carries its group in its id (what
+    the scheduler groups by), else pytest and pytest-xdist disagree (constraints.txt) and the groups would split."""
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    split = [item.nodeid for item in session.items
+             if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+    if split:
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup does not group under pytest {pytest.__version__} "
+                                f"({len(split)} tests, e.g. {split[0]}): install the pytest of constraints.txt")
 
 
 def _rank(item) -> int:
