@@ -43,8 +43,15 @@ def fake_wheel(path: Path, member_bytes: bytes | None = b"GGUF-not-really") -> t
     return path, attrs.evolve(SMOLLM2, sha256=digest)
 
 
-@pytest.mark.parametrize("content", [b"", b"PK\x03\x04 truncated", os.urandom(4096)])
+# Ids are fixed: every xdist worker must collect the same names, and random bytes in an id differ per worker.
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"PK\x03\x04 truncated", None],
+    ids=["empty", "truncated-zip", "random-bytes"],
+)
 def test_corrupt_or_truncated_wheel_is_refused_in_one_line_and_leaves_nothing(cache, tmp_path, content):
+    if content is None:
+        content = os.urandom(4096)
     wheel = tmp_path / SMOLLM2.wheel
     wheel.write_bytes(content)
     converted = []
