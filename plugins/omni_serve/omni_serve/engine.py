@@ -315,6 +315,7 @@ class AsyncOmni:
             self._die(exc)
             return
         self._steps += 1
+        deliveries = []
         for event in events:
             flight = self._flights.get(event.request_id)
             if flight is None:
@@ -323,6 +324,9 @@ class AsyncOmni:
                 self._count_failure(flight, event)
             if isinstance(event, (RequestFinished, RequestFailed)):
                 del self._flights[event.request_id]
+            deliveries.append((flight, event))
+        self._publish()  # before the events go out: a client told "finished" then reads this step's /health or later
+        for flight, event in deliveries:
             self._deliver(flight, event)
 
     def _count_failure(self, flight: _Flight, event: RequestFailed) -> None:

@@ -180,7 +180,8 @@ def runner_records(omni):
     return list(omni.graph.stages["wan"].engine.scheduler.queue)
 
 
-def test_threshold_zero_is_bit_identical_to_no_cache(mixed, images, tmp_path):
+def test_threshold_zero_is_bit_identical_to_no_cache(mixed, images, ratios, tmp_path):
+    """`ratios`: mag needs them recorded; under pytest-xdist this test may run on a worker the others did not."""
     base = mixed.generate(_request(mixed, "fb_image", images, tmp_path / "none", step_cache=None,
                                    step_cache_threshold=None))
     for method in ("first_block", "mag"):
