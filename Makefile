@@ -25,7 +25,8 @@ $(PY):
 # --no-build-isolation: the editable installs build with the venv's setuptools instead of a fresh build env each;
 # --no-compile: each module is byte-compiled when first imported instead of all 17,853 now (35 s instead of 77 s
 # on 2 cores, README "Tests").
-INSTALL := $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt
+# PYTHONWARNINGS: without it setuptools prints a ten-line note for each editable install.
+INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
 	$(INSTALL) $(TORCH_PIN) -e '.[test]' $(addprefix -e ,$(filter-out plugins/omni_serve plugins/omni_workers,$(PLUGINS))) \
 		-e 'plugins/omni_serve[test]' -e 'plugins/omni_workers[ray]'
@@ -82,18 +83,18 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 	$(VENV)/bin/omni run --pipeline qwen_to_wan_i2v --prompt "$(PROMPT)" --image $(IMAGE) $(DEMO_FLAGS) \
 		--seed 0 --output out/demo.mp4 --trace-json out/demo_trace.json
 
-# Every test. The set-up steps run side by side (make -j), then pytest on TEST_WORKERS pytest-xdist workers (2: one
-# per core here; --dist loadgroup keeps the Ray and browser modules on one worker each, conftest.py), then the
-# kernel's tests without torch. pytest prints its 10 slowest phases; build/test-durations.txt gets every test's
-# time, slowest first (the root conftest.py, --durations-file), and its top 10 are printed after them.
+# Every test. The set-up steps run side by side (make -j), the kernel's tests without torch among them (beside the
+# model's conversion, which keeps one core busy), then pytest on TEST_WORKERS pytest-xdist workers (2: one per
+# core here; --dist loadgroup keeps the Ray and browser modules on one worker each, conftest.py). pytest prints
+# its 10 slowest phases; build/test-durations.txt gets every test's time, slowest first (the root conftest.py,
+# --durations-file), and its top 10 are printed after them.
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j5 --output-sync=target test-setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 --durations-file=build/test-durations.txt
-	$(MAKE) test-kernel-only
 
 .PHONY: test-setup kernel-venv
-test-setup: lint models browser fixtures kernel-venv
+test-setup: lint models browser fixtures test-kernel-only
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist
@@ -117,7 +118,7 @@ kernel-venv: $(STAMP)
 	$(KERNEL_VENV)/bin/python -c "import torch" 2>/dev/null && { echo "torch leaked into $(KERNEL_VENV)"; exit 1; } || true
 
 test-kernel-only: kernel-venv
-	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider -n $(TEST_WORKERS) -m "not wheels" tests
+	$(KERNEL_VENV)/bin/python -m pytest -p no:cacheprovider -m "not wheels" tests
 
 # The wheels tier alone (tests/test_wheels.py; make test runs it too): every distribution's sdist and wheel built
 # and checked for each file of its package, the wheels pip-installed (not editable) with the pinned CPU torch into a

@@ -41,7 +41,10 @@ def torch_dtype(name: str | None, field: str = "dtype"):
 
 def resolve_device(name: str | None, field: str = "device") -> str:
     """The torch device to run on: None or "auto" is CUDA when torch sees it, else the CPU; anything else must
-    be a torch device that is there (an InvalidParameter of `field` otherwise). Returns the name as given."""
+    be a torch device that is there (an InvalidParameter of `field` otherwise). Returns the name as given.
+    "cpu" imports no torch: a front that only places a stage in a worker process stays without it."""
+    if name == "cpu":
+        return name
     import torch
 
     if name is None or name == "auto":

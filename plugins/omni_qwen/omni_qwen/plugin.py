@@ -75,12 +75,12 @@ class QwenStages:
         return build_stage(node, self.model(key), settings, engine, self.tokenizer(key))
 
     def _key(self, config: QwenConfig) -> tuple:
-        from .model import resolve_device
+        from omni_hf import resolve_device  # not model.py's: the key of a stage placed in a worker needs no torch
 
         path = config.ar_model
         if path is None:
             path = self._default_model()
-        return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device),
+        return (str(Path(path).expanduser().resolve()), config.ar_dtype, resolve_device(config.ar_device, "ar_device"),
                 config.ar_trust_remote_code)
 
     def _default_model(self) -> Path:

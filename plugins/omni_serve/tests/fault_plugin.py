@@ -1,5 +1,6 @@
-"""A test plugin whose scheduler raises: pipeline `fault` echoes the prompt, except that a prompt containing
-"explode" makes the scheduler raise on its second step (the stage's engine is then dead)."""
+"""A test plugin whose scheduler raises or stalls: pipeline `fault` echoes the prompt, except that a prompt containing
+"explode" makes the scheduler raise on its second step (the stage's engine is then dead), and one containing
+"stall" gets one step and then no more (the stage schedules nothing) until it is aborted."""
 
 import attrs
 
@@ -7,7 +8,7 @@ from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.builtin.echo import EchoInputs, EchoOutputs, IdentityRunner
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.params import ARParams
-from omni_kernel.core.scheduler import StepScheduler
+from omni_kernel.core.scheduler import SchedulerOutput, StepScheduler
 from omni_kernel.core.stage import Stage
 
 
@@ -15,6 +16,8 @@ class ExplodingScheduler(StepScheduler):
     def schedule(self):
         if any("explode" in job.item.prompt and job.step >= 1 for job in self.queue):
             raise RuntimeError("injected scheduler fault")
+        if any("stall" in job.item.prompt and job.step >= 1 for job in self.queue):
+            return SchedulerOutput(())
         return super().schedule()
 
 

@@ -39,7 +39,6 @@ from .outputs import WanOutputProcessor
 from .params import WanConfig, WanPolicy
 from .prepare_cache import PrepareCache
 from .presets import PRESETS, Settings
-from .runner import PHASE_ORDER, WanRunner, phases
 
 CPU_TOKEN_BUDGET = 16384  # on a CPU a forward is compute-bound long before memory matters
 DEMO_LABEL = "demo (random weights)"
@@ -87,6 +86,8 @@ def default_preset(config: WanConfig, policy: WanPolicy) -> str:
 def build_engine(settings: WanEngineSettings, pool: omni_hf.ModelPool, cache: PrepareCache) -> Engine:
     """The engine of `settings`: its model acquired from `pool` (loaded on first use), and with wan_cfg_parallel
     or wan_ulysses its other ranks started."""
+    from .runner import PHASE_ORDER, WanRunner, phases  # torch: the settings and the stage above are built without
+
     layout, device, config = settings.layout, settings.device, settings.config
     loaded = pool.acquire(model_key(layout.path, device))
     runner = WanRunner(settings.node_id, layout, device, loaded, cache, video_preset=config.wan_video_preset)

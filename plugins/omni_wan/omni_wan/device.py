@@ -44,9 +44,9 @@ class WanDevice:
 def place(config: WanConfig) -> WanDevice:
     """CPU offload is on by default with a GPU (a 5B transformer plus a umt5-xxl encoder fill 24 GB cards);
     `disable_cpu_offload` keeps everything on the GPU. On the CPU offload does not apply."""
-    import torch
-
     if resolve_device(config.device) == "cuda":
+        import torch
+
         memory = torch.cuda.get_device_properties(0).total_memory
         vae_dtype, why = resolve_vae_dtype(config.vae_dtype, "cuda", memory)
         return WanDevice("cuda", "bf16", vae_dtype, why, "off" if config.disable_cpu_offload else "model_cpu_offload")
