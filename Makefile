@@ -98,7 +98,7 @@ test-setup: lint models browser fixtures test-kernel-only
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist
-# workers: 75 s instead of 89 s on 2 cores (README, "Tests"); FAST_WORKERS=0 runs it in one process.
+# workers: 35 s for 700 tests on 2 cores (README, "Tests"); FAST_WORKERS=0 runs it in one process.
 FAST_TIERS := not process and not server and not cli_subprocess and not real_model and not browser and not wheels
 FAST_WORKERS ?= 2
 test-fast: $(STAMP)
