@@ -29,11 +29,6 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "tokenizer.model", "spiece.mo
                    "sentencepiece.bpe.model")
 
 
-def resolve_device(name: str | None) -> str:
-    """omni_hf.resolve_device for the ar_device setting."""
-    return omni_hf.resolve_device(name, "ar_device")
-
-
 def quiet_progress():
     """omni_hf.quiet_hf_load over transformers: no progress bar, library logs at debug, no torch.load."""
     return omni_hf.quiet_hf_load(("transformers",))
@@ -115,7 +110,7 @@ class CausalLM:
         path = Path(path).expanduser().resolve()
         omni_hf.torch_dtype(dtype, "ar_dtype")  # an unknown name is refused before anything loads
         config = check_model_dir(path, trust_remote_code)
-        device = resolve_device(device)
+        device = omni_hf.resolve_device(device, "ar_device")
         chosen = _precision.choose(dtype, device, config)
         start = time.perf_counter()
         if not any((path / name).is_file() for name in TOKENIZER_FILES):

@@ -75,7 +75,7 @@ class QwenStages:
         return build_stage(node, self.model(key), settings, engine, self.tokenizer(key))
 
     def _key(self, config: QwenConfig) -> tuple:
-        from omni_hf import resolve_device  # not model.py's: the key of a stage placed in a worker needs no torch
+        from omni_hf import resolve_device  # torch-free: a front that places the stage in a worker loads nothing
 
         path = config.ar_model
         if path is None:

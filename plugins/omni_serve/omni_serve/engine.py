@@ -239,11 +239,12 @@ class AsyncOmni:
             if stop and not self._has_work():
                 self._publish()
                 break
-            if self._has_work():
-                self._step()
+            deliveries = self._step() if self._has_work() else []
             if self.dead is None:
                 self._watch_idle()
-            self._publish()
+            self._publish()  # before the events go out: a client told "finished" then reads this step's /health
+            for flight, event in deliveries:
+                self._deliver(flight, event)
 
     def _has_work(self) -> bool:
         return self.dead is None and self.scheduler.has_unfinished()
@@ -307,13 +308,13 @@ class AsyncOmni:
             self._deliver(flight, RequestFailed(request_id, None, reason, "aborted"))
         # else the abort's RequestFailed event comes out of the next step
 
-    def _step(self) -> None:
-        """One round of the scheduler (every busy engine steps once); each event to its request's callback."""
+    def _step(self) -> list[tuple[_Flight, Any]]:
+        """One round of the scheduler (every busy engine steps once): each event with the flight it goes to."""
         try:
             events = self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - the scheduler's state can no longer be trusted
             self._die(exc)
-            return
+            return []
         self._steps += 1
         deliveries = []
         for event in events:
@@ -325,9 +326,7 @@ class AsyncOmni:
             if isinstance(event, (RequestFinished, RequestFailed)):
                 del self._flights[event.request_id]
             deliveries.append((flight, event))
-        self._publish()  # before the events go out: a client told "finished" then reads this step's /health or later
-        for flight, event in deliveries:
-            self._deliver(flight, event)
+        return deliveries
 
     def _count_failure(self, flight: _Flight, event: RequestFailed) -> None:
         if not (event.node_id is None and event.kind == "aborted"):  # an abort is counted by `_abort`
