@@ -120,6 +120,27 @@ def _omni_logger(omni_logger):
     return omni_logger
 
 
+CHECKOUT = Path(__file__).resolve().parent
+
+
+@pytest.fixture(autouse=True)
+def _leaves_no_file_in_the_checkout():
+    """A test's outputs go to its tmp_path: a file it leaves at the checkout's top (a video at its default path
+    omni_<id>.mp4, say) fails it, named. A stage worker or server that writes after the test returned is caught
+    by the next test on that pytest worker."""
+    before = _top_files()
+    yield
+    left = sorted(_top_files() - before)
+    if left:
+        for name in left:
+            (CHECKOUT / name).unlink(missing_ok=True)
+        pytest.fail(f"the test left {', '.join(left)} in {CHECKOUT}: give it a path under tmp_path", pytrace=False)
+
+
+def _top_files() -> set[str]:
+    return {entry.name for entry in os.scandir(CHECKOUT) if entry.is_file(follow_symlinks=False)}
+
+
 def _mount_tmpfs(target, options: str) -> bool:
     if os.geteuid() != 0:
         return False
