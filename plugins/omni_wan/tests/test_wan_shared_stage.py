@@ -118,7 +118,8 @@ def test_with_worker_processes_the_pipelines_share_one_worker_and_its_batches(pi
             solo = here.generate(**requests[rid], output=str(tmp_path / f"{rid}1.mp4"), return_frames=True, **SIZE)
             assert float(np.abs(finished[rid].output.data["frames"] - solo.output.data["frames"]).max()) <= 1e-4
         i2v.close()
-        assert worker.poll() is None and t2v.generate("a kite", seed=2, **SIZE).output.path
+        after = t2v.generate("a kite", seed=2, output=str(tmp_path / "after.mp4"), **SIZE)
+        assert worker.poll() is None and after.output.path == str(tmp_path / "after.mp4")
     finally:
         i2v.close()
         t2v.close()
