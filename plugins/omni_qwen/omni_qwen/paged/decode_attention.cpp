@@ -7,8 +7,11 @@
 // weighted sum are fp32, with a softmax that rescales as each block raises the running maximum. Within a block
 // the loops go head by head, so a head's query and its accumulator stay in registers across the block's tokens.
 
-#include <ATen/ATen.h>
+// Tensor and the one op it calls (empty), not ATen/ATen.h, which declares every op: 6.9 s to build instead of
+// 9.2 s here.
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
