@@ -83,18 +83,23 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 	$(VENV)/bin/omni run --pipeline qwen_to_wan_i2v --prompt "$(PROMPT)" --image $(IMAGE) $(DEMO_FLAGS) \
 		--seed 0 --output out/demo.mp4 --trace-json out/demo_trace.json
 
-# Every test. The set-up steps run side by side (make -j), the kernel's tests without torch among them (beside the
-# model's conversion, which keeps one core busy), then pytest on TEST_WORKERS pytest-xdist workers (2: one per
-# core here; --dist loadgroup keeps the Ray and browser modules on one worker each, conftest.py). pytest prints
-# its 10 slowest phases; build/test-durations.txt gets every test's time, slowest first (the root conftest.py,
+# Every test. The set-up steps run side by side (make -j), the kernel's tests without torch among them (while the
+# main venv's pip keeps one core busy), then pytest on TEST_WORKERS pytest-xdist workers (2: one per core here;
+# --dist loadgroup keeps the Ray and browser modules on one worker each, conftest.py). pytest prints its 10 slowest
+# phases; build/test-durations.txt gets every test's time, slowest first (the root conftest.py,
 # --durations-file), and its top 10 are printed after them.
+# The default model's conversion (`models`, one core for about 25 s) runs beside pytest, whose first minute leaves
+# a core idle (a venv's pip install, the browser's waits): a real-weight test waits for it to end (its lock,
+# registry_model.fetched), and a worker that gets there first converts it from the same download instead.
 TEST_WORKERS ?= 2
 test:
 	$(MAKE) -j5 --output-sync=target test-setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 --durations-file=build/test-durations.txt
+	$(MAKE) --no-print-directory models & models=$$!; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 --durations-file=build/test-durations.txt; \
+	status=$$?; wait $$models; exit $$status
 
 .PHONY: test-setup kernel-venv
-test-setup: lint models browser fixtures test-kernel-only
+test-setup: lint download-smollm2 browser fixtures test-kernel-only
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist

