@@ -65,7 +65,7 @@ def _version() -> str:
 
 
 def built(directory: Path | None = None) -> Path:
-    """The kernel's shared library for this machine: from the cache, or compiled now (about 10 s)."""
+    """The kernel's shared library for this machine: from the cache, or compiled now (about 7 s)."""
     source = SOURCE.read_bytes()
     key = CpuInfo.read().key(hashlib.sha256(source).hexdigest(), torch.__version__, _version(), FLAGS)
     directory = directory or cache_dir() / "kernels"
