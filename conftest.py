@@ -3,6 +3,7 @@ fixtures, and the reliability suites share the small and read-only file systems 
 `pytest_plugins` only in the rootdir conftest, so the opt-in lives here; no torch."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,7 @@ def _omni_logger(omni_logger):
 
 
 CHECKOUT = Path(__file__).resolve().parent
+CORE_DUMP = re.compile(r"core(\.\d+)?")
 
 
 @pytest.fixture(autouse=True)
@@ -138,7 +140,10 @@ def _leaves_no_file_in_the_checkout():
 
 
 def _top_files() -> set[str]:
-    return {entry.name for entry in os.scandir(CHECKOUT) if entry.is_file(follow_symlinks=False)}
+    """The plain files at the checkout's top, core dumps aside (a crashed browser's, where core_pattern is "core":
+    the launch retry in test_page_browser.py tolerates that crash, and the dump is worth keeping)."""
+    return {entry.name for entry in os.scandir(CHECKOUT)
+            if entry.is_file(follow_symlinks=False) and not CORE_DUMP.fullmatch(entry.name)}
 
 
 def _mount_tmpfs(target, options: str) -> bool:
