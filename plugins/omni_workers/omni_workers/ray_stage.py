@@ -79,6 +79,7 @@ class RayStage(StageProxy):
         self.mailbox: queue.SimpleQueue = queue.SimpleQueue()
         self.bell, self.ringer = socket.socketpair()
         self.bell.setblocking(False)
+        self.threads: list[threading.Thread] = []  # the pollers and restart waits (_spawn)
         self.resources = dict(spec.node.resources or {"CPU": 1})
         if spec.threads == SHARED:  # not shared across actors: the fixed split of the bundle's CPUs
             self.spec = attrs.evolve(self.spec, threads=max(1, int(self.resources.get("CPU", 1))))
@@ -116,8 +117,15 @@ class RayStage(StageProxy):
             self.close()
             raise rebuild(*status[1:])
         self._built(*status[1:])
-        threading.Thread(target=self._poller, args=(self.actor,), name=f"omni-ray-poll-{self.node.id}",
-                         daemon=True).start()
+        self._spawn(self._poller, (self.actor,), f"omni-ray-poll-{self.node.id}")
+
+    def _spawn(self, target, args: tuple, name: str) -> None:
+        """A thread that waits in Ray for one actor; close() joins it, so none makes a Ray call after it returns
+        (a call after the caller's ray.shutdown() would connect this process to the cluster again)."""
+        self.threads = [thread for thread in self.threads if thread.is_alive()]
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self.threads.append(thread)
+        thread.start()
 
     def _await_start(self, actor, ready_ref) -> None:
         """On a thread of its own: wait for a restarted actor's build, then ring the front (pump takes it)."""
@@ -141,6 +149,8 @@ class RayStage(StageProxy):
         """Reads one actor's event stream until the proxy moves on from it (closed, or restarted)."""
         try:
             for ref in actor.events.options(num_returns="streaming").remote():
+                if self.actor is not actor:
+                    return
                 events = self.ray.get(ref)
                 if self.actor is not actor:
                     return
@@ -165,6 +175,10 @@ class RayStage(StageProxy):
         if actor is not None:
             stop_ranks(self.ray, actor)
             kill_all(self.ray, [actor])
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        for thread in self.threads:  # each ends as its dead actor's stream or build fails
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
         if self.reservation is not None:
             self.reservation.drop()
             self.reservation = None
@@ -219,8 +233,7 @@ class RayStage(StageProxy):
                 log.error("%s", self.dead)
                 self.actor = None
                 return
-            threading.Thread(target=self._await_start, args=(self.actor, self.ready_ref),
-                             name=f"omni-ray-start-{self.node.id}", daemon=True).start()
+            self._spawn(self._await_start, (self.actor, self.ready_ref), f"omni-ray-start-{self.node.id}")
 
     # The Stage contract.
 
