@@ -213,9 +213,18 @@ class ARScheduler:
                 budget -= n
         return budget
 
+    def admissible(self, seq: ARSequence) -> bool:
+        """Whether a waiting sequence may start now (a subclass keeps one waiting, in its place, until it can)."""
+        return True
+
+    def _next_admissible(self) -> ARSequence | None:
+        return next((seq for seq in self.waiting if self.admissible(seq)), None)
+
     def _admit(self, budget: int, picked: list) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self._next_admissible()
+            if seq is None:
+                return
             blocks = self.blocks.match_prefix(seq.token_ids) if seq.item.processed.prefix_cache else []
             hits = len(blocks) * self.blocks.block_size
             n = min(len(seq.token_ids) - hits, budget)
@@ -225,7 +234,7 @@ class ARScheduler:
                 n = min(n, self.blocks.num_free * self.blocks.block_size - hits)  # alone: start with what fits
                 if n <= 0 or not self.blocks.can_allocate(seq.token_ids, hits + n, blocks):
                     return
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_computed = self.blocks.allocate(seq.request_id, seq.token_ids, hits + n, blocks)
             if seq.prefix_hit_tokens < 0:
                 seq.prefix_hit_tokens = seq.num_computed
@@ -244,10 +253,11 @@ class ARScheduler:
                 continue  # aborted or failed since: its K/V may be unwritten, so none of it enters the prefix cache
             seq.count_step(chunk, step_ms, num_seqs, num_tokens)
             seq.num_computed += chunk.num_tokens
-            if chunk.samples and seq.request_id in results:
+            sampled = chunk.samples and seq.request_id in results
+            if sampled:
                 seq.token_ids.append(int(results[seq.request_id]))
             self.blocks.commit(seq.request_id, seq.token_ids, seq.num_computed)
-            if chunk.samples and seq.request_id in results:
+            if sampled:
                 reason = self._stop_reason(seq, seq.token_ids[-1])
                 outputs.append(RequestOutput(seq.request_id, seq.token_ids[-1], reason, record=seq))
                 if reason is not None:

@@ -3,8 +3,8 @@
 A request's grammar state is in its record (`ARSequence.state.constrained`, which the runner sets when the engine
 takes the request: runner.py); the engine's Grammars (its compile cache) is shared.
 
-- A request whose grammar is still compiling stays in the waiting queue, unscheduled, while the others run (so
-  a compile never stalls their steps); `wait` blocks on the compiles when nothing else can run.
+- A request whose grammar is still compiling stays in its place in the waiting queue, not admitted, while the
+  others run (so a compile never stalls their steps); `wait` blocks on the compiles when nothing else can run.
 - A constrained request finishes with stop reason `stop` (as at a stop string: what OpenAI's API reports) when its
   grammar is complete (only a stop token could follow), after EOS and before the token budget and the context
   window.
@@ -13,9 +13,8 @@ takes the request: runner.py); the engine's Grammars (its compile cache) is shar
 from __future__ import annotations
 
 import concurrent.futures
-from collections import deque
 
-from omni_kernel.core.ar_scheduler import ARScheduler, ARSchedulerOutput, ARSequence
+from omni_kernel.core.ar_scheduler import ARScheduler, ARSequence
 
 from .grammar import Grammars
 
@@ -31,16 +30,8 @@ class GrammarScheduler(ARScheduler):
         super().__init__(*args, **kwargs)
         self.grammars = grammars
 
-    def schedule(self) -> ARSchedulerOutput:
-        held = [s for s in self.waiting if not ready(s)]
-        if not held:
-            return super().schedule()
-        held_ids = {id(s) for s in held}
-        self.waiting = deque(s for s in self.waiting if id(s) not in held_ids)
-        try:
-            return super().schedule()
-        finally:
-            self.waiting.extend(held)  # behind the others: they were ready first
+    def admissible(self, seq: ARSequence) -> bool:
+        return ready(seq)
 
     def wait(self, timeout: float | None = None) -> bool:
         if self.running or any(ready(s) for s in self.waiting):
