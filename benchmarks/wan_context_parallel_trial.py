@@ -1,6 +1,6 @@
 """diffusers' own Ulysses (`ContextParallelConfig(ulysses_degree=2)`, the model's `_cp_plan`) tried on the batch
-omni's Wan stage runs, on 2 gloo ranks of the CPU, against one process: the trial behind docs/distributed.md's
-"Why omni's own Ulysses".
+omni's Wan stage runs, on 2 gloo ranks of the CPU, against one process: the trial behind
+docs/distributed-measurements.md's "Why omni's own Ulysses".
 
 The batch is test_wan_parallel.py's: a text-only row one step ahead of two image rows (three timesteps, per-row
 TI2V timesteps), one row unguided, omni's cross-attention processor (the text K/V cached per request) on every

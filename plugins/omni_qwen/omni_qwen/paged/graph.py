@@ -3,7 +3,7 @@
 Eager, a batch-32 decode step spends a sixth of its time in the ~20 small ops of each layer between the matmuls
 (norms, rope, residuals, SiLU), one kernel launch each; inductor fuses them into a few C++ loops a layer and,
 with freezing, packs the weights for oneDNN as paged/linear.py does. The whole step is one graph: regions of a
-layer measured slower than eager, dynamo's per-call cost exceeding what fusing saved (docs/qwen.md).
+layer measured slower than eager, dynamo's per-call cost exceeding what fusing saved (docs/qwen-measurements.md).
 
 Only steps whose every row is a one-token decode that samples run here (a batch's steady state, or one
 request's); a step with a prefill chunk or prompt logprobs runs eager (PagedDecoder.forward). Each layer's
@@ -101,7 +101,7 @@ class DecodeGraph:
         self.decoder = decoder
         self.compiled = torch.compile(DecodeStep(decoder, self._attention(decoder.device)))
         # A lone decode gets its own graph except in fp32 on a CPU: there inductor packs the weights for MKL,
-        # which at one row measured slower than the eager step's oneDNN packing (docs/qwen.md).
+        # which at one row measured slower than the eager step's oneDNN packing (docs/qwen-measurements.md).
         self.lone = not (decoder.dtype == torch.float32 and decoder.device.type == "cpu")
 
     @staticmethod

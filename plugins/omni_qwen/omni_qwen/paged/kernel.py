@@ -4,7 +4,7 @@ torch, the compiler and the CPU (it is built with -march=native, and the machine
 
 SDPA on a decode's 3-row query per K/V head has a fixed cost per (request, head), and the block gather before it
 copies every request's context once more; the kernel reads each request's blocks in place, one pass over each
-block's K and V (docs/qwen.md has the figures).
+block's K and V (docs/qwen-measurements.md has the figures).
 """
 
 from __future__ import annotations
