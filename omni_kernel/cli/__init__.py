@@ -1,5 +1,6 @@
 """The `omni` command line: the group (plugin commands, errors as one line, logging), `omni plugins` and
-`omni pipelines`. `omni run` is built in cli_run.py; the flags commands share are in cli_options.py."""
+`omni pipelines`. `omni run` is built in run.py; the placement flags that commands share are in options.py, and
+the flags of the node types' options in flags.py."""
 
 from __future__ import annotations
 

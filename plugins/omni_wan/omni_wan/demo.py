@@ -1,6 +1,6 @@
 """The tiny random-weight demo checkpoint: the real Wan2.2 TI2V-5B classes and layout, a few MB.
 
-It is built once under `omni_kernel.paths.cache_dir()/demo/wan22-tiny/` and loaded back through the same
+It is built once under `omni_kernel.util.files.cache_dir()/demo/wan22-tiny/` and loaded back through the same
 code path as a real checkpoint, so `omni run --pipeline wan_i2v` works with no download.
 """
 
