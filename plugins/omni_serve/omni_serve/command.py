@@ -227,7 +227,7 @@ def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_d
            on_restart: str, ui: bool) -> None:
     import uvicorn
 
-    from .engine import AsyncOmni
+    from .async_omni import AsyncOmni
     from .guards import ServeSettings
     from .server import create_app
     from .timeouts import TimedH11Protocol

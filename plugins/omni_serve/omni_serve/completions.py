@@ -24,7 +24,7 @@ from .handlers import api_error
 from .logprobs import Echo, StreamedLogprobs, completion_params, prompt_only
 from .protocol import APIError, CompletionRequest
 from .state import Served
-from .text import FINISH, Watch, add_usage, collect
+from .text import FINISH, LatencyRecorder, add_usage, collect
 
 MAX_PROMPTS = 128  # prompts in one request (OpenAI's `n` limit; each is a request in flight)
 
@@ -77,13 +77,13 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
             await stream.aclose()
         raise api_error(exc) from None
     final = served.final(name)
-    watches = [Watch(served.metrics, body.model, arrival) for _ in streams]
+    recorders = [LatencyRecorder(served.metrics, body.model, arrival) for _ in streams]
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(sse_many(streams, final, watches, rid, body.model, usage, echoes),
+        return StreamingResponse(sse_many(streams, final, recorders, rid, body.model, usage, echoes),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    result = await until_disconnect(request, collect_all(streams, final, watches))
+    result = await until_disconnect(request, collect_all(streams, final, recorders))
     if result is None:
         return Response(status_code=499)
     choices, usage = [], None
@@ -91,19 +91,19 @@ async def complete(request: Request, served: Served, body: CompletionRequest):
         if isinstance(finished, RequestFailed):
             raise APIError.of_failure(finished.kind, finished.error, finished.field)
         out = finished.result
-        watches[i].done(out, "completions")
+        recorders[i].done(out, "completions")
         text, logprobs = echoes[i].whole(out.text or "", out.output.data or {})
         choices.append({"index": i, "text": text, "logprobs": logprobs,
                         "finish_reason": "length" if echoes[i].prompt_only else
                         FINISH[out.output.stop_reason or "eos"]})
-        usage = add_usage(usage, watches[i].usage(out))
+        usage = add_usage(usage, recorders[i].usage(out))
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": body.model,
             "choices": choices, "usage": usage}
 
 
-async def collect_all(streams, final: str, watches: list[Watch]):
+async def collect_all(streams, final: str, recorders: list[LatencyRecorder]):
     """Every prompt's (text, last event); one that fails ends the others (they are aborted)."""
-    tasks = [asyncio.ensure_future(collect(s, final, w)) for s, w in zip(streams, watches)]
+    tasks = [asyncio.ensure_future(collect(s, final, w)) for s, w in zip(streams, recorders)]
     try:
         results = []
         for task in tasks:
@@ -122,10 +122,10 @@ class CompletionChunks:
     """The `text_completion` chunks of one streamed completions request of several prompts, each choice with its
     prompt's `index`, and the usage summed over the prompts that finished."""
 
-    def __init__(self, rid: str, model: str, final: str, watches: list[Watch], echoes: list[Echo]):
+    def __init__(self, rid: str, model: str, final: str, recorders: list[LatencyRecorder], echoes: list[Echo]):
         self.rid, self.model, self.final = rid, model, final
         self.created = int(time.time())
-        self.watches, self.echoes = watches, echoes
+        self.recorders, self.echoes = recorders, echoes
         self.logprobs = [StreamedLogprobs(echo) for echo in echoes]
         self.usage: dict | None = None
 
@@ -153,7 +153,7 @@ class CompletionChunks:
         return [self.chunk([{"index": i, "text": head[0], "finish_reason": None, "logprobs": head[1]}])]
 
     def _delta(self, i: int, event: TokenDelta) -> list[str]:
-        self.watches[i].delta()
+        self.recorders[i].delta()
         if self.echoes[i].prompt_only:
             return []
         head = self._head(i, event)
@@ -163,8 +163,8 @@ class CompletionChunks:
 
     def _finished(self, i: int, event: RequestFinished) -> list[str]:
         out = event.result
-        self.watches[i].done(out, "completions")
-        self.usage = add_usage(self.usage, self.watches[i].usage(out))
+        self.recorders[i].done(out, "completions")
+        self.usage = add_usage(self.usage, self.recorders[i].usage(out))
         data = out.output.data or {}
         prompt_only = self.echoes[i].prompt_only
         head = self._head(i, data=data)
@@ -173,7 +173,7 @@ class CompletionChunks:
         return [*head, last]
 
 
-async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: str, include_usage: bool,
+async def sse_many(streams, final: str, recorders: list[LatencyRecorder], rid: str, model: str, include_usage: bool,
                    echoes: list[Echo]) -> AsyncIterator[str]:
     """The prompts' deltas as `text_completion` chunks as they come, each with its prompt's `index`; the
     usage chunk (summed) after the last prompt finished."""
@@ -187,7 +187,7 @@ async def sse_many(streams, final: str, watches: list[Watch], rid: str, model: s
         finally:
             await queue.put((i, None))
 
-    chunks = CompletionChunks(rid, model, final, watches, echoes)
+    chunks = CompletionChunks(rid, model, final, recorders, echoes)
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     open_ = len(streams)
     try:

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omni_kernel.core.errors import EngineDead, OmniError, RequestError, StageUnavailable, UserError, classify
 
-from .engine import Overloaded, ShuttingDown
+from .async_omni import Overloaded, ShuttingDown
 from .protocol import APIError
 
 

@@ -9,18 +9,18 @@ from fastapi.responses import JSONResponse, Response
 from .options import image_input, option_cards
 from .protocol import APIError
 from .snapshot import placed_of
-from .state import State
+from .state import ServedDep
 
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(served: State):
+async def models(served: ServedDep):
     return {"object": "list", "data": [model_card(served, model) for model in served.names]}
 
 
 @router.get("/v1/models/{model:path}")
-async def retrieve_model(model: str, served: State):
+async def retrieve_model(model: str, served: ServedDep):
     """One served model (a pipeline or an alias), as in the list, with what a request may send it: its declared
     `options` and (a video pipeline) whether it takes an `input_reference` image; 404 model_not_found otherwise."""
     if model not in served.names:
@@ -41,7 +41,7 @@ def model_card(served, model: str) -> dict:
 
 
 @router.get("/health")
-async def health(served: State):
+async def health(served: ServedDep):
     async_omni = served.async_omni
     snap = async_omni.snapshot
     dead = {n: d for n in async_omni.omnis if (d := snap.pipeline_dead(n))}
@@ -56,5 +56,5 @@ async def health(served: State):
 
 
 @router.get("/metrics")
-async def prometheus(served: State):
+async def prometheus(served: ServedDep):
     return Response(served.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -16,20 +16,20 @@ from .guards import until_disconnect
 from .handlers import api_error
 from .logprobs import chat_content, chat_entries, chat_params
 from .protocol import NEUTRAL, SERVER_OWNED, APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
-from .state import Served, State
+from .state import Served, ServedDep
 from .structured import STRUCTURED_FIELDS, structured_params
-from .text import FINISH, Watch, collect, sse
+from .text import FINISH, LatencyRecorder, collect, sse
 
 router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
-async def chat_completions(request: Request, body: ChatCompletionRequest, served: State):
+async def chat_completions(request: Request, body: ChatCompletionRequest, served: ServedDep):
     return await answer_chat(request, served, body)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest, served: State):
+async def completions(request: Request, body: CompletionRequest, served: ServedDep):
     from .completions import complete
 
     return await complete(request, served, body)
@@ -105,22 +105,22 @@ async def answer_chat(request: Request, served: Served, body: ChatCompletionRequ
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
         raise api_error(exc) from None
     final = served.final(name)
-    watch = Watch(served.metrics, body.model, arrival)
+    recorder = LatencyRecorder(served.metrics, body.model, arrival)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(sse(stream, final, watch, rid, body.model, usage),
+        return StreamingResponse(sse(stream, final, recorder, rid, body.model, usage),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    result = await until_disconnect(request, collect(stream, final, watch))
+    result = await until_disconnect(request, collect(stream, final, recorder))
     if result is None:
         return Response(status_code=499)
     _, finished = result
     if isinstance(finished, RequestFailed):
         raise APIError.of_failure(finished.kind, finished.error, finished.field)
     out = finished.result
-    watch.done(out, "chat")
+    recorder.done(out, "chat")
     choice = {"index": 0, "finish_reason": FINISH[out.output.stop_reason or "eos"],
               "logprobs": chat_content(chat_entries(out.output)) if body.logprobs else None,
               "message": {"role": "assistant", "content": out.text or "", "refusal": None}}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": body.model,
-            "choices": [choice], "usage": watch.usage(out)}
+            "choices": [choice], "usage": recorder.usage(out)}

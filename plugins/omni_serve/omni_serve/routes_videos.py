@@ -19,7 +19,7 @@ from omni_kernel.core.params import OptionInfo, parse
 
 from .handlers import api_error
 from .protocol import SERVER_OWNED, APIError, VideoJob
-from .state import Served, State
+from .state import Served, ServedDep
 from .uploads import StoredFile, StreamedForm
 
 router = APIRouter()
@@ -43,7 +43,7 @@ FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"s
 
 
 @router.post("/v1/videos", response_model=VideoJob, openapi_extra=FORM)
-async def create_video(request: Request, served: State):
+async def create_video(request: Request, served: ServedDep):
     if is_json(request):  # OpenAI's other body: the same fields, input_reference as {"image_url": ...}
         return await create(json_form(await json_body(request)), served)
     async with StreamedForm(request, served.jobs.uploads.folder) as form:  # a file part goes to disk as it comes
@@ -194,7 +194,7 @@ def _value(key: str, value: str | UploadFile) -> str:
 
 
 @router.get("/v1/videos")
-async def list_videos(served: State, after: str | None = None, limit: Annotated[int, Query(ge=0, le=100)] = 20,
+async def list_videos(served: ServedDep, after: str | None = None, limit: Annotated[int, Query(ge=0, le=100)] = 20,
                       order: Annotated[str, Query(pattern="^(asc|desc)$")] = "desc"):
     page, more = served.jobs.list(after, limit, order)
     data = [j.to_json(served.settings.video_ttl) for j in page]
@@ -203,12 +203,12 @@ async def list_videos(served: State, after: str | None = None, limit: Annotated[
 
 
 @router.get("/v1/videos/{video_id}", response_model=VideoJob)
-async def get_video(video_id: str, served: State):
+async def get_video(video_id: str, served: ServedDep):
     return served.jobs.get(video_id).to_json(served.settings.video_ttl)
 
 
 @router.get("/v1/videos/{video_id}/content")
-async def video_content(video_id: str, served: State, variant: str = "video"):
+async def video_content(video_id: str, served: ServedDep, variant: str = "video"):
     job = served.jobs.get(video_id)
     if variant != "video":
         raise APIError(400, f"invalid variant: {variant!r} (only 'video')", "variant")
@@ -219,6 +219,6 @@ async def video_content(video_id: str, served: State, variant: str = "video"):
 
 
 @router.delete("/v1/videos/{video_id}")
-async def delete_video(video_id: str, served: State):
+async def delete_video(video_id: str, served: ServedDep):
     await served.jobs.delete(video_id)
     return {"id": video_id, "object": "video.deleted", "deleted": True}

@@ -17,7 +17,7 @@ import time
 from fastapi import FastAPI
 
 from . import routes_ops, routes_text, routes_videos
-from .engine import AsyncOmni
+from .async_omni import AsyncOmni
 from .guards import OmniASGI, ServeSettings
 from .handlers import HANDLERS
 from .page import add_page

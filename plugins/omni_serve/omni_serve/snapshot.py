@@ -1,4 +1,4 @@
-"""What the engine thread publishes after each step for /metrics and /health: a `StageSnapshot` per stage (its
+"""What the serving loop publishes after each step for /metrics and /health: a `StageSnapshot` per stage (its
 `Stage.stats()`, labelled with its pipeline and node) and the engine-wide `Snapshot`. Frozen, so a thread that
 reads `AsyncOmni.snapshot` never sees one half-built.
 

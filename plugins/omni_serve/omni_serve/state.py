@@ -1,5 +1,5 @@
 """`Served`: what every route reads, built once per app and kept on `app.state.served` (routes take it as the
-`State` dependency). It knows which pipeline each served model name means, what kind each pipeline is, and the
+`ServedDep` dependency). It knows which pipeline each served model name means, what kind each pipeline is, and the
 request options its node types declare; nothing here reaches into a stage."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 
 from omni_kernel.core.params import OptionInfo, options_of
 
-from .engine import AsyncOmni
+from .async_omni import AsyncOmni
 from .guards import ServeSettings
 from .metrics import Metrics
 from .protocol import APIError
@@ -72,4 +72,4 @@ def served(request: Request) -> Served:
     return request.app.state.served
 
 
-State = Annotated[Served, Depends(served)]
+ServedDep = Annotated[Served, Depends(served)]

@@ -1,4 +1,4 @@
-"""EventStream: one request's events, handed over from the engine thread to the asyncio loop of its caller."""
+"""EventStream: one request's events, handed over from the serving loop to the asyncio loop of its caller."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from omni_kernel.events import RequestFailed, RequestFinished
 
 if TYPE_CHECKING:
-    from .engine import AsyncOmni
+    from .async_omni import AsyncOmni
 
 
 class EventStream:
@@ -23,7 +23,7 @@ class EventStream:
         self.request_id = ""
         self.done = False
 
-    def put(self, event) -> None:  # engine thread
+    def put(self, event) -> None:  # the serving loop's thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
     def __aiter__(self) -> EventStream:

@@ -34,8 +34,9 @@ def add_usage(total: dict | None, usage: dict) -> dict:
     return out
 
 
-class Watch:
-    """Latency and token figures of one text request, into the metrics."""
+class LatencyRecorder:
+    """Records one text request's latencies (time to first token, between tokens, end to end) and token counts
+    in the metrics."""
 
     def __init__(self, metrics: Metrics, model: str, arrival: float):
         self.metrics, self.model, self.arrival = metrics, model, arrival
@@ -64,19 +65,20 @@ class Watch:
             self.metrics.grammar_compile.labels(self.model).observe(compile_ms / 1000)
 
 
-async def collect(stream, final: str, watch: Watch):
+async def collect(stream, final: str, recorder: LatencyRecorder):
     parts: list[str] = []
     async with stream:
         async for event in stream:
             if isinstance(event, TokenDelta) and event.node_id == final:
-                watch.delta()
+                recorder.delta()
                 parts.append(event.text)
             elif isinstance(event, (RequestFinished, RequestFailed)):
                 return "".join(parts), event
     return "".join(parts), RequestFailed(stream.request_id, None, "aborted", "aborted")
 
 
-async def sse(stream, final: str, watch: Watch, rid: str, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def sse(stream, final: str, recorder: LatencyRecorder, rid: str, model: str,
+              include_usage: bool) -> AsyncIterator[str]:
     """A chat's events as `chat.completion.chunk` SSE lines: the assistant's role first, each text delta (with its
     logprobs when the request asked), the finish reason (with the logprobs not streamed yet), the usage when asked,
     an error event if it failed, then [DONE]."""
@@ -96,17 +98,17 @@ async def sse(stream, final: str, watch: Watch, rid: str, model: str, include_us
         yield chunk({"role": "assistant", "content": ""})
         async for event in stream:
             if isinstance(event, TokenDelta) and event.node_id == final:
-                watch.delta()
+                recorder.delta()
                 entries = getattr(event, "logprobs", None)  # a stage's ARTokenDelta, when the request asked
                 sent += len(entries or ())
                 yield chunk({"content": event.text}, logprobs=entries or None)
             elif isinstance(event, RequestFinished):
                 out = event.result
-                watch.done(out, "chat")
+                recorder.done(out, "chat")
                 rest = chat_entries(out.output)[sent:]
                 yield chunk({}, FINISH[out.output.stop_reason or "eos"], logprobs=rest or None)
                 if include_usage:
-                    yield line([], usage=watch.usage(out))
+                    yield line([], usage=recorder.usage(out))
             elif isinstance(event, RequestFailed):
                 yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
     yield "data: [DONE]\n\n"

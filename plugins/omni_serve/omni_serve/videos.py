@@ -22,7 +22,7 @@ import attrs
 from omni_kernel.events import RequestFailed, RequestFinished, StageProgress
 from omni_kernel.util.files import remove_atomic_leftovers
 
-from .engine import AsyncOmni, Overloaded
+from .async_omni import AsyncOmni, Overloaded
 from .protocol import APIError
 from .store import JobStore, StoreWriteFailed
 from .uploads import Uploads

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from omni_kernel import RequestFinished
 from omni_kernel.plugins import load_host
-from omni_serve.engine import AsyncOmni
+from omni_serve.async_omni import AsyncOmni
 
 ASSET = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
 SMALL = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 3}

@@ -1,12 +1,14 @@
-"""AsyncOmni: one engine thread owns the plugin host's StageScheduler, on which every served pipeline runs.
+"""AsyncOmni: one thread, the serving loop, owns the plugin host's StageScheduler, on which every served pipeline
+runs. (Not the kernel's Engine: each stage's engine is stepped by the scheduler, on this thread.)
 
-Everything that touches the scheduler (submit, step, abort) runs on the engine thread; other threads and the
-asyncio loop hand it commands through a queue guarded by a Condition, so the thread blocks (no spinning) while
-nothing is in flight. Each loop iteration runs the queued commands, then steps the scheduler once (every engine
-that holds a request steps once, whichever served pipelines share it), hands each event to the callback of its
-request, and publishes a snapshot of the stages (requests running/waiting, KV blocks) for /metrics and /health.
+Everything that touches the scheduler (submit, step, abort) runs on the loop thread; other threads and the
+asyncio loop hand it commands (closures) through a queue guarded by a Condition, so the thread blocks (no
+spinning) while nothing is in flight. Each loop iteration runs the queued commands, then steps the scheduler once
+(every engine that holds a request steps once, whichever served pipelines share it), hands each event to the
+callback of its request, and publishes a snapshot of the stages (requests running/waiting, KV blocks) for
+/metrics and /health.
 
-An exception that escapes a scheduler step leaves its state untrustworthy: the whole engine is marked dead,
+An exception that escapes a scheduler step leaves its state untrustworthy: the whole loop is marked dead,
 every request in flight fails with `EngineDead`, and new requests are refused; the thread stays up to answer
 them. A stage whose own engine died (its scheduler raised) makes its pipeline dead in the same way.
 No torch here: models load when the pipelines' graphs are built.
@@ -49,8 +51,11 @@ class Overloaded(RequestError):
     """As many requests as the engine admits are in flight: retry later."""
 
 
-@attrs.define
-class _Flight:
+@attrs.frozen
+class _Caller:
+    """Who hears of a request in flight: its served pipeline and the callback its events go to (the kernel's
+    `InFlight` is the scheduler's own record of the request)."""
+
     pipeline: str
     on_event: OnEvent
 
@@ -77,7 +82,7 @@ class AsyncOmni:
             _fail_fast_while_restarting(omni)
         self._cond = threading.Condition()
         self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
-        self._flights: dict[str, _Flight] = {}  # engine thread only
+        self._callers: dict[str, _Caller] = {}  # loop thread only
         self._submitting = 0  # admitted submits whose request is not in _flights yet (with the condition held)
         self._stop = False
         self._admitting = True
@@ -103,7 +108,7 @@ class AsyncOmni:
 
     def start(self) -> AsyncOmni:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="omni-engine", daemon=True)
+            self._thread = threading.Thread(target=self._loop, name="omni-serve-loop", daemon=True)
             self._thread.start()
         return self
 
@@ -129,7 +134,7 @@ class AsyncOmni:
             deadline = time.monotonic() + max(timeout, 0.0)
             while self._busy() and self.alive and (left := deadline - time.monotonic()) > 0:
                 self._cond.wait(left)
-            left_over = len(self._flights) if self.alive else 0
+            left_over = len(self._callers) if self.alive else 0
             self._commands.append(("abort_all", None, None))
             self._stop = True
             self._cond.notify_all()
@@ -162,14 +167,14 @@ class AsyncOmni:
 
     def _in_flight(self) -> int:
         """Requests admitted and not finished: from the moment a submit is admitted (queued, or being processed
-        on the engine thread) to its last event (call with the condition held)."""
-        return len(self._flights) + self._submitting
+        on the loop thread) to its last event (call with the condition held)."""
+        return len(self._callers) + self._submitting
 
     # Thread-safe entry points.
 
     def submit_nowait(self, pipeline: str, request: Request, on_event: OnEvent) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its id once its inputs were processed (or raises the
-        UserError that processing raised, or EngineDead). Its events go to `on_event` on the engine thread."""
+        UserError that processing raised, or EngineDead). Its events go to `on_event` on the loop thread."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
             if self._stop or not self._admitting:
@@ -191,7 +196,7 @@ class AsyncOmni:
             self._cond.notify_all()
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        """Run `fn` on the engine thread (between steps) and return its future: how tests and tools look at a
+        """Run `fn` on the loop thread (between steps) and return its future: how tests and tools look at a
         scheduler without racing the loop."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
@@ -223,7 +228,7 @@ class AsyncOmni:
             async for event in stream:
                 yield event
 
-    # The engine thread.
+    # The loop thread.
 
     def _loop(self) -> None:
         watched = any(omni.graph.placed for omni in self.omnis.values())
@@ -243,8 +248,8 @@ class AsyncOmni:
             if self.dead is None:
                 self._watch_idle()
             self._publish()  # before the events go out: a client told "finished" then reads this step's /health
-            for flight, event in deliveries:
-                self._deliver(flight, event)
+            for caller, event in deliveries:
+                self._deliver(caller, event)
 
     def _has_work(self) -> bool:
         return self.dead is None and self.scheduler.has_unfinished()
@@ -267,7 +272,7 @@ class AsyncOmni:
             elif kind == "abort":
                 result = self._abort(payload)
             elif kind == "abort_all":
-                result = [self._abort(rid, payload) for rid in list(self._flights)]
+                result = [self._abort(rid, payload) for rid in list(self._callers)]
             else:
                 result = payload()
         except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
@@ -291,25 +296,25 @@ class AsyncOmni:
         omni = self.omnis.get(pipeline)
         if omni is None:
             raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
-        if request.request_id in self._flights:
+        if request.request_id in self._callers:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
         rid = omni.submit(request)
-        self._flights[rid] = _Flight(pipeline, on_event)
+        self._callers[rid] = _Caller(pipeline, on_event)
         return rid
 
     def _abort(self, request_id: str, reason: str | None = None) -> None:
-        flight = self._flights.get(request_id)
-        if flight is None:
+        caller = self._callers.get(request_id)
+        if caller is None:
             return
         self.scheduler.abort(request_id)
         self._aborted += 1
-        if reason is not None:  # its caller learns why now; the scheduler's own event finds no flight
-            del self._flights[request_id]
-            self._deliver(flight, RequestFailed(request_id, None, reason, "aborted"))
+        if reason is not None:  # its caller learns why now; the scheduler's own event finds no caller here
+            del self._callers[request_id]
+            self._deliver(caller, RequestFailed(request_id, None, reason, "aborted"))
         # else the abort's RequestFailed event comes out of the next step
 
-    def _step(self) -> list[tuple[_Flight, Any]]:
-        """One round of the scheduler (every busy engine steps once): each event with the flight it goes to."""
+    def _step(self) -> list[tuple[_Caller, Any]]:
+        """One round of the scheduler (every busy engine steps once): each event with the caller it goes to."""
         try:
             events = self.scheduler.step()
         except Exception as exc:  # noqa: BLE001 - the scheduler's state can no longer be trusted
@@ -318,34 +323,34 @@ class AsyncOmni:
         self._steps += 1
         deliveries = []
         for event in events:
-            flight = self._flights.get(event.request_id)
-            if flight is None:
+            caller = self._callers.get(event.request_id)
+            if caller is None:
                 continue  # aborted with a reason (its caller was told), or of an Omni this loop does not serve
             if isinstance(event, RequestFailed):
-                self._count_failure(flight, event)
+                self._count_failure(caller, event)
             if isinstance(event, (RequestFinished, RequestFailed)):
-                del self._flights[event.request_id]
-            deliveries.append((flight, event))
+                del self._callers[event.request_id]
+            deliveries.append((caller, event))
         return deliveries
 
-    def _count_failure(self, flight: _Flight, event: RequestFailed) -> None:
+    def _count_failure(self, caller: _Caller, event: RequestFailed) -> None:
         if not (event.node_id is None and event.kind == "aborted"):  # an abort is counted by `_abort`
-            self._errors[(flight.pipeline, event.node_id or "-", event.kind)] += 1
+            self._errors[(caller.pipeline, event.node_id or "-", event.kind)] += 1
 
     def _die(self, exc: Exception) -> None:
         log.error("engine loop failed and was stopped: %s: %s", type(exc).__name__, exc, exc_info=exc)
         self.dead = EngineDead(f"the engine failed and takes no more requests ({type(exc).__name__}: "
                                f"{' '.join(str(exc).split())})")
-        for rid, flight in list(self._flights.items()):
-            self._deliver(flight, RequestFailed(rid, None, str(self.dead), "engine_dead"))
-        self._flights.clear()
+        for rid, caller in list(self._callers.items()):
+            self._deliver(caller, RequestFailed(rid, None, str(self.dead), "engine_dead"))
+        self._callers.clear()
 
-    def _deliver(self, flight: _Flight, event) -> None:
+    def _deliver(self, caller: _Caller, event) -> None:
         try:
-            flight.on_event(event)
+            caller.on_event(event)
         except Exception:  # noqa: BLE001 - e.g. the caller's event loop is closed: its request goes
             log.debug("dropping an event of %s: its receiver is gone", event.request_id, exc_info=True)
-            if not isinstance(event, (RequestFinished, RequestFailed)) and event.request_id in self._flights:
+            if not isinstance(event, (RequestFinished, RequestFailed)) and event.request_id in self._callers:
                 self._abort(event.request_id)
 
     def _pipeline_dead(self, pipeline: str) -> str | None:
@@ -365,7 +370,7 @@ class AsyncOmni:
         for name, omni in self.omnis.items():
             for node_id in omni.graph.order:
                 stages.append(StageSnapshot.of(name, node_id, omni.graph.stages[node_id]))
-        return Snapshot(tuple(stages), len(self._flights), None if self.dead is None else str(self.dead),
+        return Snapshot(tuple(stages), len(self._callers), None if self.dead is None else str(self.dead),
                         self._steps, dict(self._errors), self._aborted)
 
 

@@ -14,7 +14,7 @@ from omni_kernel.core.errors import EngineDead, InvalidParameter
 from omni_kernel.events import RequestFailed, RequestFinished, TokenDelta
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
-from omni_serve.engine import AsyncOmni, Overloaded, ShuttingDown
+from omni_serve.async_omni import AsyncOmni, Overloaded, ShuttingDown
 
 from fault_plugin import FaultPlugin
 

@@ -12,7 +12,7 @@ from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.events import RequestFailed
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
-from omni_serve.engine import AsyncOmni, Overloaded
+from omni_serve.async_omni import AsyncOmni, Overloaded
 
 
 @pytest.fixture
