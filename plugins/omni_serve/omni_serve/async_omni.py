@@ -41,6 +41,7 @@ from .stream import EventStream
 log = logging.getLogger("omni")
 WATCH_S = 1.0  # idle, the placed stages are looked at this often: one that died restarts before the next request
 OnEvent = Callable[[Any], None]
+Command = Callable[[], Any]  # queued for the loop thread, with the future (if any) that gets its result
 
 
 class ShuttingDown(RequestError):
@@ -81,9 +82,9 @@ class AsyncOmni:
         for omni in self.omnis.values():
             _fail_fast_while_restarting(omni)
         self._cond = threading.Condition()
-        self._commands: list[tuple[str, Any, concurrent.futures.Future | None]] = []
+        self._commands: list[tuple[Command, concurrent.futures.Future | None]] = []  # run in order
         self._callers: dict[str, _Caller] = {}  # loop thread only
-        self._submitting = 0  # admitted submits whose request is not in _flights yet (with the condition held)
+        self._submitting = 0  # admitted submits whose request is not in _callers yet (with the condition held)
         self._stop = False
         self._admitting = True
         self._thread: threading.Thread | None = None
@@ -131,13 +132,10 @@ class AsyncOmni:
         thread. Returns how many requests were aborted."""
         with self._cond:
             self._admitting = False
-            deadline = time.monotonic() + max(timeout, 0.0)
-            while self._busy() and self.alive and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
+            self._wait_idle(time.monotonic() + max(timeout, 0.0))
             left_over = len(self._callers) if self.alive else 0
-            self._commands.append(("abort_all", None, None))
+            self._queue(self._abort_all)
             self._stop = True
-            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
         return left_over
@@ -148,18 +146,25 @@ class AsyncOmni:
         event instead of being cut); the thread goes on. Returns how many requests were failed."""
         with self._cond:
             self._admitting = False
-            deadline = time.monotonic() + max(timeout, 0.0)
-            while self._busy() and self.alive and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            if not self.alive or not self._busy():
+            if not self._wait_idle(time.monotonic() + max(timeout, 0.0)):
                 return 0
             future: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.append(("abort_all", reason, future))
-            self._cond.notify_all()
+            self._queue(lambda: self._abort_all(reason), future)
         try:
             return len(future.result(timeout=30))
         except (concurrent.futures.TimeoutError, RuntimeError):
             return 0
+
+    def _wait_idle(self, deadline: float) -> bool:
+        """Wait until no request is in flight or admitted, the loop thread has stopped, or the monotonic clock
+        reaches `deadline` (call with the condition held). Returns whether requests are still in flight on a live
+        loop thread."""
+        while self._busy() and self.alive:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+        return self._busy() and self.alive
 
     def _busy(self) -> bool:
         """Requests in flight or admitted (call with the condition held)."""
@@ -185,24 +190,27 @@ class AsyncOmni:
                                                 "it admits (--max-concurrent-requests); retry later"))
                 return future
             self._submitting += 1  # counted from here: queued and being processed alike
-            self._commands.append(("submit", (pipeline, request, on_event), future))
-            self._cond.notify_all()
+            self._queue(lambda: self._admitted_submit(pipeline, request, on_event), future)
         return future
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step (a no-op for an unknown or finished id)."""
         with self._cond:
-            self._commands.append(("abort", request_id, None))
-            self._cond.notify_all()
+            self._queue(lambda: self._abort(request_id))
 
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the loop thread (between steps) and return its future: how tests and tools look at a
         scheduler without racing the loop."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._cond:
-            self._commands.append(("call", fn, future))
-            self._cond.notify_all()
+            self._queue(fn, future)
         return future
+
+    def _queue(self, command: Command, future: concurrent.futures.Future | None = None) -> None:
+        """Hand `command` to the loop thread, which runs it before its next step and tells `future` what it
+        returned or raised (call with the condition held)."""
+        self._commands.append((command, future))
+        self._cond.notify_all()
 
     async def submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
         return await asyncio.wrap_future(self.submit_nowait(pipeline, request, on_event))
@@ -239,8 +247,8 @@ class AsyncOmni:
                         break  # idle that long: look at the stage workers
                 commands, self._commands = self._commands, []
                 stop = self._stop
-            for command in commands:
-                self._run_command(*command)
+            for command, future in commands:
+                _run(command, future)
             if stop and not self._has_work():
                 self._publish()
                 break
@@ -261,31 +269,12 @@ class AsyncOmni:
             if not self.scheduler.has_unfinished(omni.graph):
                 omni.graph.watch()
 
-    def _run_command(self, kind: str, payload: Any, future: concurrent.futures.Future | None) -> None:
+    def _admitted_submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
         try:
-            if kind == "submit":
-                try:
-                    result = self._submit(*payload)
-                finally:
-                    with self._cond:  # in _flights now (or refused): counted there from here
-                        self._submitting -= 1
-            elif kind == "abort":
-                result = self._abort(payload)
-            elif kind == "abort_all":
-                result = [self._abort(rid, payload) for rid in list(self._callers)]
-            else:
-                result = payload()
-        except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
-            if future is None:
-                log.exception("engine command %s failed", kind)
-                return
-            future.set_exception(exc)
-            # The error's traceback holds this frame: as long as the frame holds the future (which holds the error),
-            # the request (its 18 MB prompt, say) stays in memory until a full garbage collection.
-            future = None
-            return
-        if future is not None:
-            future.set_result(result)
+            return self._submit(pipeline, request, on_event)
+        finally:
+            with self._cond:  # in _callers now (or refused): counted there from here
+                self._submitting -= 1
 
     def _submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
         if self.dead is not None:
@@ -312,6 +301,13 @@ class AsyncOmni:
             del self._callers[request_id]
             self._deliver(caller, RequestFailed(request_id, None, reason, "aborted"))
         # else the abort's RequestFailed event comes out of the next step
+
+    def _abort_all(self, reason: str | None = None) -> list[str]:
+        """Abort every request in flight (see `_abort` for `reason`); returns their ids."""
+        request_ids = list(self._callers)
+        for request_id in request_ids:
+            self._abort(request_id, reason)
+        return request_ids
 
     def _step(self) -> list[tuple[_Caller, Any]]:
         """One round of the scheduler (every busy engine steps once): each event with the caller it goes to."""
@@ -372,6 +368,23 @@ class AsyncOmni:
                 stages.append(StageSnapshot.of(name, node_id, omni.graph.stages[node_id]))
         return Snapshot(tuple(stages), len(self._callers), None if self.dead is None else str(self.dead),
                         self._steps, dict(self._errors), self._aborted)
+
+
+def _run(command: Command, future: concurrent.futures.Future | None) -> None:
+    try:
+        result = command()
+    except BaseException as exc:  # noqa: BLE001 - the caller gets the error; the loop goes on
+        if future is None:
+            log.exception("a command of the serving loop failed")
+            return
+        future.set_exception(exc)
+        # The error's traceback holds this frame: as long as the frame holds the future (which holds the error),
+        # the request (its 18 MB prompt, say) stays in memory until a full garbage collection. So no command's
+        # closure holds its future either: the future comes beside it.
+        del future
+        return
+    if future is not None:
+        future.set_result(result)
 
 
 def check_before_building(host: PluginHost, pipeline: str, config: Mapping[str, Any]) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -57,6 +59,24 @@ def test_user_error_raises_at_submit_and_nothing_stays_in_flight(async_omni):
 
     asyncio.run(main())
     assert async_omni.snapshot.in_flight == 0
+
+
+def test_a_refused_submit_leaves_no_reference_cycle(async_omni):
+    """The error a refused submit raises holds the loop thread's frames; nothing there holds its future back, so
+    the future, the error and the request (an 18 MB prompt, say) go as soon as the caller drops them, without
+    waiting for a full garbage collection."""
+    request = async_omni.omnis["echo"].request("hi")
+    gc.disable()
+    try:
+        future = async_omni.submit_nowait("nope", request, lambda event: None)
+        with pytest.raises(InvalidParameter, match="not served"):
+            future.result(10)
+        gone = weakref.ref(future)
+        del future
+        async_omni.call(lambda: None).result(10)  # a loop round later: its commands are dropped too
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_idle_engine_blocks_instead_of_spinning(async_omni):
