@@ -223,7 +223,7 @@ class AsyncOmni:
         if omni is None:
             raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
         request = omni.request(prompt, image=image, request_id=request_id, **params)
-        stream = EventStream(self, asyncio.get_running_loop())
+        stream = EventStream(self.abort, asyncio.get_running_loop())
         stream.request_id = await self.submit(pipeline, request, stream.put)
         return stream
 

@@ -23,6 +23,7 @@ from .guards import until_disconnect
 from .handlers import api_error
 from .logprobs import Echo, StreamedLogprobs, completion_params, prompt_only
 from .protocol import APIError, CompletionRequest
+from .sampling import sampling
 from .state import Served
 from .text import FINISH, LatencyRecorder, add_usage, collect
 
@@ -55,8 +56,6 @@ def prompts_of(body: CompletionRequest, served: Served, name: str) -> list[tuple
 
 
 async def complete(request: Request, served: Served, body: CompletionRequest):
-    from .routes_text import sampling  # routes_text imports this module lazily, too
-
     arrival = time.perf_counter()
     name = served.resolve(body.model, "text")
     params = sampling(body)

@@ -1,5 +1,5 @@
-"""At start: the store's jobs back into a VideoJobs, each reaching a state the API can report, and the output
-directory reconciled with them. One log line for each job or file this changes:
+"""At start (the server's lifespan): the store's jobs back into a VideoJobs, each reaching a state the API can
+report, and the output directory reconciled with them. One log line for each job or file this changes:
 
 - `deleted` (the server died while it removed a job's files): its files go, then its row;
 - `completed`: listed and downloadable until its TTL; one whose MP4 is gone fails (`output_missing`);
@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from .store import StoreWriteFailed
-from .videos import JOB_FILE, LIVE, VideoJobRecord
-
-if TYPE_CHECKING:
-    from .videos import VideoJobs
+from .videos import JOB_FILE, LIVE, VideoJobRecord, VideoJobs
 
 log = logging.getLogger("omni")
 MAX_ATTEMPTS = 3  # --on-restart rerun: how many times a job may start before a restart that finds it running fails it
@@ -56,13 +53,13 @@ async def restore(jobs: VideoJobs, rows: list[dict[str, Any]]) -> None:
 def _reconcile(jobs: VideoJobs, job: VideoJobRecord) -> str:
     """Bring one restored job to a state the API can report; returns what became of it."""
     if job.status == "deleted":
-        jobs._drop(job)
+        jobs.drop(job)
         log.info("video job %s: deleted before the restart; its files are removed now", job.id)
         return "deleted"
     if job.status == "completed":
         if job.path is None or not job.path.is_file():
-            jobs._fail(job, {"code": "output_missing", "message": f"the video of job {job.id} is no longer in the "
-                             "server's output directory; submit it again", "param": None})
+            jobs.fail(job, {"code": "output_missing", "message": f"the video of job {job.id} is no longer in the "
+                            "server's output directory; submit it again", "param": None})
             log.warning("video job %s: completed, but its file %s is gone; now failed (output_missing)", job.id,
                         job.path)
             return "failed"
@@ -76,16 +73,16 @@ def _reconcile(jobs: VideoJobs, job: VideoJobRecord) -> str:
 
 
 def _interrupted(jobs: VideoJobs, job: VideoJobRecord) -> str:
-    jobs._remove_files(attrs.evolve(job, upload=None))  # its partial output
+    jobs.remove_files(attrs.evolve(job, upload=None))  # its partial output
     if jobs.on_restart == "rerun" and job.attempts < MAX_ATTEMPTS:
-        jobs._save(job, "requeued", status="queued", progress=0, attempts=job.attempts + 1)
+        jobs.save(job, "requeued", status="queued", progress=0, attempts=job.attempts + 1)
         log.info("video job %s: in progress when the server stopped; runs again from the start (--on-restart "
                  "rerun, attempt %d)", job.id, job.attempts)
         return _queued(jobs, job)
     why = ("--on-restart fail" if jobs.on_restart == "fail" else
            f"--on-restart rerun, and this was its attempt {job.attempts} of at most {MAX_ATTEMPTS}")
-    jobs._fail(job, {"code": "server_restarted", "message": f"the server restarted while this job was in progress "
-                     f"({why}); submit it again", "param": None})
+    jobs.fail(job, {"code": "server_restarted", "message": f"the server restarted while this job was in progress "
+                    f"({why}); submit it again", "param": None})
     _remove_leftovers(jobs, job)
     log.info("video job %s: in progress when the server stopped; failed (server_restarted, %s)", job.id, why)
     return "failed"
@@ -93,8 +90,8 @@ def _interrupted(jobs: VideoJobs, job: VideoJobRecord) -> str:
 
 def _queued(jobs: VideoJobs, job: VideoJobRecord) -> str:
     if job.upload is not None and not job.upload.is_file():
-        jobs._fail(job, {"code": "upload_missing", "message": "the input_reference image stored with this job is "
-                         "gone from the server; submit it again", "param": "input_reference"})
+        jobs.fail(job, {"code": "upload_missing", "message": "the input_reference image stored with this job is "
+                        "gone from the server; submit it again", "param": "input_reference"})
         log.warning("video job %s: queued, but its stored upload is gone; now failed (upload_missing)", job.id)
         return "failed"
     return "queued"

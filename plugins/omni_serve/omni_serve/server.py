@@ -21,6 +21,7 @@ from .async_omni import AsyncOmni
 from .guards import OmniASGI, ServeSettings
 from .handlers import HANDLERS
 from .page import add_page
+from .restore import restore
 from .state import Served
 from .store import JobStore
 from .videos import VideoJobs
@@ -53,7 +54,8 @@ async def lifespan(app: FastAPI):
     async_omni, settings = served.async_omni, served.settings
     async_omni.start()
     served.jobs.sweep()  # what a server or worker killed mid-write left in --output-dir
-    await served.jobs.restore()  # the store's jobs: listed again, queued ones run (restore.py)
+    if served.jobs.store is not None:  # its jobs: listed again, queued ones run; one log line for each change
+        await restore(served.jobs, served.jobs.store.rows())
     janitor = asyncio.create_task(_expire(served.jobs, settings.video_ttl))
     drainer = asyncio.create_task(_drain_on_exit(app))
     try:

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from omni_kernel.events import RequestFailed, RequestFinished
-
-if TYPE_CHECKING:
-    from .async_omni import AsyncOmni
 
 
 class EventStream:
     """One submitted request's events, in order, as an async iterator that ends after RequestFinished or
     RequestFailed. Closing it (`aclose`, leaving `async with`, or cancellation) before the end aborts the
-    request in the engine."""
+    request: `abort(request_id)` (AsyncOmni.abort)."""
 
-    def __init__(self, async_omni: AsyncOmni, loop: asyncio.AbstractEventLoop):
-        self.async_omni = async_omni
+    def __init__(self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop):
+        self.abort = abort
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_id = ""
@@ -43,7 +40,7 @@ class EventStream:
     async def aclose(self) -> None:
         if not self.done:
             self.done = True
-            self.async_omni.abort(self.request_id)
+            self.abort(self.request_id)
 
     async def __aenter__(self) -> EventStream:
         return self

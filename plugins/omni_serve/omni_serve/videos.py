@@ -4,7 +4,7 @@ client never names a path. Finished jobs and their files expire after the TTL.
 
 Every state change is a write to the job store (store.py), committed before the job's new state is kept here and
 so before any answer reports it: the jobs in memory are the store's rows as of their last commit. At start
-(`restore`) the store's jobs come back: completed ones are listed and downloadable until their TTL, queued ones
+(restore.py) the store's jobs come back: completed ones are listed and downloadable until their TTL, queued ones
 run, in-progress ones run again or fail with `server_restarted` (--on-restart), and files are reconciled."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class VideoJobs:
             counts[job.status] = counts.get(job.status, 0) + 1
         return counts
 
-    def _save(self, job: VideoJobRecord, kind: str, **fields: Any) -> None:
+    def save(self, job: VideoJobRecord, kind: str, **fields: Any) -> None:
         """Commit the job's new state (StoreWriteFailed: nothing changed), then keep it here."""
         if self.store is not None:
             self.store.update(kind, job.id, **{("finished_at" if k == "finished" else k):
@@ -181,7 +181,7 @@ class VideoJobs:
                     elif isinstance(event, RequestFailed):
                         self._failed(job, event)
                     elif job.status == "queued":
-                        self._save(job, "in_progress", status="in_progress")
+                        self.save(job, "in_progress", status="in_progress")
         except asyncio.CancelledError:
             raise
         except StoreWriteFailed as exc:  # its state can no longer be recorded: the job fails (the stream aborts)
@@ -204,9 +204,9 @@ class VideoJobs:
             return now
         progress = min(99, int(100 * event.step / max(event.total, 1)))
         if job.status != "in_progress":
-            self._save(job, "in_progress", status="in_progress", progress=progress)
+            self.save(job, "in_progress", status="in_progress", progress=progress)
         elif progress != job.progress:
-            self._save(job, "progress", progress=progress)
+            self.save(job, "progress", progress=progress)
         return now
 
     def _completed(self, job: VideoJobRecord, result) -> None:
@@ -219,28 +219,28 @@ class VideoJobs:
             fps = trace.get("diffusion.fps") or 24
             seconds = f"{trace['diffusion.num_frames'] / fps:g}"
         path = Path(result.path) if result.path else job.path
-        self._save(job, "completed", status="completed", progress=100, size=size, seconds=seconds, path=path,
-                   completed_at=int(time.time()), finished=time.time())
+        self.save(job, "completed", status="completed", progress=100, size=size, seconds=seconds, path=path,
+                  completed_at=int(time.time()), finished=time.time())
 
     def _failed(self, job: VideoJobRecord, event: RequestFailed) -> None:
         if self.stopping and event.kind == "aborted":  # the server stopped it: it runs again at the next start
-            self._remove_files(attrs.evolve(job, upload=None))
-            self._save(job, "requeued", status="queued", progress=0)
+            self.remove_files(attrs.evolve(job, upload=None))
+            self.save(job, "requeued", status="queued", progress=0)
             log.info("video job %s goes back to the queue: the server is stopping", job.id)
             return
-        self._remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
+        self.remove_files(attrs.evolve(job, upload=None))  # no partial output of a failed job
         error = self.about_upload(APIError.of_failure(event.kind, event.error, event.field), job.upload)
         param = "input_reference" if error.param == "image" else error.param  # the API's name
-        self._fail(job, {"code": event.kind, "message": error.message, "param": param})
+        self.fail(job, {"code": event.kind, "message": error.message, "param": param})
 
-    def _fail(self, job: VideoJobRecord, error: dict[str, Any]) -> None:
-        self._save(job, "failed", status="failed", error=error, completed_at=int(time.time()), finished=time.time())
+    def fail(self, job: VideoJobRecord, error: dict[str, Any]) -> None:
+        self.save(job, "failed", status="failed", error=error, completed_at=int(time.time()), finished=time.time())
 
     def _end_unrecorded(self, job: VideoJobRecord, error: dict[str, Any]) -> None:
         """The job fails; try to record it (if that fails too, the next start finds it unfinished)."""
-        self._remove_files(attrs.evolve(job, upload=None))
+        self.remove_files(attrs.evolve(job, upload=None))
         try:
-            self._fail(job, error)
+            self.fail(job, error)
         except StoreWriteFailed:
             job.status, job.error, job.completed_at, job.finished = "failed", error, int(time.time()), time.time()
 
@@ -268,7 +268,7 @@ class VideoJobs:
         first (its files are removed at the next start if the server dies before), its row goes once they are."""
         job = self.get(job_id)
         try:
-            self._save(job, "deleted", status="deleted")
+            self.save(job, "deleted", status="deleted")
         except StoreWriteFailed as exc:
             raise store_error(exc) from None
         del self.jobs[job_id]
@@ -278,18 +278,18 @@ class VideoJobs:
                 await job.task
             except BaseException:  # noqa: BLE001 - cancelled as asked
                 pass
-        self._drop(job)
+        self.drop(job)
         # A step that was writing the file when the abort arrived finishes first: remove it again after that.
-        self.async_omni.call(lambda: self._remove_files(job))
+        self.async_omni.call(lambda: self.remove_files(job))
 
-    def _drop(self, job: VideoJobRecord) -> None:
+    def drop(self, job: VideoJobRecord) -> None:
         """A deleted or expired job (`deleted` committed): its files, then its row."""
         self._purge(job, "its row stays in the store as deleted (removed at the next start)")
 
     def _purge(self, job: VideoJobRecord, if_it_stays: str) -> None:
         """A job's files, then its row; a row that cannot be removed is logged (`if_it_stays`) and left for the
         next start to reconcile."""
-        self._remove_files(job)
+        self.remove_files(job)
         if self.store is None:
             return
         try:
@@ -297,7 +297,7 @@ class VideoJobs:
         except StoreWriteFailed:
             log.warning("video job %s: %s", job.id, if_it_stays, exc_info=True)
 
-    def _remove_files(self, job: VideoJobRecord) -> None:
+    def remove_files(self, job: VideoJobRecord) -> None:
         for path in (job.path, job.upload):
             if path is not None:
                 path.unlink(missing_ok=True)
@@ -319,23 +319,15 @@ class VideoJobs:
         old = [j for j in self.jobs.values() if j.finished is not None and now - j.finished > self.ttl]
         for job in old:
             try:
-                self._save(job, "deleted", status="deleted")
+                self.save(job, "deleted", status="deleted")
             except StoreWriteFailed:
                 log.warning("video job %s expired but could not be marked deleted; retried later", job.id)
                 continue
             del self.jobs[job.id]
-            self._drop(job)
+            self.drop(job)
         return len(old)
 
     # At start, and at the end.
-
-    async def restore(self) -> None:
-        """The store's jobs back (see the module's docstring); one log line for each file or job reconciled."""
-        if self.store is None:
-            return
-        from .restore import restore
-
-        await restore(self, self.store.rows())
 
     async def resume(self, job: VideoJobRecord) -> None:
         """Submit a queued job again (at start); one the engine has no room for waits for the janitor."""
@@ -380,6 +372,6 @@ class VideoJobs:
         for job in self.jobs.values():
             if job.status == "in_progress":
                 try:
-                    self._save(job, "requeued", status="queued", progress=0)
+                    self.save(job, "requeued", status="queued", progress=0)
                 except StoreWriteFailed:
                     log.warning("video job %s stays in_progress in the store (--on-restart decides)", job.id)
