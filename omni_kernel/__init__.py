@@ -25,7 +25,17 @@ from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan, StageGraph
 from omni_kernel.core.hookspecs import hookimpl
 from omni_kernel.core.params import ARParams, option
 from omni_kernel.core.registry import NodeType
-from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput, StageStats
+from omni_kernel.core.request import (
+    VIDEO,
+    Request,
+    RequestResult,
+    StageInput,
+    StageOutput,
+    StageStats,
+    Structured,
+    Usage,
+    VideoInfo,
+)
 from omni_kernel.core.scheduler import RequestOutput
 from omni_kernel.core.stage import Stage
 
@@ -35,4 +45,5 @@ __all__ = ["ARParams", "EdgeSpec", "GraphError", "InputError", "InvalidParameter
            "NodeType", "Omni", "OmniError", "PipelinePlan", "Request", "RequestError", "RequestFailed",
            "RequestFinished", "RequestOutput", "RequestResult", "STOP_REASONS", "Stage", "StageFailed",
            "StageFinished", "StageGraph", "StageInput", "StageOutput", "StageProgress", "StageStats", "StopReason",
-           "TRUNCATED_STOP_REASONS", "TokenDelta", "UserError", "hookimpl", "option"]
+           "Structured", "TRUNCATED_STOP_REASONS", "TokenDelta", "Usage", "UserError", "VIDEO", "VideoInfo", "hookimpl",
+           "option"]

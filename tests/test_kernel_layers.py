@@ -57,3 +57,17 @@ def test_the_check_finds_a_forbidden_word(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text('"""Docstrings may say replicas."""\nmax_restarts = 1\nkey = "ar.ttft_ms"\n', encoding="utf-8")
     assert [text for _, text in words(sample) if FORBIDDEN.search(text)] == ["max_restarts", "ar.ttft_ms"]
+
+
+# StageStats is what every stage reports: a field of one plugin's (a model family's counter, a placement's restarts)
+# belongs in its open slots, `model` and `placed`, not beside these.
+STAGE_STATS_FIELDS = ("running", "waiting", "kv_blocks_total", "kv_blocks_used", "prefix_hit_tokens", "dead", "model",
+                      "placed")
+
+
+def test_stage_stats_has_only_the_kernels_fields():
+    import attrs
+
+    from omni_kernel.core.request import StageStats
+
+    assert tuple(f.name for f in attrs.fields(StageStats)) == STAGE_STATS_FIELDS

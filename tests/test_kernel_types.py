@@ -146,3 +146,30 @@ def test_trace_helpers():
 def test_graph_error_names_the_rule_and_its_nodes():
     error = GraphError("cycle", ["a", "b"], "the graph has a cycle through a, b")
     assert error.nodes == ("a", "b") and "cycle" in str(error)
+
+
+def test_typed_fields_a_stage_output_and_a_token_delta_carry():
+    """What plugins hand each other through the kernel (usage, a constraint, a video's shape, logprobs) are typed
+    fields of its values, not trace keys: each is absent (None) unless a stage fills it."""
+    from omni_kernel.core.events import TokenDelta
+    from omni_kernel.core.request import VIDEO, Structured, Usage, VideoInfo
+
+    bare = StageOutput("r", "n", text="x")
+    assert (bare.usage, bare.structured) == (None, None)
+    out = StageOutput("r", "n", text="x", usage=Usage(input_tokens=3, output_tokens=2, cached_tokens=1),
+                      structured=Structured("json_schema", 1.5),
+                      data={VIDEO: VideoInfo(width=96, height=64, num_frames=9, fps=24)})
+    assert (out.usage.input_tokens, out.usage.output_tokens, out.usage.cached_tokens) == (3, 2, 1)
+    assert out.usage.audio_seconds is None and out.structured.kind == "json_schema"
+    assert out.data[VIDEO].seconds == 9 / 24
+    assert (TokenDelta("r", "n", "a").logprobs, TokenDelta("r", "n", "a").prompt_logprobs) == (None, None)
+    entry = {"token_id": 5, "token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}
+    assert TokenDelta("r", "n", "a", logprobs=(entry,)).logprobs == (entry,)
+
+
+def test_the_echo_stage_reports_its_usage():
+    from omni_kernel import Omni
+
+    result = Omni("echo").generate("one two three", max_tokens=2)
+    assert (result.output.usage.input_tokens, result.output.usage.output_tokens) == (3, 2)
+    assert (result.trace["ar.input_tokens"], result.trace["ar.output_tokens"]) == (3, 2)  # the trace is unchanged

@@ -17,7 +17,7 @@ from omni_kernel.core.graph import NodeSpec, PipelinePlan
 from omni_kernel.core.hookspecs import hookimpl
 from omni_kernel.core.params import ARParams
 from omni_kernel.core.registry import NodeType
-from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.request import StageInput, StageOutput, Usage
 from omni_kernel.core.scheduler import SchedulerOutput, StepScheduler
 from omni_kernel.core.stage import Inputs, Outputs, Stage
 
@@ -74,7 +74,8 @@ class EchoOutputs(Outputs):
         trace = {"ar.input_tokens": len(words), "ar.output_tokens": num, "ar.generated_tokens": num,
                  "ar.stop_reason": stop, "ar.streaming": item.params.stream, "ar.prompt_mode": "raw",
                  "ar.kv_cache": False, "ar.kv_cache_backend": "none"}
-        return StageOutput(item.request_id, self.node_id, text="".join(words[:num]), stop_reason=stop, trace=trace)
+        return StageOutput(item.request_id, self.node_id, text="".join(words[:num]), stop_reason=stop, trace=trace,
+                           usage=Usage(input_tokens=len(words), output_tokens=num))
 
 
 @attrs.frozen

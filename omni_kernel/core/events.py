@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
 
 import attrs
 
@@ -18,11 +19,17 @@ TRUNCATED_STOP_REASONS = frozenset({"max_tokens", "context_window"})  # cut off,
 
 @attrs.frozen
 class TokenDelta:
-    """New text of a streaming stage; always whole UTF-8 characters."""
+    """New text of a streaming stage; always whole UTF-8 characters. For a request that asked for logprobs:
+    `logprobs`, the entries of the tokens behind this text (those whose text is held back come with a later delta
+    or only in the StageOutput's data), and `prompt_logprobs`, the prompt's, once. An entry is OpenAI's chat shape
+    plus the token's id: {"token_id", "token", "logprob", "bytes", "top_logprobs": [{"token_id", "token",
+    "logprob", "bytes"}]}; the prompt's first entry has `logprob` None. None: the request did not ask."""
 
     request_id: str
     node_id: str
     text: str
+    logprobs: tuple[Mapping[str, Any], ...] | None = None
+    prompt_logprobs: tuple[Mapping[str, Any], ...] | None = None
 
 
 @attrs.frozen

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from omni_kernel.core.errors import GraphError
+from omni_kernel.core.ranks import RankLauncher
 
 
 @attrs.frozen
@@ -17,7 +18,9 @@ class NodeSpec:
 
     `placement` is where the node's stage runs when the run does not say (`inproc`, `process`, `ray`;
     docs/distributed.md); `resources` are the Ray resources of its actor (e.g. {"GPU": 1}; default {"CPU": 1}).
-    Both are the kernel's, not the plugin's: they stay out of `policy`, which the plugin validates.
+    Both are the kernel's, not the plugin's: they stay out of `policy`, which the plugin validates. `ranks` is not
+    the plan's: the placement that builds the node in a process of its own sets it there (core/ranks.py), and the
+    node type's engine settings carry it to its engine.
     """
 
     id: str
@@ -28,6 +31,7 @@ class NodeSpec:
     placement: str | None = None
     resources: Mapping[str, float] | None = attrs.field(default=None,
                                                         converter=lambda r: None if r is None else dict(r))
+    ranks: RankLauncher | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

@@ -57,8 +57,48 @@ class StageInput:
 
 
 @attrs.frozen
+class Usage:
+    """What one stage's request consumed and produced, in the units a client is billed in (omni serve's OpenAI
+    `usage`): its prompt tokens (`cached_tokens` of them served from a prefix cache), its generated tokens, and
+    seconds of audio. None: the stage does not count it."""
+
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+    audio_seconds: float | None = None
+
+
+@attrs.frozen
+class Structured:
+    """The constraint a stage's text was decoded under: its `kind` (json_schema, json_object, regex, choice) and, for
+    the request that compiled its grammar, the compile time (None: compiled before)."""
+
+    kind: str
+    compile_ms: float | None = None
+
+
+@attrs.frozen
+class VideoInfo:
+    """A rendered video as it was written: a video stage's StageOutput holds it under `data["video"]` (VIDEO)."""
+
+    width: int
+    height: int
+    num_frames: int
+    fps: float
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / self.fps
+
+
+VIDEO = "video"  # the key of a video stage's VideoInfo in its StageOutput's data
+
+
+@attrs.frozen
 class StageOutput:
-    """A stage's finished result for one request. `trace` keys are already `stage.field`."""
+    """A stage's finished result for one request. `trace` keys are already `stage.field`; `data` is a mapping of
+    the stage's own values (a video stage's VideoInfo under VIDEO). `usage` and `structured` are what a stage that
+    counts tokens or decodes under a grammar says of the request (None: it says nothing)."""
 
     request_id: str
     node_id: str
@@ -68,6 +108,8 @@ class StageOutput:
     stop_reason: str | None = None
     contract: str | None = None
     trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
+    usage: Usage | None = None
+    structured: Structured | None = None
 
 
 @attrs.frozen
@@ -102,16 +144,16 @@ class RequestResult:
 @attrs.frozen
 class StageStats:
     """What a stage reports of itself (`Stage.stats()`, published by `omni serve` on /metrics and /health): its
-    requests running and waiting, its KV blocks where it has a paged pool, whether its engine is dead, and what
-    its placement adds (`placed`: an attrs value of the placement plugin's, e.g. omni-workers' restarts and
-    replicas; None in this process)."""
+    requests running and waiting, its KV blocks where it has a paged pool, whether its engine is dead, the counters
+    its model keeps (`model`: name -> count, e.g. Wan's step-cache hits; /metrics exports each as `omni_<name>`),
+    and what its placement adds (`placed`: an attrs value of the placement plugin's, e.g. omni-workers' restarts
+    and replicas; None in this process)."""
 
     running: int = 0
     waiting: int = 0
     kv_blocks_total: int | None = None
     kv_blocks_used: int | None = None
     prefix_hit_tokens: int | None = None
-    step_cache_hits: int | None = None  # model calls a step cache served (None: the stage has no step cache)
-    step_cache_misses: int | None = None  # ... and those it ran in full
     dead: str | None = None
+    model: Mapping[str, int | float] = attrs.field(factory=dict, converter=_as_dict)
     placed: Any = None

@@ -94,8 +94,8 @@ class StepScheduler:
     queue: deque[StepJob] = attrs.Factory(deque)
     cost: Callable[[StageInput], int] = lambda item: 1  # a request's share of the per-step budget
     max_cost: int | None = None  # None: no budget, only max_batch
-    # StageStats fields the model runner counts (e.g. step-cache hits), added to the scheduler's own in stats()
-    model_stats: Callable[[], Mapping[str, Any]] = lambda: {}
+    # the counters the model runner keeps (e.g. step-cache hits): StageStats.model, in stats()
+    model_stats: Callable[[], Mapping[str, int | float]] = lambda: {}
 
     def add(self, item: StageInput) -> StepJob:
         job = self._new_job(item)
@@ -188,7 +188,7 @@ class StepScheduler:
     def stats(self) -> StageStats:
         ready = sum(j.pending is None for j in self.queue)
         running = min(ready, self.max_batch) + len(self.queue) - ready
-        return StageStats(running=running, waiting=len(self.queue) - running, **self.model_stats())
+        return StageStats(running=running, waiting=len(self.queue) - running, model=self.model_stats())
 
     def _key(self, job: StepJob) -> object:
         return self.batch_key(job.item)

@@ -3,8 +3,8 @@ temperature, top-k and top-p), for the generated tokens (`logprobs`) and the pro
 
 The runner computes them in its step for the rows of the requests that asked, into each one's StepLogprobs in its
 record (ARRunnerState.logprobs); the output processor that gets the record's output takes them (stages of several
-pipelines may share one engine), turns them into text (TokenTexts) and carries them on ARTokenDelta events and in
-the StageOutput's data. Requests that did not ask pay nothing.
+pipelines may share one engine), turns them into text (TokenTexts) and carries them on TokenDelta events (`logprobs`,
+`prompt_logprobs`) and in the StageOutput's data. Requests that did not ask pay nothing.
 """
 
 from __future__ import annotations
@@ -17,15 +17,6 @@ import torch
 
 from omni_kernel.core.ar_scheduler import ARSchedulerOutput, ARSequence
 from omni_kernel.events import TokenDelta
-
-
-@attrs.frozen
-class ARTokenDelta(TokenDelta):
-    """A TokenDelta of a request that asked for logprobs: the entries of the tokens behind this text (those
-    whose text is held back come with a later delta or only in the StageOutput), and the prompt's once."""
-
-    logprobs: tuple[dict, ...] = ()
-    prompt_logprobs: tuple[dict, ...] | None = None  # the first token's `logprob` is None
 
 
 @attrs.frozen
@@ -197,13 +188,13 @@ class LogprobsOutput:
             req.prompt = (first, *(self.texts.entry(p) for p in prompt[1:]))
 
     def delta(self, req: RequestLogprobs, request_id: str, node_id: str, text: str, eos: bool = False
-              ) -> ARTokenDelta:
+              ) -> TokenDelta:
         """`eos`: the last entry is the EOS token's, whose text is not in the output: it stays in the data only."""
         prompt = None if req.prompt_sent else req.prompt
         req.prompt_sent = req.prompt_sent or prompt is not None
         end = max(req.sent, len(req.tokens) - eos)
         tokens, req.sent = tuple(req.tokens[req.sent:end]), end
-        return ARTokenDelta(request_id, node_id, text, tokens, prompt)
+        return TokenDelta(request_id, node_id, text, logprobs=tokens, prompt_logprobs=prompt)
 
     @staticmethod
     def data(req: RequestLogprobs | None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""AROutputProcessor: sampled tokens -> streamed text and the final StageOutput with its ar.* trace.
+"""AROutputProcessor: sampled tokens -> streamed text and the final StageOutput with its usage and ar.* trace.
 
 Per request it keeps, in the scheduler's record (`ARSequence.output`), the detokenizer, the text so far and how much
 of it was streamed; the tokens are the record's own, and so are the step counters, the grammar state and the
@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from omni_kernel.core.ar_scheduler import ARSequence
-from omni_kernel.core.request import StageOutput
+from omni_kernel.core.request import StageOutput, Structured, Usage
 from omni_kernel.core.scheduler import RequestOutput
 from omni_kernel.core.trace import prefixed
 from omni_kernel.events import StageFailed, StageFinished, TokenDelta
@@ -103,7 +103,7 @@ class AROutputProcessor:
         return delta, reason
 
     def finish(self, seq: ARSequence, reason: str) -> StageOutput:
-        """The request's StageOutput, with its ar.* trace."""
+        """The request's StageOutput, with its usage, its constraint and its ar.* trace."""
         req, params, prompt = seq.output, seq.item.params, seq.item.processed
         greedy = params is None or params.greedy
         fields = {**step_trace(seq), "output_tokens": seq.num_output - (1 if reason == "eos" else 0),
@@ -111,11 +111,15 @@ class AROutputProcessor:
                   "streaming": bool(params is not None and params.stream), "prompt_mode": prompt.mode,
                   "sampling": "greedy" if greedy else "sample", "seed": None if greedy else params.seed,
                   **self.model_trace, **structure_trace(seq)}
+        usage = Usage(input_tokens=fields["input_tokens"], output_tokens=fields["output_tokens"],
+                      cached_tokens=fields["prefix_cache_hit_tokens"])
+        kind = fields["structured_output"]
+        structured = None if kind is None else Structured(kind, fields["grammar_compile_ms"])
         return StageOutput(seq.request_id, self.node_id, text=req.text, stop_reason=reason,
                            contract=self.settings.contract,
                            data={"token_ids": seq.output_ids, "prompt_token_ids": list(prompt.token_ids),
                                  **LogprobsOutput.data(req.logprobs)},
-                           trace=prefixed("ar", fields))
+                           trace=prefixed("ar", fields), usage=usage, structured=structured)
 
 
 def step_trace(seq: ARSequence) -> dict[str, Any]:

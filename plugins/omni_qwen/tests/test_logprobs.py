@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from omni_kernel import Omni, RequestFinished, testing
+from omni_kernel import Omni, RequestFinished, TokenDelta, testing
 from omni_kernel.core.errors import InvalidParameter
-from omni_qwen.logprobs import ARTokenDelta, TokenTexts
+from omni_qwen.logprobs import TokenTexts
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,7 +64,7 @@ def run(omni, reqs):
     for event in testing.drain(omni, limit=5000):
         if isinstance(event, RequestFinished):
             finished[event.request_id] = event.result.output
-        elif isinstance(event, ARTokenDelta):
+        elif isinstance(event, TokenDelta) and event.logprobs is not None:  # a request that asked
             deltas.setdefault(event.request_id, []).append(event)
     return finished, deltas
 

@@ -1,6 +1,7 @@
 """OpenAI's logprobs (docs/serving.md, "Logprobs"): the request fields onto the AR node's request parameters
-(`logprobs`, `prompt_logprobs`), and the stage's entries (omni_qwen's, in OpenAI's chat shape plus `token_id`,
-on its token deltas and in its output's data) into the chat and completions shapes, whole or streamed.
+(`logprobs`, `prompt_logprobs`), and the stage's entries (in OpenAI's chat shape plus `token_id`, on its token
+deltas, TokenDelta.logprobs and .prompt_logprobs, and in its output's data) into the chat and completions shapes,
+whole or streamed.
 
 An entry: {"token_id", "token", "logprob", "bytes", "top_logprobs": [{"token_id", "token", "logprob", "bytes"}]};
 the prompt's first entry has `logprob` None.
@@ -128,13 +129,14 @@ class StreamedLogprobs:
         self.started = True
         if not self.echo.echo:
             return None
-        prompt = list(getattr(event, "prompt_logprobs", None) or (data or {}).get("prompt_logprobs") or [])
+        streamed = event.prompt_logprobs if event is not None else None
+        prompt = list(streamed or (data or {}).get("prompt_logprobs") or [])
         text = self.echo.head(prompt)
         self.offset = len(text)
         return text, completion_logprobs(prompt) if self.echo.logprobs else None
 
     def delta(self, event) -> dict | None:
-        entries = list(getattr(event, "logprobs", ()))
+        entries = list(event.logprobs or ())
         return self._logprobs(entries, event.text)
 
     def rest(self, data: dict) -> dict | None:

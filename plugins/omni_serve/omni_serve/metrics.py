@@ -1,8 +1,8 @@
 """Prometheus metrics of one server (its own registry), every name prefixed `omni_`.
 
 Latencies and counters are recorded by the request handlers; the stages' state (requests running/waiting,
-KV blocks, prefix-cache hits, engine errors) is read from the engine's latest snapshot when scraped, so
-/metrics never touches a scheduler.
+KV blocks, prefix-cache hits, the counters a stage's model keeps, engine errors) is read from the engine's latest
+snapshot when scraped, so /metrics never touches a scheduler.
 """
 
 from __future__ import annotations
@@ -57,6 +57,19 @@ class _EngineCollector:
                     where.add_metric([s.pipeline, s.node, index, node_of(stats)], 1)
         return where
 
+    @staticmethod
+    def _model(snap: Snapshot):
+        """The counters each stage's model keeps (StageStats.model, e.g. omni_wan's step_cache_hits), each as the
+        counter `omni_<name>`."""
+        families: dict[str, CounterMetricFamily] = {}
+        for s in snap.stages:
+            for name, value in s.stats.model.items():
+                if name not in families:
+                    families[name] = CounterMetricFamily(f"omni_{name}", f"{name}, as the stage's model counts it",
+                                                         labels=["model", "stage"])
+                families[name].add_metric([s.pipeline, s.node], value)
+        return families.values()
+
     def collect(self):
         snap = self.snapshot()
         labels = ["model", "stage"]
@@ -66,15 +79,8 @@ class _EngineCollector:
         total = GaugeMetricFamily("omni_kv_blocks_total", "KV cache blocks in the stage's pool", labels=labels)
         hits = CounterMetricFamily("omni_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
                                    labels=labels)
-        cache_hits = CounterMetricFamily("omni_step_cache_hits", "denoiser forwards a step cache served",
-                                         labels=labels)
-        cache_misses = CounterMetricFamily("omni_step_cache_misses", "denoiser forwards of step-cached requests "
-                                                                     "that ran every block", labels=labels)
         for s in snap.stages:
             key, stats = [s.pipeline, s.node], s.stats
-            if stats.step_cache_hits is not None:
-                cache_hits.add_metric(key, stats.step_cache_hits)
-                cache_misses.add_metric(key, stats.step_cache_misses or 0)
             running.add_metric(key, stats.running)
             waiting.add_metric(key, stats.waiting)
             if stats.kv_blocks_total is not None:
@@ -88,7 +94,9 @@ class _EngineCollector:
         for s in snap.stages:
             restarts.add_metric([s.pipeline, s.node], s.restarts)
             restarting.add_metric([s.pipeline, s.node], int(s.restarting))
-        yield from (running, waiting, used, total, hits, cache_hits, cache_misses, restarts, restarting)
+        yield from (running, waiting, used, total, hits)
+        yield from self._model(snap)
+        yield from (restarts, restarting)
         yield from self._replicas(snap)
         yield self._nodes(snap)
         errors = CounterMetricFamily("omni_stage_errors", "failed requests by pipeline, node and failure kind",

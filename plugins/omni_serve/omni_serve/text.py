@@ -15,11 +15,13 @@ from .protocol import APIError
 FINISH = {reason: "length" if reason in TRUNCATED_STOP_REASONS else "stop" for reason in STOP_REASONS}
 
 
-def usage_of(trace) -> dict:
-    """OpenAI's `usage` of one finished request; `cached_tokens`: its prompt tokens the prefix cache served."""
-    prompt = int(trace.get("ar.input_tokens", 0) or 0)
-    completion = int(trace.get("ar.output_tokens", 0) or 0)
-    cached = int(trace.get("ar.prefix_cache_hit_tokens", 0) or 0)
+def usage_of(result) -> dict:
+    """OpenAI's `usage` of one finished request: what its stages' outputs count (StageOutput.usage), added up;
+    `cached_tokens`: its prompt tokens the prefix cache served."""
+    counted = [out.usage for out in result.outputs.values() if out.usage is not None]
+    prompt = sum(u.input_tokens or 0 for u in counted)
+    completion = sum(u.output_tokens or 0 for u in counted)
+    cached = sum(u.cached_tokens or 0 for u in counted)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -51,18 +53,19 @@ class LatencyRecorder:
         self.last = now
 
     def usage(self, result) -> dict:
-        return usage_of(result.trace)
+        return usage_of(result)
 
     def done(self, result, route: str) -> None:
         usage = self.usage(result)
         self.metrics.generated.labels(self.model).inc(usage["completion_tokens"])
         self.metrics.prompt.labels(self.model).inc(usage["prompt_tokens"])
         self.metrics.e2e.labels(self.model, route).observe(time.perf_counter() - self.arrival)
-        structured, compile_ms = result.trace.get("ar.structured_output"), result.trace.get("ar.grammar_compile_ms")
-        if structured:
-            self.metrics.structured.labels(self.model, structured).inc()
-        if compile_ms is not None:
-            self.metrics.grammar_compile.labels(self.model).observe(compile_ms / 1000)
+        for out in result.outputs.values():
+            if out.structured is None:
+                continue
+            self.metrics.structured.labels(self.model, out.structured.kind).inc()
+            if out.structured.compile_ms is not None:
+                self.metrics.grammar_compile.labels(self.model).observe(out.structured.compile_ms / 1000)
 
 
 async def collect(stream, final: str, recorder: LatencyRecorder):
@@ -99,9 +102,8 @@ async def sse(stream, final: str, recorder: LatencyRecorder, rid: str, model: st
         async for event in stream:
             if isinstance(event, TokenDelta) and event.node_id == final:
                 recorder.delta()
-                entries = getattr(event, "logprobs", None)  # a stage's ARTokenDelta, when the request asked
-                sent += len(entries or ())
-                yield chunk({"content": event.text}, logprobs=entries or None)
+                sent += len(event.logprobs or ())
+                yield chunk({"content": event.text}, logprobs=event.logprobs or None)
             elif isinstance(event, RequestFinished):
                 out = event.result
                 recorder.done(out, "chat")

@@ -14,11 +14,13 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from omni_kernel.core.request import VIDEO
 from omni_kernel.events import RequestFailed, RequestFinished, StageProgress
 from omni_kernel.util.files import remove_atomic_leftovers
 
@@ -211,13 +213,13 @@ class VideoJobs:
 
     def _completed(self, job: VideoJobRecord, result) -> None:
         """The video's size and length as rendered, where the request did not say them."""
-        trace = result.trace
+        data = result.output.data
+        video = data.get(VIDEO) if isinstance(data, Mapping) else None
         size, seconds = job.size, job.seconds
-        if size is None and "diffusion.width" in trace:
-            size = f"{trace['diffusion.width']}x{trace['diffusion.height']}"
-        if seconds is None and "diffusion.num_frames" in trace:
-            fps = trace.get("diffusion.fps") or 24
-            seconds = f"{trace['diffusion.num_frames'] / fps:g}"
+        if size is None and video is not None:
+            size = f"{video.width}x{video.height}"
+        if seconds is None and video is not None:
+            seconds = f"{video.seconds:g}"
         path = Path(result.path) if result.path else job.path
         self.save(job, "completed", status="completed", progress=100, size=size, seconds=seconds, path=path,
                   completed_at=int(time.time()), finished=time.time())

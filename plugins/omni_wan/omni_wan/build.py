@@ -26,6 +26,7 @@ import omni_hf
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.errors import ModelError, UserError
 from omni_kernel.core.graph import NodeSpec
+from omni_kernel.core.ranks import RankLauncher
 from omni_kernel.core.request import StageInput
 from omni_kernel.core.scheduler import PhaseScheduler
 from omni_kernel.core.stage import Stage
@@ -54,6 +55,8 @@ class WanEngineSettings:
     resources: tuple[tuple[str, float], ...] | None = None  # the rank group's Ray resources (parallel only)
     # The first node built on the engine names it in logs and errors; the nodes that share it may have other ids.
     node_id: str = attrs.field(default="wan", eq=False)
+    # Where its other ranks start: the placement's launcher (NodeSpec.ranks), else processes of this machine.
+    ranks: RankLauncher | None = attrs.field(default=None, eq=False)
 
 
 def is_parallel(config: WanConfig) -> bool:
@@ -73,7 +76,7 @@ def engine_settings(node: NodeSpec, config: WanConfig, policy: WanPolicy) -> Wan
     if is_parallel(config):
         check_parallel(node, config, layout, device, default_preset(config, policy))
         resources = tuple(sorted(node.resources.items())) if node.resources else None
-    return WanEngineSettings(layout, device, config, resources, node.id)
+    return WanEngineSettings(layout, device, config, resources, node.id, ranks=node.ranks)
 
 
 def default_preset(config: WanConfig, policy: WanPolicy) -> str:
@@ -130,10 +133,8 @@ def check_parallel(node: NodeSpec, config: WanConfig, layout: ModelLayout, devic
     the transformer stays on its devices, and one process is rank 0 of one group at most (torch.distributed's
     default group is the process's)."""
     from .parallel import check_degrees
-    from .rank_launch import placed_ranks
-
     check_degrees(config.wan_cfg_parallel, config.wan_ulysses, layout.num_heads, device.device,
-                  PRESETS[preset].guidance_scale, count_devices=not placed_ranks())
+                  PRESETS[preset].guidance_scale, count_devices=node.ranks is None)
     if device.offloaded:
         raise UserError(f"node {node.id!r}: wan_cfg_parallel / wan_ulysses keep the transformer on each rank's GPU: "
                         "add -c disable_cpu_offload=true")
@@ -151,7 +152,7 @@ def start_group(settings: WanEngineSettings, model):
     config = settings.config
     resources = dict(settings.resources) if settings.resources else None
     group = RankGroup(settings.node_id, model, settings.layout.path, settings.device, config.wan_cfg_parallel,
-                      config.wan_ulysses, resources, config.wan_rank_restart_wait)
+                      config.wan_ulysses, resources, config.wan_rank_restart_wait, settings.ranks)
     group.start()
     return group
 

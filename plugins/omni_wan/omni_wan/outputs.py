@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from omni_kernel.core.request import StageOutput
+from omni_kernel.core.request import VIDEO, StageOutput, VideoInfo
 from omni_kernel.core.scheduler import RequestOutput, StepJob
 from omni_kernel.events import StageFailed, StageFinished, StageProgress
 
@@ -37,8 +37,12 @@ class WanOutputProcessor:
         return events, []
 
     def finish(self, job: StepJob) -> StageOutput:
-        wan, params = job.state, job.item.params
-        data = {"frames": wan.frames} if params.return_frames else None
+        """The request's StageOutput: its MP4's path, the video as written (a VideoInfo under VIDEO in its data),
+        its frames where the request asked, and its diffusion.* trace."""
+        wan, params, s = job.state, job.item.params, job.item.processed.settings
+        data: dict[str, Any] = {VIDEO: VideoInfo(s.width, s.height, s.num_frames, self.model_trace["diffusion.fps"])}
+        if params.return_frames:
+            data["frames"] = wan.frames
         return StageOutput(job.request_id, self.node_id, path=str(job.item.processed.output), data=data,
                            contract="video/mp4", trace=self._trace(job))
 

@@ -1,5 +1,6 @@
 """How rank 0 of a parallel Wan stage starts its other ranks (ranks.py): as processes on its machine, or, where
-rank 0's placement hands it a launcher (placement `ray`: Ray actors in one placement group of a bundle per rank).
+rank 0's placement hands it a launcher on its node (`NodeSpec.ranks`, carried by its engine settings; placement
+`ray`: Ray actors in one placement group of a bundle per rank).
 
 Each launcher gives `launch(specs)` (one spec per rank 1..N-1, whose "entry" is what the rank runs), `address`
 (where the others reach rank 0), `gone()` (the ranks that ended, in words) and `stop()`.
@@ -11,22 +12,16 @@ import os
 import sys
 
 from omni_kernel.core.errors import UserError
-from omni_kernel.core.ranks import rank_launcher
+from omni_kernel.core.ranks import RankLauncher
 from omni_kernel.util.launch import Child, start
 
 LOOPBACK = "127.0.0.1"
 
 
-def placed_ranks() -> bool:
-    """The stage's placement starts its ranks (on Ray each rank's actor reserves its own device)."""
-    return rank_launcher() is not None
-
-
-def launcher(resources: dict | None):
-    """The placement's launcher where it handed one (`ray`: each rank an actor with rank 0's resources), else
-    processes here."""
-    start = rank_launcher()
-    return PlacedRanks(start()) if start is not None else ProcessRanks()
+def launcher(placed: RankLauncher | None):
+    """The ranks of one start: the placement's launcher where it handed one (`ray`: each rank an actor with rank
+    0's resources), else processes here."""
+    return PlacedRanks(placed()) if placed is not None else ProcessRanks()
 
 
 class ProcessRanks:
@@ -53,7 +48,7 @@ class ProcessRanks:
 
 class PlacedRanks:
     """The ranks where the stage's placement starts them (the `ray` placement: Ray actors in a placement group of
-    their own, omni_workers/ray_groups.py), through the launcher it handed this process (omni_kernel/core/ranks.py)."""
+    their own, omni_workers/ray_groups.py), through the launcher it handed the stage (omni_kernel/core/ranks.py)."""
 
     def __init__(self, group):
         self.group = group

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from omni_kernel.core.errors import EngineDead, ModelError, RequestError, StageUnavailable
+from omni_kernel.core.ranks import RankLauncher
 
 from .comm import Mesh, init_ranks, open_store
 from .device import WanDevice
@@ -51,8 +52,9 @@ class RankGroup:
     """Rank 0's side (see the module docstring). `start()` starts the other ranks and joins the group."""
 
     def __init__(self, node_id: str, model, path, device: WanDevice, cfg: int, ulysses: int,
-                 resources: dict | None = None, restart_wait_s: float = 600.0):
+                 resources: dict | None = None, restart_wait_s: float = 600.0, start_ranks: RankLauncher | None = None):
         self.node_id = node_id
+        self.start_ranks = start_ranks  # the placement's rank launcher (None: processes of this machine)
         self.model = model
         self.path = path
         self.device = device
@@ -75,7 +77,7 @@ class RankGroup:
 
     def _launch(self) -> None:
         """Start the other ranks (they load, then join the group at the store this process hosts)."""
-        self.ranks = launcher(self.resources)
+        self.ranks = launcher(self.start_ranks)
         self.store = open_store(self.ranks.address, 0, self.num_ranks)  # the port the OS gave it, told to the ranks
         spec = {"entry": ENTRY, "address": self.ranks.address, "port": self.store.port, "num_ranks": self.num_ranks,
                 "cfg": self.cfg, "ulysses": self.ulysses, "path": str(self.path), "device": attrs.asdict(self.device),

@@ -71,7 +71,8 @@ class WanRunner:
         self.num_cache_misses = 0  # ... and that ran every block
 
     def stats(self) -> dict:
-        """The StageStats fields this runner counts (the scheduler's `model_stats`)."""
+        """The counters this runner keeps (the scheduler's `model_stats`: StageStats.model, on /metrics as
+        omni_step_cache_hits and omni_step_cache_misses)."""
         return {"step_cache_hits": self.num_cache_hits, "step_cache_misses": self.num_cache_misses}
 
     def add_request(self, record: StepJob) -> None:

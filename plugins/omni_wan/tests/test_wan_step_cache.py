@@ -153,8 +153,8 @@ def test_a_mixed_batch_equals_each_request_alone_through_diffusers_hooks(mixed, 
 
     stats = mixed.graph.stages["wan"].stats()  # what /metrics publishes as omni_step_cache_hits / _misses
     skipped = sum(r.trace["diffusion.step_cache_skipped_forwards"] for r in finished.values()) + aborted_skipped
-    assert stats.step_cache_hits - before.step_cache_hits == skipped
-    assert stats.step_cache_misses > before.step_cache_misses
+    assert stats.model["step_cache_hits"] - before.model["step_cache_hits"] == skipped
+    assert stats.model["step_cache_misses"] > before.model["step_cache_misses"]
 
     diffusers = Counted(tiny_model)
     for rid, result in sorted(finished.items()):

@@ -8,9 +8,9 @@ can, and packs them where it cannot), `STRICT_PACK` for a rank group (one node).
 node's bundles again where the cluster has room (at once, or when a node joins), and an actor started again in
 its bundle waits for that.
 
-`rank_launcher` is what the `ray` placement hands a stage built in its actor (the kernel's `set_rank_launcher`,
-omni_kernel/core/ranks.py): a parallel stage starts its other ranks with it, here one actor per rank in a
-placement group of their own.
+`RayRankLauncher` is the rank launcher the `ray` placement hands a stage built in its actor (on the node it builds,
+`NodeSpec.ranks`: omni_kernel/core/ranks.py): a parallel stage starts its other ranks with it, here one actor per
+rank in a placement group of their own.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class RayRankLauncher:
     """Starts a stage's other ranks as Ray actors, one bundle each with the stage's own resources, in one
     placement group (`STRICT_PACK`, the default: all on one node, rank 0's where it has room; `PACK`: one node
     where one has room; `SPREAD`: distinct nodes where there are), reaching rank 0 at its node's address. The
-    `rank_launcher` a stage's actor is given."""
+    rank launcher a stage's actor is given (`NodeSpec.ranks`)."""
 
     def __init__(self, resources: dict, strategy: str = "STRICT_PACK"):
         self.resources, self.strategy = dict(resources), strategy
