@@ -108,8 +108,8 @@ def fake_node_type(name: str, kind: str, log: list, **options) -> NodeType:
     return NodeType(name, kind, inputs={"image"},
                     engine_settings=lambda node, config, policy: FakeEngineSettings(node.id, log, options),
                     engine=lambda s: fake_engine(s.node_id, s.log, **s.options),
-                    stage=lambda node, config, policy, engine: Stage(node, kind, None, engine,
-                                                                     ScriptedOutputs(node.id, log)))
+                    stage=lambda node, config, policy, settings, engine: Stage(
+                        node, kind, None, engine, ScriptedOutputs(node.id, log)))
 
 
 def holds(stage: Stage, request_id: str) -> bool:

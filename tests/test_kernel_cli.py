@@ -13,10 +13,13 @@ import pytest
 from click.testing import CliRunner
 
 from omni_kernel import hookimpl, option
+from omni_kernel.api import Omni
 from omni_kernel.builtin.echo import KernelPlugin, build_echo_engine, build_echo_stage, echo_engine_settings
 from omni_kernel.cli import main
+from omni_kernel.core.errors import InputError
 from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
 from omni_kernel.core.params import ARParams, integer
+from omni_kernel.core.planner import GraphBuilder
 from omni_kernel.core.registry import NodeType
 from omni_kernel.plugins import PluginHost
 
@@ -31,9 +34,9 @@ class ShoutParams(ARParams):
     volume: int = option(1, help="exclamation marks", type=int, flag="--volume", validator=integer(1, 9))
 
 
-def build_shout_stage(node, config, policy, engine):
+def build_shout_stage(node, config, policy, settings, engine):
     assert isinstance(config, ShoutConfig)
-    return build_echo_stage(node, None, None, engine)
+    return build_echo_stage(node, None, None, settings, engine)
 
 
 class ExtrasPlugin:
@@ -160,9 +163,34 @@ def test_run_help_names_the_plugin_of_each_flag(host):
     assert "Random seed for sampling and noise [omni_kernel, extras]" in help
 
 
-def test_empty_prompt_is_one_line_exit_2(host):
-    line = one_line_error(omni(host, "run", "--pipeline", "echo", "--prompt", ""))
-    assert "prompt" in line and "empty" in line
+@pytest.fixture
+def builds(monkeypatch) -> list:
+    """The graphs `omni run` builds (none here: a build that starts records itself and fails)."""
+    started = []
+
+    def build(self, plan, *args, **kwargs):
+        started.append(plan.name)
+        raise AssertionError(f"built {plan.name!r}")
+
+    monkeypatch.setattr(GraphBuilder, "build", build)
+    return started
+
+
+@pytest.mark.parametrize("pipeline", ["echo", "echo_twice"])
+@pytest.mark.parametrize("prompt", ["", " ", " \n\t "])
+def test_empty_prompt_is_one_line_exit_2_before_anything_is_built(host, builds, pipeline, prompt):
+    """The kernel's one prompt rule (params.check_prompt), in the check before loading: every pipeline whose nodes
+    read the prompt gives the same answer, and no engine is built."""
+    line = one_line_error(omni(host, "run", "--pipeline", pipeline, "--prompt", prompt))
+    assert line == "Error: the prompt is empty" and builds == []
+
+
+@pytest.mark.parametrize("prompt", ["", " "])
+def test_the_python_api_refuses_an_empty_prompt_at_submit(host, prompt):
+    omni = Omni("echo", host=host)
+    with pytest.raises(InputError, match="^the prompt is empty$"):
+        omni.generate(prompt)
+    assert not omni.has_unfinished()
 
 
 def test_missing_node_type_says_which_plugin_to_install(host):

@@ -83,7 +83,7 @@ def test_broken_plugin_warns_once_with_name_and_version_and_the_others_load(entr
 def unbuilt_node(name: str) -> NodeType:
     """A node type whose parts are never called (these tests only register it)."""
     return NodeType(name, "ar", engine_settings=lambda node, config, policy: None, engine=lambda settings: None,
-                    stage=lambda node, config, policy, engine: None)
+                    stage=lambda node, config, policy, settings, engine: None)
 
 
 def test_a_plugin_written_for_the_old_node_type_form_is_refused_at_load_in_one_line(entry_points, warnings):

@@ -298,7 +298,7 @@ def test_a_request_that_fails_alone_in_a_batch_does_not_take_its_neighbours():
 
 def test_generate_raises_user_errors_as_user_errors_and_others_as_request_errors():
     omni = Omni("echo", host=kernel_host())
-    with pytest.raises(UserError, match="must not be empty"):
+    with pytest.raises(UserError, match="the prompt is empty"):
         omni.generate("")
     scheduler = two_node_scheduler(fail_run=bad_prompt("boom", RuntimeError("kaput")))
     with pytest.raises(RequestError, match="kaput") as info:

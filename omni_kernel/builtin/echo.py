@@ -11,11 +11,10 @@ import re
 import attrs
 
 from omni_kernel.core.engine import Engine
-from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.events import StageFinished, TokenDelta
 from omni_kernel.core.graph import NodeSpec, PipelinePlan
 from omni_kernel.core.hookspecs import hookimpl
-from omni_kernel.core.params import ARParams
+from omni_kernel.core.params import ARParams, check_prompt
 from omni_kernel.core.registry import NodeType
 from omni_kernel.core.request import StageInput, StageOutput, Usage
 from omni_kernel.core.scheduler import SchedulerOutput, StepScheduler
@@ -46,9 +45,11 @@ class IdentityRunner:
 
 
 class EchoInputs(Inputs):
+    def check(self, item: StageInput) -> None:
+        check_prompt(item.prompt)
+
     def process(self, item: StageInput) -> StageInput:
-        if not item.prompt:
-            raise InvalidParameter("prompt", "must not be empty")
+        self.check(item)
         words = _WORD.findall(item.prompt)
         budget = min(len(words), item.params.max_tokens or len(words))
         return attrs.evolve(item, processed=Words(words, budget))
@@ -94,12 +95,16 @@ def build_echo_engine(settings: EchoEngineSettings) -> Engine:
     return Engine(scheduler, IdentityRunner())
 
 
-def build_echo_stage(node: NodeSpec, config, policy, engine: Engine) -> Stage:
+def build_echo_stage(node: NodeSpec, config, policy, settings: EchoEngineSettings, engine: Engine) -> Stage:
     return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
 
 
+def check_echo_request(node: NodeSpec, config, policy, settings: EchoEngineSettings, item: StageInput) -> None:
+    EchoInputs().check(item)
+
+
 ECHO_NODE = NodeType("kernel.echo", "ar", engine_settings=echo_engine_settings, engine=build_echo_engine,
-                     stage=build_echo_stage, params=ARParams,
+                     stage=build_echo_stage, check=check_echo_request, params=ARParams,
                      description="streams the prompt back word by word (no model)")
 ECHO_PIPELINE = PipelinePlan("echo", [NodeSpec("echo", "kernel.echo", final=True)],
                              description="the prompt, streamed back by the identity AR stage")

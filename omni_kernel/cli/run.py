@@ -25,6 +25,8 @@ from omni_kernel.core.trace import format_trace, jsonable
 from omni_kernel.plugins import load_host
 from omni_kernel.util.files import check_output_path, remove_outputs, write_json
 
+# The flag of each request input `omni run` declares itself: an error naming the input names the flag
+INPUT_FLAGS = {"image": "--image"}
 # tqdm's own bar with the step count last and the elapsed and remaining time after it
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]"
 
@@ -135,9 +137,10 @@ def _check_before_loading(host, plan, given: dict, settings: dict, request: Requ
     try:
         host.builder.check_request(plan, builds, request)
     except InvalidParameter as exc:
-        if exc.field == "image":
-            raise InvalidParameter("--image", str(exc).split(": ", 1)[-1]) from None
-        raise
+        flag = INPUT_FLAGS.get(exc.field)
+        if flag is None:
+            raise
+        raise UserFacingError(" ".join(exc.named(flag).split())) from None
 
 
 def _check_trace_json(trace_json, output) -> None:

@@ -28,6 +28,11 @@ class InvalidParameter(UserError):
     def __init__(self, field: str, message: str):
         super().__init__(f"invalid {field}: {message}")
         self.field = field
+        self.reason = message
+
+    def named(self, name: str) -> str:
+        """The error's text with the field called `name` (the CLI's flag for it)."""
+        return f"invalid {name}: {self.reason}"
 
 
 class UnknownPipeline(UserError):

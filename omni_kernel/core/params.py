@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.errors import InputError, InvalidParameter
 
 TRUE, FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -90,6 +90,14 @@ def resolve(pipeline: str, node_types: Mapping[str, Any], request) -> dict[str, 
     if request.image is not None and not any("image" in t.inputs for t in node_types.values()):
         raise InvalidParameter("image", f"pipeline {pipeline!r} takes no input image")
     return split(pipeline, "request parameter", {n: t.params for n, t in node_types.items()}, request.params)
+
+
+def check_prompt(prompt: str) -> None:
+    """The one rule for a prompt that a node reads as its text: it must say something. Every node type that reads
+    the prompt checks it with this, in its `check` (before any model loads), so one prompt gets one answer in every
+    pipeline."""
+    if not prompt.strip():
+        raise InputError("the prompt is empty")
 
 
 # Validators for option(validator=...). Each raises InvalidParameter naming the field.

@@ -49,6 +49,11 @@ class NodeBuild:
     policy: Any
     key: tuple
 
+    @property
+    def settings(self) -> Any:
+        """The node's engine settings (`NodeType.engine_settings`), computed once, when the build was prepared."""
+        return self.key[1]
+
 
 def node_policy(node: NodeSpec, node_type: NodeType) -> Any:
     """The node's policy instance (the plan's `NodeSpec.policy` validated by the node type's declared class)."""
@@ -69,6 +74,14 @@ def node_policy(node: NodeSpec, node_type: NodeType) -> Any:
         raise GraphError("node_policy", [node.id], f"node {node.id!r}: policy {exc}") from None
 
 
+def output_contract(node_type: NodeType, policy: Any) -> str | None:
+    """What a node's output holds for a connector: its policy's `output_contract` where its node type's policy
+    declares one and the plan sets it (the plugin that gives the node its answer's format names the contract too),
+    else its node type's."""
+    declared = getattr(policy, "output_contract", None)
+    return declared if declared is not None else node_type.output_contract
+
+
 class GraphBuilder:
     """Validates a plan against the registered node types and connectors, then builds its stages; keeps the
     engines it built, one per share key, for every later graph."""
@@ -81,18 +94,17 @@ class GraphBuilder:
         """The graph rules, the connectors' contracts and the node policies; the node ids in order."""
         order = validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items())
         types = self.registry.node_types_of(plan)
+        policies = {node.id: node_policy(node, types[node.id]) for node in plan.nodes}
         for e in plan.edges:
-            self._check_contract(e, types)
-        for node in plan.nodes:
-            node_policy(node, types[node.id])
+            self._check_contract(e, types[e.source], policies[e.source])
         return order
 
-    def _check_contract(self, edge, types: Mapping[str, NodeType]) -> None:
+    def _check_contract(self, edge, source: NodeType, policy: Any) -> None:
         wanted = getattr(self.registry.connectors[edge.connector].item, "source_contract", None)
-        source = types[edge.source]
-        if wanted is not None and source.output_contract != wanted:
+        outputs = output_contract(source, policy)
+        if wanted is not None and outputs != wanted:
             raise GraphError("contract", [edge.source], f"connector {edge.connector!r} reads {wanted!r} but node "
-                             f"{edge.source} ({source.name}) outputs {source.output_contract!r}")
+                             f"{edge.source} ({source.name}) outputs {outputs!r}")
 
     def configs(self, plan: PipelinePlan, config: Mapping[str, Any] | None) -> dict[str, Any]:
         """Each node's config instance; an undeclared key is refused before any model loads."""
@@ -125,7 +137,7 @@ class GraphBuilder:
             if build.node_type.check is None:
                 continue
             item = StageInput(request.request_id, request.prompt, image=request.image, params=params[build.node.id])
-            build.node_type.check(build.node, build.config, build.policy, item)
+            build.node_type.check(build.node, build.config, build.policy, build.settings, item)
 
     def placements(self) -> dict[str, Any]:
         return {name: r.item for name, r in self.registry.placements.items()}
@@ -165,7 +177,8 @@ class GraphBuilder:
         the graph, which may share it (omni-workers' process and ray share one group of workers)."""
         placement = self.registry.placements[name].item
         shared = handles[-1] if handles else None
-        stages, handle = placement.build(group, settings.settings_of(name), host_factory, shared)
+        stages, handle = placement.build(group, settings.settings_of(name), host_factory, shared,
+                                         fail_fast=settings.fail_fast)
         if handle is not None and handle is not shared:
             handles.append(handle)
         return stages
@@ -173,7 +186,7 @@ class GraphBuilder:
     def stage(self, build: NodeBuild) -> Any:
         """The node's stage in this process, on the engine of its share key (built, or a dead one replaced)."""
         engine = self.engine(build)
-        stage = build.node_type.stage(build.node, build.config, build.policy, engine)
+        stage = build.node_type.stage(build.node, build.config, build.policy, build.settings, engine)
         if stage.kind != build.node_type.kind:
             raise PluginError(f"node type {build.node_type.name!r} declares kind {build.node_type.kind!r} but its "
                               f"stage factory built a stage of kind {stage.kind!r}")
@@ -182,6 +195,6 @@ class GraphBuilder:
     def engine(self, build: NodeBuild) -> Engine:
         engine = self.engines.get(build.key)
         if engine is None or engine.dead is not None:  # a dead engine takes nothing more: a new one
-            engine = build.node_type.engine(build.key[1])
+            engine = build.node_type.engine(build.settings)
             self.engines[build.key] = engine
         return engine

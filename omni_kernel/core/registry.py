@@ -27,16 +27,19 @@ class NodeType:
       dtype, device, engine limits) as one hashable value, computed without loading anything. It is where
       settings invalid for the checkpoint are refused (a UserError), before any model loads or worker starts.
     - `engine(settings)`: builds (loads) the Engine for those settings.
-    - `stage(node, config, policy, engine)`: the node's Stage over `engine`.
+    - `stage(node, config, policy, settings, engine)`: the node's Stage over `engine`, given the engine settings
+      the kernel computed for it (one `engine_settings` call per node and build).
 
     Nodes whose types have the same `engine` factory and equal settings share one engine per plugin host, in any
     pipeline (`share_key`): one batch, one KV pool, one copy of the weights. `config`, `params` and `policy` are
     attrs classes of `params.option` fields: the model-level settings, the request parameters each StageInput
     carries, and the node policy a pipeline plan sets (`NodeSpec.policy`, validated when the plan is built). An
     undeclared key is refused everywhere. `inputs` names the request inputs the node may read besides the prompt
-    (e.g. "image"). `check(node, config, policy, item)`, where given, refuses a request's inputs and parameters
-    before any model loads (the part of input processing that needs no model). `output_contract` names what its
-    StageOutput holds for a connector that declares a `source_contract`.
+    (e.g. "image"). `check(node, config, policy, settings, item)`, where given, refuses a request's inputs and
+    parameters before any model loads (the part of input processing that needs no model: the same checks the
+    stage's input processor runs first when the request is processed). `output_contract` names what its
+    StageOutput holds for a connector that declares a `source_contract` (or the node's policy does, where its
+    class declares an `output_contract` and the plan sets it: planner.output_contract).
     """
 
     name: str

@@ -132,7 +132,8 @@ def build_upper_engine(settings: UpperEngineSettings) -> Engine:
     return Engine(scheduler, UpperRunner())
 
 
-def build_upper_stage(node: NodeSpec, config: UpperConfig, policy: UpperPolicy, engine: Engine) -> Stage:
+def build_upper_stage(node: NodeSpec, config: UpperConfig, policy: UpperPolicy, settings: UpperEngineSettings,
+                      engine: Engine) -> Stage:
     """NodeType.stage: the node's Stage over its (possibly shared) engine."""
     inputs = UpperInputs(node.id, policy.chunk, policy.strip)
     return Stage(node, "text", inputs, engine, UpperOutputs(node.id))

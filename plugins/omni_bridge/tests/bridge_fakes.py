@@ -158,7 +158,7 @@ def ar_engine(settings: FakeAREngineSettings) -> Engine:
     return Engine(StepScheduler(max_batch=16), FakeARRunner())
 
 
-def ar_stage(node, config, policy, engine: Engine) -> Stage:
+def ar_stage(node, config, policy, settings, engine: Engine) -> Stage:
     return Stage(node, "ar", None, engine, FakeAROutputs(node.id))
 
 
@@ -171,7 +171,7 @@ def wan_phases(item) -> tuple[str, ...]:
     return ("prepare", *["denoise"] * item.params.num_inference_steps, "decode", "export")
 
 
-def wan_stage(node, config, policy, engine: Engine) -> Stage:
+def wan_stage(node, config, policy, settings, engine: Engine) -> Stage:
     return Stage(node, "diffusion", None, engine, FakeWanOutputs(node.id))
 
 

@@ -107,10 +107,12 @@ def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_mode
     return Engine(scheduler, ARModelRunner(backend, kv, grammars))
 
 
-def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, engine: Engine, tokenizer=None) -> Stage:
-    """An AR node's stage over `engine` (build_engine's, for `lm`), which other nodes' stages (of other pipelines)
-    may share. `tokenizer`: as for build_engine; with it, input processing may run beside a step."""
-    context_window, scheduler, runner = lm.context_window, engine.scheduler, engine.runner
+def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, max_num_seqs: int,
+                max_num_batched_tokens: int, engine: Engine, tokenizer=None) -> Stage:
+    """An AR node's stage over `engine` (build_engine's, for `lm` and the engine limits given), which other nodes'
+    stages (of other pipelines) may share; its KV pool and compile cache are the engine's runner's.
+    `tokenizer`: as for build_engine; with it, input processing may run beside a step."""
+    context_window, runner = lm.context_window, engine.runner
     kv = runner.kv
     inputs = ARInputProcessor(tokenizer or lm.tokenizer, settings, context_window, lm.vocab_size, kv.capacity,
                               grammars=runner.grammars, concurrent=tokenizer is not None)
@@ -122,7 +124,7 @@ def build_stage(node: NodeSpec, lm: CausalLM, settings: ARNodeSettings, engine: 
         f"{node.id}: {kv.backend} KV backend, {kv.num_blocks} blocks x {kv.block_size} tokens = {kv.capacity} tokens "
         f"({kv.capacity * kv.bytes_per_token / 2**20:.1f} MiB {lm.dtype}); max concurrency "
         f"{kv.capacity / context_window:.1f} requests at the full {context_window}-token context; up to "
-        f"{scheduler.max_num_seqs} sequences and {scheduler.max_num_batched_tokens} tokens per step; prefix caching "
+        f"{max_num_seqs} sequences and {max_num_batched_tokens} tokens per step; prefix caching "
         f"{'on' if kv.prefix_caching else 'off'}; decode steps {compiled}")
     return Stage(node, "ar", inputs, engine, outputs, summary)
 

@@ -14,6 +14,7 @@ import attrs
 
 from omni_kernel.core.ar_scheduler import ARPrompt
 from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.params import check_prompt
 from omni_kernel.core.request import StageInput
 
 from .config import ARNodeSettings, QwenParams
@@ -30,6 +31,22 @@ def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | Non
         raise InputError(f"the prompt ({len(prompt.token_ids)} tokens) and its token budget need {needed} KV slots but "
                          f"this stage's KV pool holds {capacity_tokens} tokens: raise ar_kv_memory or lower "
                          "max_tokens")
+
+
+def check_request(item: StageInput, settings: ARNodeSettings) -> None:
+    """What processing refuses without the model or its tokenizer (the node type's `check`, before any model
+    loads, and the first thing `process` does): the prompt must say something unless chat messages or token ids
+    stand for it; messages come alone, and only to a node that takes them."""
+    params = item.params if item.params is not None else QwenParams()
+    messages = getattr(params, "messages", None)
+    given = getattr(params, "prompt_token_ids", None)
+    if messages is not None:
+        if given is not None or item.prompt.strip():
+            raise InvalidParameter("messages", "give either messages or a prompt (or prompt_token_ids), not both")
+        if settings.render is not None or not settings.chat:
+            raise InvalidParameter("messages", "this node writes its own prompt and takes no chat messages")
+    elif given is None:
+        check_prompt(item.prompt)
 
 
 def longest_token(tokenizer) -> int:
@@ -75,14 +92,15 @@ class ARInputProcessor:
                                           f"({self.max_chars} characters at most)")
 
     def check(self, item: StageInput) -> None:
-        pass  # an AR node is an entry node: its input is processed at submit
+        check_request(item, self.settings)
 
     def process(self, item: StageInput) -> StageInput:
         """The input with `processed` set to its ARPrompt and `params.seed` fixed; InputError when it cannot run."""
+        self.check(item)
         params = item.params if item.params is not None else QwenParams()
         messages = getattr(params, "messages", None)
         if messages is not None:
-            ids, mode = self.encode_messages(item.prompt, messages, getattr(params, "prompt_token_ids", None))
+            ids, mode = self.encode_messages(messages)
         else:
             ids, mode = self.encode(item.prompt, getattr(params, "prompt_token_ids", None),
                                     getattr(params, "raw_prompt", False))
@@ -112,8 +130,6 @@ class ARInputProcessor:
                                        f"holds ids outside the vocabulary (0..{self.vocab_size - 1})")
         else:
             self.check_length("prompt", len(prompt))
-            if not prompt.strip():
-                raise InputError("the prompt is empty")
             ids, mode = self.tokenize(prompt, raw)
             if not ids:
                 raise InputError("the prompt encodes to no tokens")
@@ -122,12 +138,9 @@ class ARInputProcessor:
                              f"{self.context_window} tokens (room is needed for at least one new token)")
         return ids, self.settings.prompt_label + mode
 
-    def encode_messages(self, prompt: str, messages, given) -> tuple[list[int], str]:
-        """Chat messages through the model's chat template (multi-turn, with a system message or not)."""
-        if given is not None or prompt.strip():
-            raise InvalidParameter("messages", "give either messages or a prompt (or prompt_token_ids), not both")
-        if self.settings.render is not None or not self.settings.chat:
-            raise InvalidParameter("messages", "this node writes its own prompt and takes no chat messages")
+    def encode_messages(self, messages) -> tuple[list[int], str]:
+        """Chat messages through the model's chat template (multi-turn, with a system message or not), once
+        `check_request` has let them through."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError("the model has no chat template, so it cannot take chat messages; send a prompt")
         self.check_length("messages", sum(len(c) for _, c in messages))

@@ -4,16 +4,19 @@ and owns the loaded models. Imports no torch: models load when an engine is buil
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 import attrs
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.core.engine import Engine
+from omni_kernel.core.request import StageInput
 from omni_kernel.core.stage import Stage
 
-from .bridge_prompt import ANSWER_PREFIX, CONTRACT, bridge_messages, bridge_prompt
+from .bridge_prompt import bridge_messages, bridge_prompt
 from .config import ARNodeSettings, PromptBridgePolicy, QwenConfig, QwenParams, TextGenerationPolicy
+from .inputs import check_request
 
 log = logging.getLogger("omni")
 
@@ -58,21 +61,20 @@ class QwenStages:
                             self.tokenizer(key))
 
     def text_generation(self, node: NodeSpec, config: QwenConfig, policy: TextGenerationPolicy,
-                        engine: Engine) -> Stage:
-        settings = ARNodeSettings(chat=policy.chat, max_tokens=policy.max_tokens)
-        return self._stage(node, config, settings, engine)
+                        settings: QwenEngineSettings, engine: Engine) -> Stage:
+        return self._stage(node, settings, text_generation_node(policy), engine)
 
-    def prompt_bridge(self, node: NodeSpec, config: QwenConfig, policy: PromptBridgePolicy, engine: Engine) -> Stage:
-        settings = ARNodeSettings(chat=policy.chat, render=bridge_prompt, messages=bridge_messages,
-                                  answer_prefix=ANSWER_PREFIX, max_tokens=policy.max_tokens, contract=CONTRACT,
-                                  prompt_label="bridge_", json_schema=policy.json_schema)
-        return self._stage(node, config, settings, engine)
+    def prompt_bridge(self, node: NodeSpec, config: QwenConfig, policy: PromptBridgePolicy,
+                      settings: QwenEngineSettings, engine: Engine) -> Stage:
+        return self._stage(node, settings, prompt_bridge_node(policy), engine)
 
-    def _stage(self, node: NodeSpec, config: QwenConfig, settings: ARNodeSettings, engine: Engine) -> Stage:
+    def _stage(self, node: NodeSpec, settings: QwenEngineSettings, node_settings: ARNodeSettings,
+               engine: Engine) -> Stage:
         from .build import build_stage
 
-        key = self._key(config)
-        return build_stage(node, self.model(key), settings, engine, self.tokenizer(key))
+        key = settings.model
+        return build_stage(node, self.model(key), node_settings, settings.max_num_seqs,
+                           settings.config.ar_max_num_batched_tokens, engine, self.tokenizer(key))
 
     def _key(self, config: QwenConfig) -> tuple:
         from omni_hf import resolve_device  # torch-free: a front that places the stage in a worker loads nothing
@@ -103,6 +105,29 @@ class QwenStages:
         return self.tokenizers.acquire(key).model
 
 
+def text_generation_node(policy: TextGenerationPolicy) -> ARNodeSettings:
+    return ARNodeSettings(chat=policy.chat, max_tokens=policy.max_tokens)
+
+
+def prompt_bridge_node(policy: PromptBridgePolicy) -> ARNodeSettings:
+    """The answer's format comes with the policy (omni_bridge's pipelines give the guidance contract's)."""
+    prefix = policy.answer_prefix
+    return ARNodeSettings(chat=policy.chat, render=partial(bridge_prompt, answer_prefix=prefix),
+                          messages=partial(bridge_messages, answer_prefix=prefix), answer_prefix=prefix or "",
+                          max_tokens=policy.max_tokens, contract=policy.output_contract, prompt_label="bridge_",
+                          json_schema=policy.json_schema)
+
+
+def check_text_generation(node: NodeSpec, config: QwenConfig, policy: TextGenerationPolicy,
+                          settings: QwenEngineSettings, item: StageInput) -> None:
+    check_request(item, text_generation_node(policy))
+
+
+def check_prompt_bridge(node: NodeSpec, config: QwenConfig, policy: PromptBridgePolicy, settings: QwenEngineSettings,
+                        item: StageInput) -> None:
+    check_request(item, prompt_bridge_node(policy))
+
+
 def _load_causal_lm(key: tuple):
     from .model import CausalLM
 
@@ -130,15 +155,18 @@ class QwenPlugin:
     def omni_register_node_types(self, register):
         stages = self.stages  # both node types build on its one `engine`: equal settings share one engine
         register(NodeType("ar.text_generation", "ar", engine_settings=stages.engine_settings, engine=stages.engine,
-                          stage=stages.text_generation, config=QwenConfig, params=QwenParams,
+                          stage=stages.text_generation, check=check_text_generation, config=QwenConfig,
+                          params=QwenParams,
                           policy=TextGenerationPolicy,
                           description="the prompt as one user message through the chat template; stops at EOS or "
                                       "the context window"))
         register(NodeType("ar.prompt_bridge", "ar", engine_settings=stages.engine_settings, engine=stages.engine,
-                          stage=stages.prompt_bridge, config=QwenConfig, params=QwenParams,
-                          policy=PromptBridgePolicy, output_contract=CONTRACT,
-                          description="asks the model for JSON supplemental guidance for a Wan video prompt "
-                                      "(contract supplemental_guidance, internal token budget)"))
+                          stage=stages.prompt_bridge, check=check_prompt_bridge, config=QwenConfig,
+                          params=QwenParams,
+                          policy=PromptBridgePolicy,
+                          description="asks the model for supplemental guidance for a Wan video prompt, in the "
+                                      "format its policy gives (omni_bridge's pipelines: their guidance JSON; "
+                                      "internal token budget)"))
 
     @hookimpl
     def omni_register_pipelines(self, register):

@@ -114,6 +114,23 @@ def test_bad_request_is_one_line_exit_2(tiny_ckpt, args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("args, line", [
+    (["--prompt", ""], "Error: the prompt is empty"),
+    (["--prompt", " \n "], "Error: the prompt is empty"),
+    (["--prompt", "hi", "-o", "messages=user: hi"],
+     "Error: invalid messages: give either messages or a prompt (or prompt_token_ids), not both"),
+])
+def test_a_bad_prompt_is_refused_before_the_model_loads(tiny_ckpt, monkeypatch, args, line):
+    """The node type's check (inputs.check_request) runs before anything is built: no model loads for it."""
+    from omni_kernel.core.planner import GraphBuilder
+
+    built = []
+    monkeypatch.setattr(GraphBuilder, "build", lambda self, plan, *a, **k: built.append(plan.name))
+    result = omni("--ar-model", str(tiny_ckpt), *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == line and built == []
+
+
 def test_bad_dtype_is_refused(tiny_ckpt, host):
     from omni_kernel import Omni
     from omni_kernel.core.errors import InvalidParameter

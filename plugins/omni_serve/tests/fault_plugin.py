@@ -35,7 +35,7 @@ def build_engine(settings: FaultEngineSettings) -> Engine:
     return Engine(scheduler, IdentityRunner())
 
 
-def build_stage(node, config, policy, engine: Engine) -> Stage:
+def build_stage(node, config, policy, settings, engine: Engine) -> Stage:
     return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
 
 

@@ -64,7 +64,7 @@ def build_flaky(settings: EchoEngineSettings) -> Engine:
     return _engine(settings, IdentityRunner())
 
 
-def echo_stage(node: NodeSpec, config, policy, engine: Engine) -> Stage:
+def echo_stage(node: NodeSpec, config, policy, settings, engine: Engine) -> Stage:
     return Stage(node, "ar", EchoInputs(), engine, EchoOutputs(node.id))
 
 

@@ -104,9 +104,10 @@ def build_engine(settings: WanEngineSettings, pool: omni_hf.ModelPool, cache: Pr
     return Engine(scheduler, runner)
 
 
-def build_stage(node: NodeSpec, config: WanConfig, policy: WanPolicy, engine: Engine) -> Stage:
-    """The node's stage over `engine` (which other Wan nodes of the same settings may share)."""
-    settings = engine_settings(node, config, policy)
+def build_stage(node: NodeSpec, config: WanConfig, policy: WanPolicy, settings: WanEngineSettings,
+                engine: Engine) -> Stage:
+    """The node's stage over `engine` (which other Wan nodes of the same settings may share); `settings` are the
+    node's engine settings, as the kernel computed them."""
     layout, device = settings.layout, settings.device
     budget, why = token_budget(config, device, layout)
     label = config.model or DEMO_LABEL
@@ -117,10 +118,11 @@ def build_stage(node: NodeSpec, config: WanConfig, policy: WanPolicy, engine: En
                  WanOutputProcessor(node.id, model_trace), summary)
 
 
-def check_request(node: NodeSpec, config: WanConfig, policy: WanPolicy, item: StageInput) -> None:
+def check_request(node: NodeSpec, config: WanConfig, policy: WanPolicy, settings: WanEngineSettings,
+                  item: StageInput) -> None:
     """A request's inputs and parameters against the node (the input processor's check), before any model loads:
     the prompt, the output path, the image against the image policy, the settings against the checkpoint."""
-    input_processor(engine_settings(node, config, policy), policy).check(item)
+    input_processor(settings, policy).check(item)
 
 
 def input_processor(settings: WanEngineSettings, policy: WanPolicy) -> WanInputProcessor:

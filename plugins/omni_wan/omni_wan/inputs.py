@@ -20,15 +20,16 @@ from typing import Any
 
 import attrs
 
-from omni_kernel.core.errors import InputError, InvalidParameter
+from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.params import check_prompt
 from omni_kernel.core.request import StageInput
 from omni_kernel.util.files import check_output_path
 
 from .calibration import require_ratios
 from .images import image_digest, image_size, open_image
 from .layout import ModelLayout
-from .params import IMAGE_POLICIES, WanParams
-from .presets import Settings, resolve
+from .params import IMAGE_POLICIES, WanParams, resolve
+from .presets import Settings
 from .profiler import profile_path
 
 
@@ -43,10 +44,9 @@ class WanInput:
 
 
 def check_request(prompt: str, output: str | None, request_id: str, profile: bool = False) -> Path:
-    """The request's output path; InputError for an empty prompt, InvalidParameter("output") for a path that
-    cannot be written (see omni_kernel.util.files.check_output_path)."""
-    if not prompt.strip():
-        raise InputError("the prompt is empty")
+    """The request's output path; InputError for an empty prompt (the kernel's check_prompt),
+    InvalidParameter("output") for a path that cannot be written (see omni_kernel.util.files.check_output_path)."""
+    check_prompt(prompt)
     if output is not None and not output.strip():
         raise InvalidParameter("output", "is empty; name a file such as out.mp4, or leave it out for "
                                          f"omni_{request_id}.mp4")
@@ -59,7 +59,6 @@ def check_request(prompt: str, output: str | None, request_id: str, profile: boo
     if profile:
         check_output_path(profile_path(target), "output")
     return target
-
 
 
 def check_image_policy(policy: str, image: str | None) -> bool:
@@ -95,26 +94,33 @@ class WanInputProcessor:
 
     def check(self, item: StageInput) -> None:
         # The image header's size is enough to resolve and validate the settings; the pixels are decoded once,
-        # when the connector's input is processed.
-        params = _params(item)
-        check_request(item.prompt, params.output, item.request_id, params.profile)
-        given = check_image_policy(self.image_policy, item.image)
-        settings = resolve(params, self.layout, image_size(item.image) if given else None, self.default_preset)
-        check_guidance(settings.guidance_scale, self.cfg_parallel)
-        self._check_step_cache(settings)
+        # when the input is processed.
+        _, given = self._inputs(item)
+        self._settings(item, image_size(item.image) if given else None)
 
     def process(self, item: StageInput) -> StageInput:
-        params = _params(item)
-        output = check_request(item.prompt, params.output, item.request_id, params.profile)
-        image = open_image(item.image) if check_image_policy(self.image_policy, item.image) else None
-        settings = resolve(params, self.layout, None if image is None else image.size, self.default_preset)
-        check_guidance(settings.guidance_scale, self.cfg_parallel)
-        self._check_step_cache(settings)
+        # Not `check` and then the rest: the settings are resolved once, from the decoded image, whose EXIF
+        # orientation (which the header's size does not apply) can make a landscape file a portrait video.
+        output, given = self._inputs(item)
+        image = open_image(item.image) if given else None
+        settings = self._settings(item, None if image is None else image.size)
         if settings.seed is None:
             settings = attrs.evolve(settings, seed=secrets.randbelow(2**31))
         digest = None if image is None else image_digest(image)
         return attrs.evolve(item, processed=WanInput(settings, image, digest, output.absolute()))
 
+    def _inputs(self, item: StageInput) -> tuple[Path, bool]:
+        """The prompt, the output path (returned) and whether the request brings an image, against the policy."""
+        params = _params(item)
+        output = check_request(item.prompt, params.output, item.request_id, params.profile)
+        return output, check_image_policy(self.image_policy, item.image)
+
+    def _settings(self, item: StageInput, image_size: tuple[int, int] | None) -> Settings:
+        """The request's settings, resolved against the model and checked against the stage."""
+        settings = resolve(_params(item), self.layout, image_size, self.default_preset)
+        check_guidance(settings.guidance_scale, self.cfg_parallel)
+        self._check_step_cache(settings)
+        return settings
 
     def _check_step_cache(self, settings: Settings) -> None:
         """`mag` needs the checkpoint's calibrated ratios (calibration.py): refused before any work without them."""

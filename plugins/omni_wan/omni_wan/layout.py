@@ -5,8 +5,10 @@ A missing or wrong directory is a ModelError (exit 2) at stage build, before any
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from pathlib import Path
 
 import attrs
@@ -37,7 +39,37 @@ class ModelLayout:
 
 
 def read_layout(path: str | Path) -> ModelLayout:
+    """The checkpoint's layout, read from disk once per directory while the files it is read from stay as they are
+    (every check of a request and every build asks for it)."""
     root = Path(path).expanduser()
+    stamp = _stamp(root)
+    if stamp is None:
+        return _read_layout(root)  # it raises, naming what is missing
+    return _cached_layout(root.resolve(), stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_layout(root: Path, stamp: tuple) -> ModelLayout:
+    return _read_layout(root)
+
+
+def _stamp(root: Path) -> tuple | None:
+    """The modification times and sizes of what _read_layout reads (the index, the configs, the weights' folders
+    and their files), or None when one is missing."""
+    try:
+        stamps: list = [_mark(os.stat(root / name)) for name in ("model_index.json", *COMPONENTS)]
+        for name in WEIGHTS:
+            stamps += sorted((e.name, _mark(e.stat())) for e in os.scandir(root / name))
+    except OSError:
+        return None
+    return tuple(stamps)
+
+
+def _mark(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_mtime_ns, stat.st_size
+
+
+def _read_layout(root: Path) -> ModelLayout:
     if not root.exists():
         raise ModelError(f"model directory {str(root)!r} does not exist")
     if not root.is_dir():

@@ -1,7 +1,7 @@
 """What `diffusion.wan22_i2v` declares: its config (model-level, one per stage), its node policy (set by a pipeline
 plan, validated when the plan is built) and its request parameters.
 
-Request values left as None are filled from the preset when the request is processed (presets.resolve).
+Request values left as None are filled from the preset when the request is processed (`resolve`).
 Config keys share one flat namespace with the other nodes of a pipeline (the Qwen node's are `ar_`-prefixed).
 """
 
@@ -14,7 +14,8 @@ import attrs
 from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.params import MAX_SEED, boolean, integer, number, option, text
 
-from .presets import MAX_GUIDANCE, PRESETS
+from .layout import ModelLayout
+from .presets import DEFAULT_NEGATIVE_PROMPT, MAX_GUIDANCE, PRESETS, Settings, frames_for, validate
 from .step_cache import DEFAULT_THRESHOLDS, METHODS
 
 VAE_DTYPES = ("fp32", "bf16", "fp16")
@@ -110,3 +111,46 @@ class WanParams:
         flag="--step-cache-threshold", validator=number(minimum=0))
     return_frames: bool = option(False, help="also return the frames as an array (StageOutput.data)", type=bool,
                                  validator=boolean)
+
+
+def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] | None,
+            default_preset: str) -> Settings:
+    """Fill what the request left open from its preset, orient the preset to the image (none: landscape), and
+    validate."""
+    name = params.preset or default_preset
+    preset = PRESETS.get(name)
+    if preset is None:
+        raise InvalidParameter("preset", f"{name!r} is not a preset; choose one of {', '.join(PRESETS)}")
+    height, width = preset.height, preset.width
+    # (width, height): a portrait image gets a portrait video; no image, the preset's landscape size
+    if image_size is not None and image_size[1] > image_size[0]:
+        height, width = width, height
+    settings = Settings(
+        preset=name,
+        height=_given(params.height, height),
+        width=_given(params.width, width),
+        num_frames=_given(params.num_frames, preset.num_frames if params.seconds is None
+                          else frames_for(params.seconds, layout)),
+        steps=_given(params.num_inference_steps, preset.steps),
+        guidance_scale=float(_given(params.guidance_scale, preset.guidance_scale)),
+        negative_prompt=_given(params.negative_prompt, DEFAULT_NEGATIVE_PROMPT),
+        seed=params.seed,
+        **step_cache(params.step_cache, params.step_cache_threshold))
+    validate(settings, layout)
+    return settings
+
+
+def step_cache(method: str | None, threshold: float | None) -> dict:
+    """The request's step cache and its threshold (the method's default when it names none)."""
+    method = method or "none"
+    if method == "none":
+        if threshold is not None:
+            raise InvalidParameter("step_cache_threshold", f"{threshold:g} has no step cache to act on: set "
+                                                           f"step_cache to {' or '.join(DEFAULT_THRESHOLDS)}")
+        return {"step_cache": "none", "step_cache_threshold": 0.0}
+    return {"step_cache": method,
+            "step_cache_threshold": float(DEFAULT_THRESHOLDS[method] if threshold is None else threshold)}
+
+
+def _given(value, default):
+    return default if value is None else value

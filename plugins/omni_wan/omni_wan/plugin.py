@@ -4,14 +4,17 @@ the kernel builds an engine (build.py)."""
 
 from __future__ import annotations
 
+import omni_hf
+
 from omni_kernel import hookimpl
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.graph import NodeSpec, PipelinePlan
 from omni_kernel.core.registry import NodeType
-from omni_kernel.core.request import StageInput
-from omni_kernel.core.stage import Stage
 
+from .build import WanEngineSettings, build_engine, build_stage, check_request, engine_settings
+from .loader import load
 from .params import WanConfig, WanParams, WanPolicy
+from .prepare_cache import PrepareCache
 
 NODE_TYPE = "diffusion.wan22_i2v"
 # The node policy `image` says whether a request brings an image (params.IMAGE_POLICIES): the same node type, model
@@ -25,37 +28,16 @@ WAN_T2V_PIPELINE = PipelinePlan("wan_t2v", [NodeSpec("wan", NODE_TYPE, final=Tru
 
 
 class WanStages:
-    """The `diffusion.wan22_i2v` node type's factories (build.py), over the loaded models and the prepare cache
-    they own: a model loads once per process and plugin host and stays loaded, whichever engines use it."""
+    """What every Wan engine of a plugin host shares: the loaded models (a model loads once per process and plugin
+    host and stays loaded, whichever engines use it) and the prepare cache. The node type's other parts need
+    neither (build.py)."""
 
     def __init__(self):
-        import omni_hf
-
-        from .loader import load
-        from .prepare_cache import PrepareCache
-
         self.pool = omni_hf.ModelPool(load)
         self.cache = PrepareCache()
 
-    def engine_settings(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None):
-        from .build import engine_settings
-
-        return engine_settings(node, config or WanConfig(), policy or WanPolicy())
-
-    def engine(self, settings) -> Engine:
-        from .build import build_engine
-
+    def engine(self, settings: WanEngineSettings) -> Engine:
         return build_engine(settings, self.pool, self.cache)
-
-    def stage(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None, engine: Engine) -> Stage:
-        from .build import build_stage
-
-        return build_stage(node, config or WanConfig(), policy or WanPolicy(), engine)
-
-    def check(self, node: NodeSpec, config: WanConfig | None, policy: WanPolicy | None, item: StageInput) -> None:
-        from .build import check_request
-
-        check_request(node, config or WanConfig(), policy or WanPolicy(), item)
 
 
 class WanPlugin:
@@ -64,9 +46,8 @@ class WanPlugin:
 
     @hookimpl
     def omni_register_node_types(self, register):
-        stages = self.stages
-        register(NodeType(NODE_TYPE, "diffusion", engine_settings=stages.engine_settings, engine=stages.engine,
-                          stage=stages.stage, check=stages.check, config=WanConfig, params=WanParams,
+        register(NodeType(NODE_TYPE, "diffusion", engine_settings=engine_settings, engine=self.stages.engine,
+                          stage=build_stage, check=check_request, config=WanConfig, params=WanParams,
                           policy=WanPolicy, inputs={"image"},
                           description="Wan2.2 TI2V-5B image- or text-to-video over diffusers, written to MP4"))
 

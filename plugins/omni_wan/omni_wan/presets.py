@@ -1,21 +1,16 @@
-"""Presets and the resolution of a request's WanParams into concrete, validated settings."""
+"""Presets, the concrete settings a request resolves to (params.resolve) and their validation against the model."""
 
 from __future__ import annotations
 
 import functools
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
 from omni_kernel.core.errors import InvalidParameter
 
 from .layout import ModelLayout
-from .step_cache import DEFAULT_THRESHOLDS
-
-if TYPE_CHECKING:
-    from .params import WanParams
 
 # Wan2.2's own default negative prompt (its sample_neg_prompt), as the model card's examples pass it.
 DEFAULT_NEGATIVE_PROMPT = (
@@ -73,45 +68,6 @@ class Settings:
                 "diffusion.step_cache_threshold": self.step_cache_threshold}
 
 
-def resolve(params: WanParams, layout: ModelLayout, image_size: tuple[int, int] | None,
-            default_preset: str) -> Settings:
-    """Fill what the request left open from its preset, orient the preset to the image (none: landscape), and
-    validate."""
-    name = params.preset or default_preset
-    preset = PRESETS.get(name)
-    if preset is None:
-        raise InvalidParameter("preset", f"{name!r} is not a preset; choose one of {', '.join(PRESETS)}")
-    height, width = preset.height, preset.width
-    # (width, height): a portrait image gets a portrait video; no image, the preset's landscape size
-    if image_size is not None and image_size[1] > image_size[0]:
-        height, width = width, height
-    settings = Settings(
-        preset=name,
-        height=_given(params.height, height),
-        width=_given(params.width, width),
-        num_frames=_given(params.num_frames, preset.num_frames if params.seconds is None
-                          else frames_for(params.seconds, layout)),
-        steps=_given(params.num_inference_steps, preset.steps),
-        guidance_scale=float(_given(params.guidance_scale, preset.guidance_scale)),
-        negative_prompt=_given(params.negative_prompt, DEFAULT_NEGATIVE_PROMPT),
-        seed=params.seed,
-        **step_cache(params.step_cache, params.step_cache_threshold))
-    validate(settings, layout)
-    return settings
-
-
-def step_cache(method: str | None, threshold: float | None) -> dict:
-    """The request's step cache and its threshold (the method's default when it names none)."""
-    method = method or "none"
-    if method == "none":
-        if threshold is not None:
-            raise InvalidParameter("step_cache_threshold", f"{threshold:g} has no step cache to act on: set "
-                                                           f"step_cache to {' or '.join(DEFAULT_THRESHOLDS)}")
-        return {"step_cache": "none", "step_cache_threshold": 0.0}
-    return {"step_cache": method,
-            "step_cache_threshold": float(DEFAULT_THRESHOLDS[method] if threshold is None else threshold)}
-
-
 def frames_for(seconds: float, layout: ModelLayout) -> int:
     """The frame count of the valid form (temporal_factor * k + 1) nearest to `seconds` at the model's fps."""
     t = layout.temporal_factor
@@ -156,10 +112,6 @@ def max_steps(path: Path) -> int:
         if len(set(scheduler.timesteps.tolist())) < steps:
             return steps - 1
     return MAX_STEPS
-
-
-def _given(value, default):
-    return default if value is None else value
 
 
 def _nearest(value: int, step: int, offset: int, low: int, high: int) -> str:

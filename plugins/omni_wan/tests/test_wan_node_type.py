@@ -60,10 +60,13 @@ def test_the_request_check_refuses_an_image_against_the_policy_before_any_model_
                                                                                         image_path, tmp_path):
     config = WanConfig(model=str(tiny_model), device="cpu")
     params = WanParams(output=str(tmp_path / "v.mp4"))
+
+    def check(policy: WanPolicy, item: StageInput) -> None:
+        node_type.check(node({}), config, policy, engine_settings(node({}), config, policy), item)
+
     with pytest.raises(InvalidParameter, match="image: this pipeline renders video from the prompt alone"):
-        with_image = StageInput("r", "a cat", image=str(image_path), params=params)
-        node_type.check(node({}), config, WanPolicy(image="none"), with_image)
+        check(WanPolicy(image="none"), StageInput("r", "a cat", image=str(image_path), params=params))
     with pytest.raises(InvalidParameter, match="image: this pipeline needs an input image"):
-        node_type.check(node({}), config, WanPolicy(image="required"), StageInput("r", "a cat", params=params))
-    node_type.check(node({}), config, WanPolicy(image="optional"), StageInput("r", "a cat", params=params))
+        check(WanPolicy(image="required"), StageInput("r", "a cat", params=params))
+    check(WanPolicy(image="optional"), StageInput("r", "a cat", params=params))
     assert list(tmp_path.iterdir()) == []

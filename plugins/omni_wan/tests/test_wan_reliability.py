@@ -93,12 +93,18 @@ CLI_CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
-def test_cli_case(case, tiny_model, image_path, sandbox):
-    build, code, expected = CLI_CASES[case]
+def test_cli_case(case, tiny_model, image_path, sandbox, monkeypatch):
+    """Each is refused before anything is built: no model loads for a bad request."""
+    from omni_kernel.core.planner import GraphBuilder
+
+    built = []
+    monkeypatch.setattr(GraphBuilder, "build", lambda self, plan, *a, **k: built.append(plan.name))
+    args, code, expected = CLI_CASES[case]
     before = snapshot(sandbox)
     dev = {p: os.stat(p).st_rdev for p in ("/dev/null", "/dev/full")}
-    result = wan(tiny_model, image_path, *SMOKE, *build(sandbox))
+    result = wan(tiny_model, image_path, *SMOKE, *args(sandbox))
     assert_one_line(result, code, expected)
+    assert built == []
     assert snapshot(sandbox) == before
     assert {p: os.stat(p).st_rdev for p in dev} == dev and all(stat.S_ISCHR(os.stat(p).st_mode) for p in dev)
 

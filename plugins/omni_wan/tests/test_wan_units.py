@@ -12,9 +12,9 @@ from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.params import ARParams, options_of
 from omni_wan.device import place
 from omni_wan.layout import ModelLayout
-from omni_wan.params import VAE_DTYPES, WanConfig, WanParams
+from omni_wan.params import VAE_DTYPES, WanConfig, WanParams, resolve
 from omni_wan.prepare_cache import MAX_ENTRIES, PrepareCache
-from omni_wan.presets import PRESETS, resolve
+from omni_wan.presets import PRESETS
 from omni_wan.video import write_mp4
 
 from wan_mp4 import read_mp4

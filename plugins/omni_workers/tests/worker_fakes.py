@@ -254,11 +254,11 @@ def build_render_engine(settings: FakeEngineSettings) -> Engine:
     return Engine(StepScheduler(max_batch=8, num_steps=render_steps), runner)
 
 
-def build_words(node: NodeSpec, config, policy: FakePolicy, engine: Engine) -> Stage:
+def build_words(node: NodeSpec, config, policy: FakePolicy, settings, engine: Engine) -> Stage:
     return Stage(node, "ar", WordsInputs(), engine, WordsOutputs(node.id))
 
 
-def build_render(node: NodeSpec, config, policy: FakePolicy, engine: Engine) -> Stage:
+def build_render(node: NodeSpec, config, policy: FakePolicy, settings, engine: Engine) -> Stage:
     return Stage(node, "video", RenderInputs(policy.concurrent_process), engine, RenderOutputs(node.id))
 
 
