@@ -51,7 +51,8 @@ def test_requests_run_side_by_side(host):
 
 
 def test_blank_text_is_a_user_error(host):
-    with pytest.raises(UserError, match="no text to upper-case"):
+    # The entry node (the kernel's echo) refuses a blank prompt by the kernel's one rule, before this plugin's node
+    with pytest.raises(UserError, match="the prompt is empty"):
         Omni("echo_upper", host=host).generate("   ")
 
 
