@@ -4,6 +4,7 @@ value goes to every served pipeline whose node types declare it."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -17,6 +18,7 @@ from omni_kernel.cli.options import placement_options, run_setting_names
 from omni_kernel.core.errors import GraphError, OmniError, UserError
 from omni_kernel.plugins import load_host
 
+from .settings import ServeSettings, Timeouts
 from .store import ON_RESTART, JobStore
 
 log = logging.getLogger("omni")
@@ -32,17 +34,35 @@ def _host(ctx: click.Context):
     return host
 
 
+@attrs.frozen
+class Declared:
+    """What the installed plugins add to `omni serve`: the node types' config flags and the names of the
+    placements' run settings (the destinations of their flags)."""
+
+    flags: tuple[Flag, ...]
+    settings: tuple[str, ...]
+
+
+def _declared(ctx: click.Context) -> Declared:
+    """Found once per invocation and kept beside the plugin host in the context's object, so the parser and the
+    callback read the same flags (and a flag two plugins declare is warned of once)."""
+    obj = ctx.find_object(dict)
+    if obj is not None and obj.get("serve_declared") is not None:
+        return obj["serve_declared"]
+    registry = _host(ctx).registry
+    found = Declared(tuple(f for f in collect(registry) if f.where == "config"), tuple(run_setting_names(registry)))
+    if obj is not None:
+        obj["serve_declared"] = found
+    return found
+
+
 class ServeCommand(click.Command):
     """Adds the node types' config flags and the installed placements' run-setting flags when the command is
     parsed or its help is shown."""
 
     def get_params(self, ctx: click.Context):
         params = super().get_params(ctx)
-        registry = _host(ctx).registry
-        if not hasattr(ctx, "_omni_flags"):
-            ctx._omni_flags = [f for f in collect(registry) if f.where == "config"]
-            ctx._omni_settings = run_setting_names(registry)
-        added = [_option(f) for f in ctx._omni_flags] + placement_options(registry)
+        added = [_option(f) for f in _declared(ctx).flags] + placement_options(_host(ctx).registry)
         return params[:-1] + added + params[-1:]  # --help stays last
 
 
@@ -95,21 +115,15 @@ def serve_command() -> click.Command:
     ]
 
     @click.pass_context
-    def serve(ctx, pipelines, host, port, api_key, aliases, output_dir, jobs_db, on_restart, video_ttl, max_body_mb,
-              max_text_body_mb, allowed_origins, max_in_flight, shutdown_timeout, header_timeout, body_timeout, keep_alive_timeout,
-              config_pairs, ui, log_level, **given):
-        run_settings = {key: given.pop(key) for key in ctx._omni_settings}
-        flags = {f.dest: f for f in ctx._omni_flags}
-        chosen = {flags[k]: v for k, v in given.items() if k in flags and v is not None and v != ()}
+    def serve(ctx, pipelines, config_pairs, **options):
+        plugin_host, declared_here = _host(ctx), _declared(ctx)
+        run_settings = {key: options.pop(key) for key in declared_here.settings}
+        chosen = {flag: options.pop(flag.dest, None) for flag in declared_here.flags}
+        chosen = {flag: value for flag, value in chosen.items() if value is not None and value != ()}
         try:
-            run_server(_host(ctx), pipelines, chosen, config_pairs, host=host, port=port, api_key=api_key,
-                       aliases=aliases, output_dir=output_dir, video_ttl=video_ttl, max_body_mb=max_body_mb,
-                       jobs_db=jobs_db, on_restart=on_restart,
-                       max_text_body_mb=max_text_body_mb,
-                       allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
-                       max_in_flight=max_in_flight or None,
-                       timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout), run_settings=run_settings,
-                       ui=ui)
+            _check_limits(options["max_body_mb"], options["max_text_body_mb"], options["shutdown_timeout"])
+            plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs, run_settings)
+            run_server(plugin_host, plan, serve_settings(list(plan), **options))
         except UserError as exc:
             raise _UsageError(" ".join(str(exc).split())) from None
         except OmniError as exc:
@@ -128,16 +142,6 @@ class _UsageError(click.ClickException):
 SHUTDOWN_GRACE_S = 3.0  # after --shutdown-timeout, what is left is failed; its error events get this long to go out
 
 
-@attrs.frozen
-class Timeouts:
-    """Slow clients' bounds (seconds; 0: none): a request's headers (from its first byte), its body (from its
-    headers), an idle kept-alive connection."""
-
-    header: float = 10.0
-    body: float = 60.0
-    keep_alive: float = 5.0
-
-
 def timeout_options() -> list[click.Option]:
     seconds = click.FloatRange(min=0)
     return [
@@ -150,9 +154,10 @@ def timeout_options() -> list[click.Option]:
     ]
 
 
-def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dict[str, tuple[str, dict]]:
-    """name -> (pipeline, config) for each pipeline to serve; a flag or -c key that no served pipeline uses is
-    refused. With no --pipeline: every registered pipeline whose graph validates."""
+def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs,
+                   run_settings: dict | None = None) -> dict[str, tuple[str, dict]]:
+    """name -> (pipeline, config and run settings) for each pipeline to serve; a flag or -c key that no served
+    pipeline uses is refused. With no --pipeline: every registered pipeline whose graph validates."""
     from omni_kernel.core.planner import Planner
 
     registry = host.registry
@@ -180,35 +185,39 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs) -> dic
     if unknown := sorted(pair_keys - known):
         raise UserError(f"invalid {unknown[0]}: no served pipeline has the config key {unknown[0]!r}; "
                         f"valid config keys: {', '.join(sorted(known)) or 'none'}")
+    run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
     out = {}
     for name, plan in plans.items():
         mine = declared(registry, plan, "config")
         flags = {f: v for f, v in chosen.items() if f.name in mine}
         pairs = tuple(i for i in config_pairs if i.partition("=")[0].strip().replace("-", "_") in mine)
-        out[name] = (name, values(registry, plan, flags, {"config": pairs})["config"])
+        out[name] = (name, {**values(registry, plan, flags, {"config": pairs})["config"], **run_settings})
     return out
 
 
-def run_server(plugin_host, pipelines, chosen, config_pairs, *, host: str, port: int, api_key: str | None,
-               aliases, output_dir, video_ttl: float, max_body_mb: float, allowed_origins, shutdown_timeout: float,
-               log_level: str, run_settings: dict | None = None, max_in_flight: int | None = None,
-               timeouts: Timeouts | None = None, max_text_body_mb: float = 4.0, jobs_db=None,
-               on_restart: str = "fail", ui: bool = True) -> None:
-    _check_limits(max_body_mb, max_text_body_mb, shutdown_timeout)
-    timeouts = timeouts or Timeouts()
-    _return_large_blocks()
-    plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs)
-    run_settings = {k: v for k, v in (run_settings or {}).items() if v is not None and v != ""}
-    plan = {name: (pipeline, {**config, **run_settings}) for name, (pipeline, config) in plan.items()}
-    alias_map = parse_aliases(aliases, list(plan))
+def serve_settings(served: list[str], *, host: str, port: int, api_key: str | None, aliases, output_dir, jobs_db,
+                   on_restart: str, video_ttl: float, max_body_mb: float, max_text_body_mb: float, allowed_origins,
+                   max_in_flight: int, shutdown_timeout: float, header_timeout: float, body_timeout: float,
+                   keep_alive_timeout: float, ui: bool, log_level: str) -> ServeSettings:
+    """The settings of `omni serve` from its flags (by their destinations), for the `served` pipelines (which
+    --served-model-name names)."""
     output_dir = Path(output_dir).expanduser().absolute() if output_dir else default_output_dir()
     jobs_db = Path(jobs_db).expanduser().absolute() if jobs_db else output_dir / "jobs.sqlite"
-    store = JobStore(jobs_db, output_dir)  # locked before any model loads: a second server is refused at once
+    return ServeSettings(
+        output_dir=output_dir, api_key=api_key or None, video_ttl=video_ttl or None, max_body_mb=max_body_mb,
+        max_text_body_mb=max_text_body_mb, allowed_origins=tuple(allowed_origins), shutdown_timeout=shutdown_timeout,
+        aliases=parse_aliases(aliases, served), on_restart=on_restart, ui=ui,
+        timeouts=Timeouts(header_timeout, body_timeout, keep_alive_timeout), host=host, port=port,
+        log_level=log_level, max_in_flight=max_in_flight or None, jobs_db=jobs_db)
+
+
+def run_server(plugin_host, plan: dict[str, tuple[str, dict]], settings: ServeSettings) -> None:
+    """Serve the `plan` of `plan_pipelines` with `settings` until SIGINT or SIGTERM."""
+    _return_large_blocks()
+    # locked before any model loads: a second server is refused at once
+    store = JobStore(settings.jobs_db, settings.output_dir)
     try:
-        _serve(plugin_host, plan, store, alias_map, host=host, port=port, api_key=api_key, output_dir=output_dir,
-               video_ttl=video_ttl, max_body_mb=max_body_mb, max_text_body_mb=max_text_body_mb,
-               allowed_origins=allowed_origins, shutdown_timeout=shutdown_timeout, log_level=log_level,
-               max_in_flight=max_in_flight, timeouts=timeouts, on_restart=on_restart, ui=ui)
+        _serve(plugin_host, plan, store, settings)
     finally:
         store.close()
     log.info("stopped")
@@ -222,33 +231,28 @@ def default_output_dir() -> Path:
     return (cache_dir() / "serve" / "videos").absolute()
 
 
-def _serve(plugin_host, plan, store, alias_map, *, host, port, api_key, output_dir: Path, video_ttl, max_body_mb,
-           max_text_body_mb, allowed_origins, shutdown_timeout, log_level, max_in_flight, timeouts: Timeouts,
-           on_restart: str, ui: bool) -> None:
+def _serve(plugin_host, plan, store: JobStore, settings: ServeSettings) -> None:
     import uvicorn
 
     from .async_omni import AsyncOmni
-    from .guards import ServeSettings
     from .server import create_app
     from .timeouts import TimedH11Protocol
 
     started = time.perf_counter()
-    async_omni = AsyncOmni.build(plan, plugin_host, max_in_flight)  # checks every pipeline, then builds
+    async_omni = AsyncOmni.build(plan, plugin_host, settings.max_in_flight)  # checks every pipeline, then builds
     for stage in async_omni.snapshot.stages:  # what each stage reports of itself (its worker's, if placed in one)
         if stage.stats.kv_blocks_total is not None:
             log.info("%s/%s: %d KV blocks", stage.pipeline, stage.node, stage.stats.kv_blocks_total)
     log.info("built %s in %.1fs", ", ".join(async_omni.omnis), time.perf_counter() - started)
-    log.info("videos in %s, job store %s (--on-restart %s)", output_dir, store.path, on_restart)
-    settings = ServeSettings(output_dir, api_key or None, video_ttl or None, max_body_mb, max_text_body_mb,
-                             tuple(allowed_origins), shutdown_timeout, alias_map, timeouts.body or None, on_restart,
-                             ui=ui)
+    log.info("videos in %s, job store %s (--on-restart %s)", settings.output_dir, store.path, settings.on_restart)
     app = create_app(async_omni, settings, store)
     # uvicorn cancels what still runs at its graceful timeout (a stream cut mid-way, a CancelledError logged):
     # the app fails what is left at --shutdown-timeout itself (server.py), so uvicorn waits a little longer.
-    config = uvicorn.Config(app.state.asgi, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=shutdown_timeout + SHUTDOWN_GRACE_S, lifespan="on",
-                            http=TimedH11Protocol, timeout_keep_alive=timeouts.keep_alive)
-    config.omni_header_timeout = timeouts.header  # read by TimedH11Protocol
+    timeouts = settings.timeouts
+    config = uvicorn.Config(app.state.asgi, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=settings.shutdown_timeout + SHUTDOWN_GRACE_S,
+                            lifespan="on", http=functools.partial(TimedH11Protocol, header_timeout=timeouts.header),
+                            timeout_keep_alive=timeouts.keep_alive)
     server = uvicorn.Server(config)
     app.state.should_exit = lambda: server.should_exit  # the lifespan's drain (server.py) starts with uvicorn's exit
     previous = _pass_signals_to(server)

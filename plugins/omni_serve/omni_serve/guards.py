@@ -10,33 +10,14 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
-from pathlib import Path
 
-import attrs
 from fastapi import Request
 
 from .metrics import Metrics
 from .protocol import APIError
+from .settings import ServeSettings
 
 log = logging.getLogger("omni")
-
-
-@attrs.frozen
-class ServeSettings:
-    output_dir: Path
-    api_key: str | None = None
-    video_ttl: float | None = 3600.0
-    max_body_mb: float = 20.0
-    # Completions and chats: JSON a prompt fills, refused before it is parsed (parsing 18 MB holds the event loop
-    # for a quarter of a second; no prompt that long fits a context window anyway).
-    max_text_body_mb: float = 4.0
-    allowed_origins: tuple[str, ...] = ()
-    shutdown_timeout: float = 30.0
-    aliases: Mapping[str, str] = attrs.Factory(dict)  # served name -> pipeline key of the engine
-    body_timeout: float | None = 60.0  # seconds a request's whole body may take to arrive (None: no limit)
-    on_restart: str = "fail"  # a video job in progress when the server died: "rerun" or "fail" (restore.py)
-    ui: bool = True  # the web page at / (page.py); --no-ui
 
 
 TEXT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -18,10 +18,11 @@ from fastapi import FastAPI
 
 from . import routes_ops, routes_text, routes_videos
 from .async_omni import AsyncOmni
-from .guards import OmniASGI, ServeSettings
+from .guards import OmniASGI
 from .handlers import HANDLERS
 from .page import add_page
 from .restore import restore
+from .settings import ServeSettings
 from .state import Served
 from .store import JobStore
 from .videos import VideoJobs

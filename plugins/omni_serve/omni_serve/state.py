@@ -13,9 +13,9 @@ from fastapi import Depends, Request
 from omni_kernel.core.params import OptionInfo, options_of
 
 from .async_omni import AsyncOmni
-from .guards import ServeSettings
 from .metrics import Metrics
 from .protocol import APIError
+from .settings import ServeSettings
 from .store import JobStore
 from .videos import VideoJobs
 

@@ -4,7 +4,8 @@ uvicorn closes an idle keep-alive connection (`timeout_keep_alive`) and h11 boun
 headers (16 KiB), but a client that sends its headers a byte at a time is held for as long as it likes. Here a
 request's headers must be complete within `header_timeout` seconds of its first byte (of the connection, for
 its first request); else the connection is closed. The body's own bound is in the ASGI guard (guards.py,
-`--body-timeout`: 408). Imported by `run_server` only, so the entry module imports no uvicorn.
+`--body-timeout`: 408). The command hands uvicorn `partial(TimedH11Protocol, header_timeout=...)` as its
+protocol; imported only when the server starts, so the entry module imports no uvicorn.
 
 uvicorn has no public hook for this: TimedH11Protocol overrides and reads private parts of its h11 protocol
 (`data_received`, `handle_events`, `cycle`), so it is written for one uvicorn, UVICORN_VERSION, the version the
@@ -19,16 +20,18 @@ import logging
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .settings import Timeouts
+
 log = logging.getLogger("omni")
 UVICORN_VERSION = "0.54.0"  # constraints.txt
 
 
 class TimedH11Protocol(H11Protocol):
-    """H11Protocol whose connections must deliver each request's headers within `config.omni_header_timeout`."""
+    """H11Protocol whose connections must deliver each request's headers within `header_timeout` seconds."""
 
-    def __init__(self, config, *args, **kwargs):
+    def __init__(self, config, *args, header_timeout: float = Timeouts().header, **kwargs):
         super().__init__(config, *args, **kwargs)
-        self.header_timeout: float = getattr(config, "omni_header_timeout", 10.0)
+        self.header_timeout = header_timeout
         self.header_timer: asyncio.TimerHandle | None = None
         self.seen_cycle = None
 

@@ -45,8 +45,7 @@ class _Transport(asyncio.Transport):
 
 def _connect(loop, header_timeout: float) -> tuple[TimedH11Protocol, _Transport]:
     config = uvicorn.Config(_app, lifespan="off", log_level="warning")
-    config.omni_header_timeout = header_timeout
-    protocol = TimedH11Protocol(config, ServerState(), {}, loop)
+    protocol = TimedH11Protocol(config, ServerState(), {}, loop, header_timeout=header_timeout)
     transport = _Transport()
     protocol.connection_made(transport)
     return protocol, transport
