@@ -60,7 +60,7 @@ class CopiesPlacement:
     def check(self, settings: CopiesSettings, plan, placement_of) -> None:
         self.checked.append(settings.copies)
 
-    def build(self, nodes, settings: CopiesSettings, host_factory, handle):
+    def build(self, nodes, settings: CopiesSettings, host_factory, handle, fail_fast=False):
         self.built.append((settings.copies, [b.node.id for b in nodes]))
         return {b.node.id: self.builder.stage(b) for b in nodes}, None
 

@@ -3,9 +3,9 @@
 The kernel builds `inproc` stages itself. Any other placement is registered by a plugin
 (`omni_register_placements`) as an object with a `name`, a `settings` class (attrs fields made with
 `params.option`, or None), `check(settings, plan, placement_of)` (refuse settings that do not fit the plan, before
-anything is built) and `build(nodes, settings, host_factory, handle)`. The kernel knows none of those settings: it
-takes their keys out of a run's keyword arguments by what the placements declare, builds flags from them, and hands
-each placement its own instance (docs/plugins.md, "Placements").
+anything is built) and `build(nodes, settings, host_factory, handle, fail_fast)`. The kernel knows none of those
+settings: it takes their keys out of a run's keyword arguments by what the placements declare, builds flags from
+them, and hands each placement its own instance (docs/plugins.md, "Placements").
 """
 
 from __future__ import annotations
@@ -28,16 +28,21 @@ class RunSettings:
     `placement`: None (each node's plan placement, else inproc), one placement for every node, or per node
     ("video=process,bridge=inproc" or a mapping); a per-node entry wins over the run-wide one, which wins over the
     plan's `NodeSpec.placement`. `placed`: each registered placement's settings instance, by placement name.
+    `fail_fast`: a call to a placed stage that cannot take requests now (its worker restarts) raises
+    StageUnavailable at once instead of waiting; a server whose one loop serves every pipeline sets it. Each
+    placement is built with it (`build(..., fail_fast=)`).
     """
 
     placement: Any = None
     placed: Mapping[str, Any] = attrs.field(factory=dict)
+    fail_fast: bool = False
 
     @classmethod
     def pop(cls, config: dict[str, Any], placements: Mapping[str, Any] | None = None) -> RunSettings:
-        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives): `placement`
-        and every key a registered placement declares. Keys no placement declares stay in `config`."""
+        """Take the run settings out of a config mapping (what `Omni(pipeline, **config)` receives): `placement`,
+        `fail_fast` and every key a registered placement declares. Keys no placement declares stay in `config`."""
         placement = config.pop("placement", None)
+        fail_fast = bool(config.pop("fail_fast", False))
         placements = placements or {}
         keys = {name for p in placements.values() for name in options_of(settings_class(p))}
         given = {k: config.pop(k) for k in list(config) if k in keys}
@@ -47,7 +52,7 @@ class RunSettings:
             settings_cls = settings_class(p)
             if settings_cls is not None:
                 placed[name] = make(settings_cls, {k: v for k, v in given.items() if k in options_of(settings_cls)})
-        settings = cls(placement, placed)
+        settings = cls(placement, placed, fail_fast)
         settings.check()
         return settings
 

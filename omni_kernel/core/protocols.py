@@ -60,10 +60,11 @@ class OutputProcessor(Protocol):
 
 @runtime_checkable
 class Stepped(Protocol):
-    """What the StageScheduler steps once per round: an in-process stage's Engine (shared by the stages built on
-    it), or a placed stage itself (its proxy steps its worker's engine there)."""
+    """An engine, local or remote, as the StageScheduler steps it once per round: an in-process stage's Engine
+    (shared by the stages built on it; its step returns RequestOutputs), or a placed stage's handle on the engine
+    in its worker (its step returns the events the worker made there)."""
 
-    def step(self) -> list: ...  # RequestOutputs (an Engine) or events (a placed stage), each with a request_id
+    def step(self) -> list: ...  # RequestOutputs (an Engine) or events (a placed stage's), each with a request_id
     def has_unfinished(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> bool: ...  # block until a step would make progress
 
@@ -71,17 +72,26 @@ class Stepped(Protocol):
 @runtime_checkable
 class Stage(Protocol):
     """One graph node, in this process (the kernel's Stage) or placed elsewhere behind a proxy (a worker, an
-    actor). The StageScheduler steps its `engine` and hands it the outputs of its own requests (`events_for`)."""
+    actor). The StageScheduler steps its `engine` and hands it the outputs of its own requests (`events_for`).
+
+    `submit` and `hand_off` each process the input and add it to the engine, in one call: `submit` (a request's
+    entry node) raises a processing error (a UserError) in its caller; `hand_off` (an upstream stage's output)
+    reports any failure as the request's StageFailed event. `concurrent_inputs`: the stage's inputs may be
+    processed beside a step of its engine (its InputProcessor's `concurrent`). `dead`: why the stage takes no
+    more requests (its engine died, its worker could not be restarted), or None; the one answer to "is this stage
+    dead?", which its `stats()` report too. A placed stage whose worker is restarting waits for it in `check` and
+    `submit`, or raises StageUnavailable at once where its placement was built to fail fast (`RunSettings`)."""
 
     node_id: str
     kind: str
-    concurrent_process: bool
+    concurrent_inputs: bool
     engine: Stepped
 
-    def check(self, item: StageInput) -> None: ...
-    def process(self, item: StageInput) -> StageInput: ...  # once per request; raises UserError
-    def add_request(self, item: StageInput) -> None: ...  # a failure comes back as a StageFailed event
-    def hand_off(self, item: StageInput) -> None: ...  # process + add_request: an upstream stage's output
+    @property
+    def dead(self) -> str | None: ...
+    def check(self, item: StageInput) -> None: ...  # a downstream node's input at submit: model-free; raises
+    def submit(self, item: StageInput) -> None: ...  # process + add; raises a processing error (UserError)
+    def hand_off(self, item: StageInput) -> None: ...  # process + add; a failure comes back as a StageFailed event
     def events_for(self, outputs: list) -> list: ...  # this stage's events from its requests' step outputs
     def abort(self, request_id: str) -> None: ...
     def wait_ready(self, timeout: float | None = None) -> None: ...  # block until built (a worker loads)

@@ -1,5 +1,6 @@
 """Stage: one graph node, assembled from a plugin's parts: Stage(node, kind, inputs, Engine(scheduler, runner),
-outputs). The input processor runs once per request, the engine steps, the output processor makes the events."""
+outputs). The input processor runs once per request (`submit`, `hand_off`: process, then add to the engine), the
+engine steps, the output processor makes the events."""
 
 from __future__ import annotations
 
@@ -71,8 +72,13 @@ class Stage:
         return self.node.id
 
     @property
-    def concurrent_process(self) -> bool:
+    def concurrent_inputs(self) -> bool:
         return self.inputs.concurrent
+
+    @property
+    def dead(self) -> str | None:
+        """Why the stage takes no more requests (its engine died), or None."""
+        return None if self.engine.dead is None else str(self.engine.dead)
 
     def check(self, item: StageInput) -> None:
         self.inputs.check(item)
@@ -81,11 +87,17 @@ class Stage:
         return self.inputs.process(item)
 
     def add_request(self, item: StageInput) -> None:
+        """Add a processed input to the engine; a failure there comes back as the request's StageFailed event."""
         record = self.engine.add_request(item)
         if record is not None:
             self.outputs.add(record)
 
+    def submit(self, item: StageInput) -> None:
+        """Process the input and add it; a processing error (a UserError) raises here."""
+        self.add_request(self.process(item))
+
     def hand_off(self, item: StageInput) -> None:
+        """As `submit`: in this process, the StageScheduler makes a processing error the request's StageFailed."""
         self.add_request(self.process(item))
 
     def events_for(self, outputs: list[RequestOutput]) -> list:

@@ -1,9 +1,10 @@
 """StageScheduler: every request in flight across every pipeline of one plugin host.
 
 Each round steps every engine that holds a request once (stages of several pipelines may share one engine), hands
-each output to the stage of its request's node, routes finished stage outputs through connectors to downstream
-stages and emits events. The request's record (`InFlight`) says which node of which graph it is at on which engine.
-It knows nothing of tokens, KV caches or denoise steps.
+each output to the stage of its request's node (stepping.py: the rule a stage worker follows too), routes finished
+stage outputs through connectors to downstream stages and emits events. The request's record (`InFlight`) says
+which node of which graph it is at on which engine. It knows nothing of tokens, KV caches or denoise steps, nor
+where a stage runs: a placed stage keeps the same Stage contract (protocols.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from omni_kernel.core.events import RequestFailed, RequestFinished, StageFailed,
 from omni_kernel.core.graph import StageGraph
 from omni_kernel.core.params import resolve
 from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput
+from omni_kernel.core.stepping import step_engine
 
 log = logging.getLogger("omni")
 
@@ -47,31 +49,33 @@ class StageScheduler:
 
     def __init__(self):
         self.in_flight: dict[str, InFlight] = {}
-        self.held: dict[int, list] = {}  # id of a graph -> its events that a step for another graph produced
+        self.undelivered: dict[int, list] = {}  # id of a graph -> its events that a step for another graph made
 
     # Requests in.
 
     def submit(self, request: Request, graph: StageGraph) -> str:
-        """Process the request's inputs for the graph's entry nodes now, so a user mistake raises here."""
+        """Submit the request to the graph's entry nodes and check it at the others now, in graph order, so a user
+        mistake raises here; the entries it reached before one raised drop it again."""
         if request.pipeline != graph.name:
             raise InvalidParameter("pipeline", f"this graph runs {graph.name!r}, not {request.pipeline!r}")
         if request.request_id in self.in_flight:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
         params = resolve(graph.name, graph.node_types, request)
         entries = graph.entries()
-        items = {}
-        for node_id in graph.order:
-            item = StageInput(request.request_id, request.prompt, image=request.image, params=params[node_id])
-            if node_id in entries:
-                items[node_id] = graph.stages[node_id].process(item)
-            else:
-                graph.stages[node_id].check(item)
         flight = InFlight(request, graph, params, set(graph.order))
+        try:
+            for node_id in graph.order:
+                item = StageInput(request.request_id, request.prompt, image=request.image, params=params[node_id])
+                stage = graph.stages[node_id]
+                if node_id in entries:
+                    self._place(flight, node_id, stage)
+                    stage.submit(item)
+                else:
+                    stage.check(item)
+        except BaseException:
+            self._abort_stages(flight)
+            raise
         self.in_flight[request.request_id] = flight
-        for node_id, item in items.items():
-            stage = graph.stages[node_id]
-            self._place(flight, node_id, stage)
-            stage.add_request(item)
         return request.request_id
 
     def _place(self, flight: InFlight, node_id: str, stage) -> None:
@@ -86,8 +90,8 @@ class StageScheduler:
 
     def has_unfinished(self, graph: StageGraph | None = None) -> bool:
         if graph is None:
-            return bool(self.in_flight) or any(self.held.values())
-        if self.held.get(id(graph)):
+            return bool(self.in_flight) or any(self.undelivered.values())
+        if self.undelivered.get(id(graph)):
             return True
         return any(f.graph is graph for f in self.in_flight.values())
 
@@ -116,13 +120,13 @@ class StageScheduler:
         return False
 
     def step(self, graph: StageGraph | None = None) -> list:
-        """One round: every busy engine steps once. Returns the events of `graph`'s requests (the others are held
+        """One round: every busy engine steps once. Returns the events of `graph`'s requests (the others are kept
         for their own graph's step), or, with no graph, every event. With placed stages it first blocks (up to
         `step_wait_s`) until one of them has something to report, so `while has_unfinished(): step()` never spins."""
-        held = self.held.pop(id(graph), []) if graph is not None else self._take_all_held()
-        if not held and self.in_flight:
+        kept = self.undelivered.pop(id(graph), []) if graph is not None else self._take_undelivered()
+        if not kept and self.in_flight:
             self.wait(self.step_wait_s)
-        events = held
+        events = kept
         # Only the engines that had work when the round began: a request handed downstream starts next round, so
         # the upstream events (its last text) reach the caller before the downstream stage's first work.
         for engine in self.busy_engines():
@@ -135,47 +139,28 @@ class StageScheduler:
 
     def hold(self, graph: StageGraph, event) -> None:
         """Keep an event for `graph`'s next step."""
-        self.held.setdefault(id(graph), []).append(event)
+        self.undelivered.setdefault(id(graph), []).append(event)
 
-    def _take_all_held(self) -> list:
-        events = [e for held in self.held.values() for e in held]
-        self.held.clear()
+    def _take_undelivered(self) -> list:
+        events = [e for kept in self.undelivered.values() for e in kept]
+        self.undelivered.clear()
         return events
 
     def _step_engine(self, engine) -> list[tuple[StageGraph, Any]]:
-        """Step one engine; hand each output to its request's stage; route the stages' events."""
-        try:
-            outputs = engine.step()
-        except Exception as exc:  # noqa: BLE001 - a broken engine fails its own requests, not the loop
-            return self._fail_engine(engine, exc)
-        by_stage: dict[tuple[int, str], list] = {}
-        for out in outputs:
-            flight = self.in_flight.get(out.request_id)
-            node_id = None if flight is None else flight.at.get(id(engine))
-            if node_id is not None:  # else aborted or failed while the engine was working on it
-                by_stage.setdefault((id(flight.graph), node_id), []).append(out)
+        """Step one engine (stepping.py); route the events its requests' stages made."""
         routed = []
-        for (_, node_id), outs in by_stage.items():
-            graph = self.in_flight[outs[0].request_id].graph
-            for event in self._events_for(graph.stages[node_id], outs):
-                routed.extend(self._route(node_id, event))
+        for stage, event in step_engine(engine, lambda rid: self._owner(engine, rid), lambda: self._running(engine)):
+            routed.extend(self._route(stage.node_id, event))
         return routed
 
-    def _events_for(self, stage, outputs: list) -> list:
-        try:
-            return stage.events_for(outputs)
-        except Exception as exc:  # noqa: BLE001 - a stage that cannot make its events fails those requests only
-            log.error("stage %s failed: %s: %s", stage.node_id, type(exc).__name__, exc, exc_info=exc)
-            request_ids = dict.fromkeys(out.request_id for out in outputs)
-            return [StageFailed.of(rid, stage.node_id, exc) for rid in request_ids]
+    def _owner(self, engine, request_id: str):
+        """The stage that runs the request on `engine`, or None (aborted or failed since)."""
+        flight = self.in_flight.get(request_id)
+        node_id = None if flight is None else flight.at.get(id(engine))
+        return None if node_id is None else flight.graph.stages[node_id]
 
-    def _fail_engine(self, engine, exc: Exception) -> list[tuple[StageGraph, Any]]:
-        log.error("stage engine failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        routed = []
-        for flight in [f for f in self.in_flight.values() if id(engine) in f.at]:
-            node_id = flight.at[id(engine)]
-            routed.extend(self._route(node_id, StageFailed.of(flight.request_id, node_id, exc)))
-        return routed
+    def _running(self, engine) -> list[tuple[str, Any]]:
+        return [(f.request_id, f.graph.stages[f.at[id(engine)]]) for f in self.in_flight.values() if id(engine) in f.at]
 
     # Routing.
 
@@ -251,5 +236,5 @@ class StageScheduler:
     def forget(self, graph: StageGraph, request_id: str) -> None:
         """Abort a request its caller stopped waiting for, and drop its events."""
         self.abort(request_id)
-        held = self.held.get(id(graph), [])
-        self.held[id(graph)] = [e for e in held if e.request_id != request_id]
+        kept = self.undelivered.get(id(graph), [])
+        self.undelivered[id(graph)] = [e for e in kept if e.request_id != request_id]

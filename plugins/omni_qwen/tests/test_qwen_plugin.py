@@ -46,7 +46,7 @@ def test_model_loads_once_per_path(host, tiny_ckpt):
     # input beside a step that decodes with the model's (a fast tokenizer used from two threads can fail "Already
     # borrowed")
     assert a.inputs.tokenizer is b.inputs.tokenizer and a.inputs.tokenizer is not lm.tokenizer
-    assert a.concurrent_process and b.concurrent_process
+    assert a.concurrent_inputs and b.concurrent_inputs
     assert a.inputs.tokenizer.encode("a red fox") == lm.tokenizer.encode("a red fox")
     assert a.engine.runner.backend.model is b.engine.runner.backend.model  # one PagedDecoder, owned by the plugin
     assert a.engine is b.engine  # and one engine (one KV pool, one batch) under both nodes' stages

@@ -79,8 +79,6 @@ class AsyncOmni:
             raise InvalidParameter("pipeline", "the served pipelines must be Omni of one plugin host (one scheduler)")
         self.scheduler = next(iter(schedulers.values()))
         self.max_in_flight = max_in_flight  # requests submitted and not finished (None: no limit)
-        for omni in self.omnis.values():
-            _fail_fast_while_restarting(omni)
         self._cond = threading.Condition()
         self._commands: list[tuple[Command, concurrent.futures.Future | None]] = []  # run in order
         self._callers: dict[str, _Caller] = {}  # loop thread only
@@ -99,11 +97,14 @@ class AsyncOmni:
               max_in_flight: int | None = None) -> AsyncOmni:
         """`pipelines`: served name -> (pipeline name, config and run settings). One host: a model loads once for
         all of them. Every pipeline's plan, config and run settings are checked before any is built, so a bad
-        setting of the last costs no model load of the first."""
+        setting of the last costs no model load of the first. One thread serves every pipeline, so each is built to
+        fail fast (`RunSettings.fail_fast`): a call to a stage whose worker is restarting fails at once (503) instead
+        of stalling them all for its model load."""
         for pipeline, config in pipelines.values():
             check_before_building(host, pipeline, config)
-        return cls({name: Omni(pipeline, host=host, **config) for name, (pipeline, config) in pipelines.items()},
-                   max_in_flight)
+        omnis = {name: Omni(pipeline, host=host, fail_fast=True, **config) for name, (pipeline, config) in
+                 pipelines.items()}
+        return cls(omnis, max_in_flight)
 
     # Lifecycle.
 
@@ -279,7 +280,7 @@ class AsyncOmni:
     def _submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
         if self.dead is not None:
             raise self.dead
-        dead = self.snapshot.pipeline_dead(pipeline) or self._pipeline_dead(pipeline)
+        dead = self._pipeline_dead(pipeline)
         if dead:
             raise EngineDead(dead)
         omni = self.omnis.get(pipeline)
@@ -353,7 +354,7 @@ class AsyncOmni:
         omni = self.omnis.get(pipeline)
         if omni is None:
             return None
-        return next((dead for stage in omni.graph.stages.values() if (dead := stage.stats().dead)), None)
+        return next((stage.dead for stage in omni.graph.stages.values() if stage.dead), None)
 
     def _publish(self) -> None:
         snapshot = self._snapshot()
@@ -395,10 +396,3 @@ def check_before_building(host: PluginHost, pipeline: str, config: Mapping[str, 
     settings = RunSettings.pop(config, host.builder.placements())
     host.builder.prepare(plan, config, settings)
 
-
-def _fail_fast_while_restarting(omni: Omni) -> None:
-    """One thread serves every pipeline: a call to a stage whose worker is restarting fails at once (503) instead
-    of stalling them all for its model load (a placement handle that has restarts says so by this attribute)."""
-    for handle in omni.graph.placed:
-        if hasattr(handle, "wait_for_restarts"):
-            handle.wait_for_restarts = False

@@ -21,8 +21,9 @@ from .worker_process import WorkerProcess
 @attrs.frozen
 class Placement:
     """What the plugin registers per placement (`omni_register_placements`): the GraphBuilder calls `build` with
-    the nodes placed here, checked (`NodeBuild`: spec, type, config, policy, share key); the placements of one graph
-    share one WorkerGroup (one wait, one close), the handle `build` returns.
+    the nodes placed here, checked (`NodeBuild`: spec, type, config, policy, share key) and the run's `fail_fast`
+    (RunSettings); the placements of one graph share one WorkerGroup (one wait, one close), the handle `build`
+    returns.
 
     `process`: the stages of nodes with equal share keys (the kernel's `share_key`), of this graph or of another
     graph of the same plugin host with the same worker settings, are hosted by one worker, so they share its engine
@@ -37,8 +38,8 @@ class Placement:
         settings.check(plan, placement_of)
 
     def build(self, nodes: list[NodeBuild], settings: WorkersSettings, host_factory: Callable[[], Any] | None,
-              handle):
-        group = handle if isinstance(handle, WorkerGroup) else WorkerGroup()
+              handle, fail_fast: bool = False):
+        group = handle if isinstance(handle, WorkerGroup) else WorkerGroup(fail_fast)
         stages = {}
         try:
             for build in nodes:

@@ -1,20 +1,20 @@
-"""Stage placement: a stage in its own OS process (`process`) behind a proxy with the Stage contract.
+"""Placement `process`: a stage in a worker process of its own (or of its share key), behind a `ProcessStage`.
 
-The StageScheduler sees a `ProcessStage` like any Stage and knows nothing of processes. The worker process
-(worker_process.py is the front's handle on it, spawn.py starts it, worker.py is its loop) rebuilds its stage and
-runs its engine loop continuously. Stages of one share key (pipelines whose nodes share an engine) are hosted by
-one worker, each behind its own ProcessStage. The front blocks on every worker's pipe at once
-(`multiprocessing.connection.wait`; a dead worker's pipe reads EOF) in `Stage.wait`; `step()` returns the events
-received so far. `process`/`check` are calls, so a user error stays synchronous at submit. What crosses the pipe,
-and how: transport.py.
+Contract: a ProcessStage keeps the Stage contract (omni_kernel/core/protocols.py), so the StageScheduler knows
+nothing of processes. Its worker (worker.py; worker_process.py is the front's handle on it, spawn.py starts it)
+builds its stage and steps its engine; stages of one share key are hosted by one worker, each behind its own
+ProcessStage. `check` and `submit` are calls answered by the worker (a user error raises in the caller);
+`hand_off` and `abort` are one message each, never waited for. The front blocks on every worker's pipe at once in
+`wait` (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF), and its engine's step returns the
+events received so far. What crosses the pipe, and how: messages.py, transport.py.
 
-Faults: a worker that dies fails its in-flight requests with one error naming the stage (kind runtime) and is
-restarted, `max_restarts` times (default 1); after that its stage refuses requests (engine_dead). While a restarted
-worker builds its stage, what the front sends it waits in its WorkerProcess (`backlog`), so a send never blocks on
-a full pipe, and a call (process, check) either waits for the build or, with `WorkerGroup.wait_for_restarts` False
-(an AsyncOmni engine thread, which serves every caller), raises StageUnavailable at once. A worker dies with
-its parent (the kernel launcher's PR_SET_PDEATHSIG, omni_kernel/util/launch.py) and exits on `close()`; the front
-stops its workers at exit.
+Faults: a worker that dies fails each request it held with one error naming the stage (kind runtime) and is
+restarted, `max_restarts` times; after that the stage is dead and refuses requests (engine_dead). While a restarted
+worker builds its stage, what is sent to it waits in its WorkerProcess (`backlog`), so a send never blocks on a
+full pipe, and a call waits for the build or, where the group fails fast, raises StageUnavailable at once. A worker
+that cannot build its stage makes `wait_ready` raise the build's error (typed). A worker dies with the front
+(the kernel launcher's PR_SET_PDEATHSIG, omni_kernel/util/launch.py) and exits on `close()`; the front stops its
+workers at exit.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 import time
 
-from omni_kernel.core.errors import EngineDead, OmniError, RequestError
+from omni_kernel.core.errors import RequestError
 from omni_kernel.core.request import StageInput
 
 from . import shared
+from .messages import Abort, Check, HandOff, Submit
 from .proxy import StageProxy, WorkerDied, WorkerGroup
 from .stage_host import WorkerSpec
 from .worker_process import WorkerProcess
@@ -57,6 +58,9 @@ class ProcessStage(StageProxy):
         """The worker's pipe while it hosts this stage (None once the stage closed or its worker gave it up)."""
         return self.worker.conn if self.worker.members.get(self.spec.tag) is self else None
 
+    def _running(self) -> bool:
+        return self.conn is not None
+
     # Lifecycle.
 
     def wait_ready(self, timeout: float | None = None) -> None:
@@ -66,33 +70,47 @@ class ProcessStage(StageProxy):
             if self.build_error is not None:
                 raise self.build_error
             if self.conn is None:
-                raise self._dead_error()
+                raise self._refusal()
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not self.worker.wait(left):
                 raise RequestError(f"stage {self.node.id!r}: its worker did not start within {timeout}s")
             self.worker.pump()
 
     def close(self, timeout: float = 5.0) -> None:
+        self.end(f"stage {self.node.id!r}: its worker was stopped (close)")
         if not self.stopped:
             self.stopped = True
             self.worker.detach(self)
-        self._fail_held(str(self._dead_error()), "engine_dead")  # none of them will hear from the worker again
+        self._fail_outstanding(self.dead, "engine_dead")  # none of them will hear from the worker again
 
-    def _built(self, kind: str, concurrent_process: bool = False, stats=None) -> None:
-        super()._built(kind, concurrent_process, stats)
+    # What its WorkerProcess tells it.
+
+    def on_ready(self, kind: str, concurrent_inputs: bool, stats) -> None:
+        super().on_ready(kind, concurrent_inputs, stats)
         self.built_once = True
 
-    def _build_failed(self, error: Exception) -> None:
-        """The worker could not build this stage (or died while building it the first time)."""
+    def on_build_failed(self, error: Exception) -> None:
+        """The worker could not build this stage (or died while building it the first time): `wait_ready` raises
+        `error`, and the stage is dead."""
         self.build_error = error
-        self.dead = EngineDead(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
+        self.end(f"stage {self.node.id!r}: its worker could not build the stage: {error}")
         if self.built_once:
             log.error("%s", self.dead)
         self.close()  # fails the requests it held with that error
 
-    def _not_restarted(self, how: str, exc: Exception) -> None:
-        self.dead = EngineDead(f"stage {self.node.id!r}: its worker process died ({how}) and could not be "
-                               f"restarted ({type(exc).__name__}: {exc})")
+    def on_worker_died(self, how: str) -> bool:
+        """Its worker process died (`how`): its requests fail; True if the worker is to be restarted for it."""
+        self.ready = False
+        if not self.built_once:  # died while building it the first time: its wait_ready raises this
+            self.on_build_failed(RequestError(f"stage {self.node.id!r}: its worker process died while starting "
+                                              f"({how})"))
+            return False
+        return self.lost(f"worker process died ({how})", "worker")
+
+    def on_not_restarted(self, how: str, exc: Exception) -> None:
+        """Its worker died (`how`) and a new one could not be started (`exc`): the stage is dead."""
+        self.end(f"stage {self.node.id!r}: its worker process died ({how}) and could not be restarted "
+                 f"({type(exc).__name__}: {exc})")
         log.error("%s", self.dead)
 
     # Receiving.
@@ -104,35 +122,30 @@ class ProcessStage(StageProxy):
     def pump(self) -> None:
         self.worker.pump()
 
-    def _dead_error(self, how: str = "not running") -> OmniError:
-        if self.dead is not None:
-            return self.dead
-        if self.stopped:
-            return EngineDead(f"stage {self.node.id!r}: its worker was stopped (close)")
-        return RequestError(f"stage {self.node.id!r}: its worker process died while starting ({how})")
+    # Sending.
 
-    # Calls answered between the worker's steps.
-
-    def _call(self, rpc: str, item: StageInput):
+    def _call(self, what: str, item: StageInput):
+        """A Submit or Check, answered by the worker: its value, or its error raised (typed)."""
         worker = self.worker
         if not self.ready and self.conn is not None:
-            self.pump()  # its ready message may have come
-            if not self.ready and self.conn is not None and not self.group.wait_for_restarts:
+            self.pump()  # its Ready may have come
+            if not self.ready and self.conn is not None and self.group.fail_fast:
                 raise self._restarting()
         if self.conn is None:
-            raise self._dead_error()
+            raise self._refusal()
         call_id = next(worker.calls)
+        kind = Submit if what == "submit" else Check
         process = worker.proc  # before the send: a send that finds the worker dead restarts it, and the new one
-        self._send((rpc, self.spec.tag, call_id, item))  # never got this call
+        self._send(kind(self.spec.tag, call_id, item))  # never got this call
         while call_id not in worker.replies:
             if self.stopped:  # closed, or its restarted worker could not build the stage
-                raise self._dead_error()
-            conn = self.conn
-            if conn is None or worker.proc is not process:
+                raise self._refusal()
+            if self.conn is None or worker.proc is not process:
                 raise WorkerDied(f"stage {self.node.id!r}: its worker process died while processing the input")
             worker.wait(None)
             self.pump()
-        return self._answer(rpc, *worker.replies.pop(call_id))
+        reply = worker.replies.pop(call_id)
+        return self._answer(what, reply.ok, reply.data)
 
     def _dumps(self, value) -> tuple[bytes, list]:
         """`value` pickled with its arrays in shared memory, and those memory files (shared.py)."""
@@ -142,16 +155,9 @@ class ProcessStage(StageProxy):
     def _send(self, message) -> None:
         self.worker.send_bytes(*self._pickle(message))
 
-    def _gone(self):
-        if self.conn is None or self.dead is not None:
-            return self.dead or self._dead_error()
-        return None
-
-    def _send_add(self, rpc: str, item: StageInput) -> None:
-        packed = self._pickle_add(item, (rpc, self.spec.tag, item))
-        if packed is not None:
-            self.worker.send_bytes(*packed)
+    def _send_hand_off(self, item: StageInput) -> None:
+        self._send(HandOff(self.spec.tag, item))
 
     def _send_abort(self, request_id: str) -> None:
         if self.conn is not None:
-            self._send(("abort", self.spec.tag, request_id))
+            self._send(Abort(self.spec.tag, request_id))

@@ -1,10 +1,10 @@
 """The front's side of a remote stage: `StageProxy`, the Stage contract shared by ProcessStage (process_stage.py)
-and RayStage (ray_stage.py), and `WorkerGroup`, the remote stages of one graph (one wait, one close)."""
+and RayStage (ray_stage.py), `RemoteEngine`, what the StageScheduler steps for it, and `WorkerGroup`, the remote
+stages of one graph (one wait, one close)."""
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import multiprocessing.connection
 import pickle
@@ -33,14 +33,14 @@ class WorkerDied(RequestError):
 class WorkerGroup:
     """The remote stages of one graph: one blocking wait over all their pipes, and stopping them all.
 
-    `wait_for_restarts`: a call (process, check) to a stage whose worker is restarting waits until it has built
-    its stage (a script has no other caller to stall); False: it raises StageUnavailable at once, which an AsyncOmni
-    sets, since its one engine thread serves every pipeline and would stall them all for the model load."""
+    `fail_fast` (the run's `RunSettings.fail_fast`): a call (submit, check) to a stage whose worker is restarting
+    raises StageUnavailable at once; otherwise it waits until the worker has built its stage again (a script has
+    no other caller to stall)."""
 
-    def __init__(self):
+    def __init__(self, fail_fast: bool = False):
         self.stages: list = []
         self.closed = False
-        self.wait_for_restarts = True
+        self.fail_fast = fail_fast
         _LIVE.add(self)
 
     def add(self, stage) -> None:
@@ -90,14 +90,39 @@ def _close_all() -> None:
         group.close()
 
 
-class StageProxy:
-    """The Stage contract shared by ProcessStage and RayStage, over `pending` (events the worker sent back, not
-    yet stepped out), `held` (requests the worker holds) and `remote` (the stats its stage last sent, with its
-    events). A subclass provides `wait_ready`, `pump`, `_call` (an RPC answered between the worker's steps),
-    `_gone` (why the worker cannot take a request, or None), `_send_add` and `_send_abort`.
+@attrs.frozen(eq=False)
+class RemoteEngine:
+    """A placed stage's engine as the StageScheduler steps it (the Stage contract's `engine`): the engine itself
+    runs in the stage's worker, so a step here takes the events the worker sent (made there by the stage's output
+    processor), and the stage's `events_for` passes them on as they are."""
 
-    `dead` is set when the stage takes no more requests: its worker's engine died (its stats say so), or its
-    worker died and was not restarted. `concurrent_process` is what the worker's stage said when it was built."""
+    stage: Any  # a StageProxy or a ReplicaStage
+
+    def step(self) -> list:
+        return self.stage.take_events()
+
+    def has_unfinished(self) -> bool:
+        return self.stage.has_unfinished()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.stage.wait(timeout)
+
+
+class StageProxy:
+    """The Stage contract over a stage in a worker, shared by ProcessStage and RayStage.
+
+    State: `pending` (events the worker sent, not yet stepped out), `outstanding` (the requests the worker holds
+    for this stage), `remote` (the stats its stage last sent), `concurrent_inputs` (what its stage said when it was
+    built). `dead` is the one answer to "does this stage take requests?": None, or why not, which is set once by
+    the proxy (`ended`: closed, its build failed, its restarts are used up, it could not be restarted) or comes
+    with the worker's stats (its engine died). `restarting`: its worker is alive but building its stage again; a
+    call then waits for the build, or raises StageUnavailable at once where the group fails fast
+    (`WorkerGroup.fail_fast`).
+
+    A subclass provides `wait_ready`, `pump`, `close`, `handles` (what the group's wait blocks on), `_call` (a
+    call answered by its worker), `_running` (its worker is there to take a message) and `_send_hand_off`,
+    `_send_abort`. What the worker's messages tell it comes in through `on_ready`, `on_events` and
+    `lost` (from the subclass's receiving side)."""
 
     what = "worker"
 
@@ -108,17 +133,27 @@ class StageProxy:
         self.where: str | None = None  # the machine its worker runs on, where the placement tells (Ray's node id)
         self.kind = spec.kind
         self.group = group
+        self.engine = RemoteEngine(self)
         self.max_restarts = max_restarts
         self.restarts = 0
-        self.dead: EngineDead | None = None
+        self.ended: str | None = None  # why the stage takes no more requests, set once here
         self.remote = StageStats()  # what the worker's stage reported last
-        self.concurrent_process = False
+        self.concurrent_inputs = False
         self.pending: list = []  # events received, returned by the next step
-        self.held: set[str] = set()  # request ids the worker holds
-        self.calls = itertools.count()
+        self.outstanding: set[str] = set()  # request ids the worker holds
         self.ready = False
         self.started = 0.0  # when the worker (or actor) now running was started
         self.build_s: float | None = None  # how long the last build took: a restart's expected wait
+
+    @property
+    def dead(self) -> str | None:
+        """Why the stage takes no more requests, or None (see the class docstring)."""
+        return self.ended or self.remote.dead
+
+    def end(self, reason: str) -> None:
+        """The stage takes no more requests, for `reason` (the first reason given stays)."""
+        if self.ended is None:
+            self.ended = reason
 
     def _dumps(self, value):
         """`value` as its worker takes it: pickled bytes (a ProcessStage's: with the shared memory it refers to)."""
@@ -135,153 +170,150 @@ class StageProxy:
         return (f"stage {self.node.id!r}: its {what} could not be read from its {self.what} ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())})")
 
-    def _pickle_add(self, item: StageInput, value):
-        """`value` pickled to add `item`; None where it cannot be: that request alone fails, no longer held."""
-        try:
-            return self._pickle(value)
-        except RequestError as exc:
-            self.held.discard(item.request_id)
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
-            return None
-
     def _load_event(self, data: bytes):
         return pickle.loads(data)
 
-    def _take_event(self, request_id: str, data: bytes) -> None:
-        try:
-            event = self._load_event(data)  # loaded even when dropped below: that releases its shared memory
-        except Exception as exc:  # noqa: BLE001 - a class the front lacks, shared memory lost: this request only;
-            # it stays held, so the abort that comes with its failure stops it in the worker too
-            event = StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime")
-        if request_id not in self.held:
-            return  # aborted while its event was on the way: a stale event would also keep `wait` from pumping
-        if isinstance(event, (StageFinished, StageFailed)):
-            self.held.discard(event.request_id)
-        self.pending.append(event)
-
-    def _answer(self, rpc: str, ok: bool, data: bytes):
+    def _answer(self, what: str, ok: bool, data: bytes):
         """A call's answer, as the worker pickled it: its value, or its error raised (typed)."""
         try:
             value = pickle.loads(data)
-        except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has, in the processed input
-            raise RequestError(self._unreadable(f"answer to {rpc!r}", exc)) from None
+        except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has
+            raise RequestError(self._unreadable(f"answer to {what!r}", exc)) from None
         if not ok:
             raise rebuild(*value)
         return value
 
-    def _fail_held(self, message: str, error_kind: str = "runtime") -> None:
-        for rid in sorted(self.held):
+    def _fail_outstanding(self, message: str, error_kind: str = "runtime") -> None:
+        for rid in sorted(self.outstanding):
             self.pending.append(StageFailed(rid, self.node.id, message, error_kind))
-        self.held.clear()
+        self.outstanding.clear()
 
-    def _built(self, kind: str, concurrent_process: bool = False, stats: StageStats | None = None) -> None:
-        """The worker built its stage (of `kind`, with its `concurrent_process` and first stats): ready, if it is
+    # What the worker tells it.
+
+    def on_ready(self, kind: str, concurrent_inputs: bool, stats: StageStats) -> None:
+        """The worker built its stage (of `kind`, with its `concurrent_inputs` and first stats): ready, if it is
         of the kind its node type declares."""
         if kind != self.kind:
             self.close()
             raise PluginError(f"node type {self.node.type!r} declares kind {self.kind!r} but its factory built a "
                               f"stage of kind {kind!r}")
-        self.concurrent_process = bool(concurrent_process)
-        self.remote = stats or StageStats()
+        self.concurrent_inputs = bool(concurrent_inputs)
+        self.remote = stats
         self.ready = True
         self.build_s = time.monotonic() - self.started
 
-    def _take_stats(self, stats: StageStats | None) -> None:
-        """The worker's stage's stats, sent after its step (None: unchanged); a dead engine makes the stage dead."""
-        if stats is None:
-            return
-        self.remote = stats
-        if stats.dead is not None and self.dead is None:
-            self.dead = EngineDead(stats.dead)
+    def on_events(self, events, stats: StageStats | None) -> None:
+        """A step's events (each `Sealed`: pickled on its own) and the stage's stats after it (None: unchanged)."""
+        for sealed in events:
+            self._take_event(sealed.request_id, sealed.data)
+        if stats is not None:
+            self.remote = stats
 
-    def stats(self) -> StageStats:
-        """The worker's stats as its stage last sent them, with its restarts; while its worker builds its stage,
-        what it was sent waits."""
-        if self.dead is not None:
-            return StageStats(dead=str(self.dead), placed=WorkerStats(restarts=self.restarts))
-        if not self.ready:
-            return StageStats(waiting=len(self.held), placed=WorkerStats(self.restarts, self.restarting))
-        return attrs.evolve(self.remote, placed=WorkerStats(restarts=self.restarts, node=self.where))
+    def _take_event(self, request_id: str, data: bytes) -> None:
+        try:
+            event = self._load_event(data)  # loaded even when dropped below: that releases its shared memory
+        except Exception as exc:  # noqa: BLE001 - a class the front lacks, shared memory lost: this request only;
+            # it stays outstanding, so the abort that comes with its failure stops it in the worker too
+            event = StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime")
+        if request_id not in self.outstanding:
+            return  # aborted while its event was on the way: a stale event would also keep `wait` from pumping
+        if isinstance(event, (StageFinished, StageFailed)):
+            self.outstanding.discard(event.request_id)
+        self.pending.append(event)
 
-    def _lost(self, died: str, who: str) -> bool:
+    def lost(self, died: str, who: str) -> bool:
         """The worker died (`died` says how): its requests fail; True if it is to be restarted, one of
         `max_restarts`, else the stage is dead."""
+        self.ready = False
         if self.restarts < self.max_restarts:
             self.restarts += 1
             message = (f"{self.label}: its {died}; the request was lost and the {who} restarted "
                        f"({self.restarts} of {self.max_restarts} restarts)")
             log.error("%s", message)
-            self._fail_held(message)
+            self._fail_outstanding(message)
             return True
         message = f"{self.label}: its {died} and was not restarted ({self.max_restarts} restarts used)"
         log.error("%s", message)
-        self.dead = EngineDead(message)
-        self._fail_held(message)
+        self.end(message)
+        self._fail_outstanding(message)
         return False
+
+    def stats(self) -> StageStats:
+        """The worker's stats as its stage last sent them, with its restarts; while its worker builds its stage,
+        what it was sent waits."""
+        if self.dead is not None:
+            return StageStats(dead=self.dead, placed=WorkerStats(restarts=self.restarts))
+        if not self.ready:
+            return StageStats(waiting=len(self.outstanding), placed=WorkerStats(self.restarts, self.restarting))
+        return attrs.evolve(self.remote, placed=WorkerStats(restarts=self.restarts, node=self.where))
 
     @property
     def restarting(self) -> bool:
         """Its worker is alive but still building its stage (after a restart): calls wait or fail unavailable."""
-        return not self.ready and self._gone() is None
+        return not self.ready and self.dead is None and self._running()
 
     def _restarting(self) -> StageUnavailable:
         left = None if self.build_s is None else max(1.0, self.started + self.build_s - time.monotonic())
         return StageUnavailable(f"stage unavailable: {self.label}: its {self.what} is restarting (it died) and takes "
                                 "requests again once it has built its stage", left)
 
+    # The Stage contract.
+
     @property
     def node_id(self) -> str:
         return self.node.id
 
-    @property
-    def engine(self) -> StageProxy:
-        """What the StageScheduler steps: the proxy itself (its worker steps the engine there)."""
-        return self
-
     def events_for(self, outputs: list) -> list:
-        """Its step's outputs are events already (made in the worker)."""
+        """Its engine's step returns events already (made in the worker)."""
         return outputs
 
     def check(self, item: StageInput) -> None:
         """Answered by the worker at once, beside the step running now (check is model-free)."""
         self._call("check", item)
 
-    def process(self, item: StageInput) -> StageInput:
-        """Runs in the worker, between two of its steps (so it waits for the step running now), or beside a step
-        when the stage's `concurrent_process` allows."""
-        return self._call("process", item)
-
-    def add_request(self, item: StageInput) -> None:
-        self._add("add", item)
+    def submit(self, item: StageInput) -> None:
+        """Processed and added in the worker, in one message, answered once processed: between two of its steps (so
+        it waits for the step running now), or beside a step where the stage's `concurrent_inputs` allows. A
+        processing error raises here; a failure to add comes back as the request's StageFailed."""
+        self.outstanding.add(item.request_id)
+        try:
+            self._call("submit", item)
+        except BaseException:
+            self.outstanding.discard(item.request_id)
+            raise
 
     def hand_off(self, item: StageInput) -> None:
         """A downstream input: processed and added in the worker, so the front never waits for a step there."""
-        self._add("hand_off", item)
-
-    def _add(self, rpc: str, item: StageInput) -> None:
-        error = self._gone()
-        if error is not None:
-            self.pending.append(StageFailed(item.request_id, self.node.id, str(error), "engine_dead"))
+        if self.dead is not None or not self._running():
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(self._refusal()), "engine_dead"))
             return
-        self.held.add(item.request_id)
-        self._send_add(rpc, item)
+        self.outstanding.add(item.request_id)  # before the send: a send that finds the worker dead fails it
+        try:
+            self._send_hand_off(item)
+        except RequestError as exc:  # its input could not be pickled: that request alone fails
+            self.outstanding.discard(item.request_id)
+            self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
 
-    def step(self) -> list:
+    def _refusal(self) -> Exception:
+        """Why a call or a hand-off cannot reach the worker now: the stage is dead, or its worker is gone."""
+        return EngineDead(self.dead) if self.dead is not None else WorkerDied(f"{self.label}: its {self.what} is gone")
+
+    def take_events(self) -> list:
         self.pump()
         events, self.pending = self.pending, []
         return events
 
     def abort(self, request_id: str) -> None:
         self.pending = [e for e in self.pending if e.request_id != request_id]
-        if request_id in self.held:
+        if request_id in self.outstanding:
             self._send_abort(request_id)
-        self.held.discard(request_id)
+        self.outstanding.discard(request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.pending) or bool(self.held)
+        return bool(self.pending) or bool(self.outstanding)
 
     def request_ids(self) -> set[str]:
-        return set(self.held) | {e.request_id for e in self.pending}
+        return set(self.outstanding) | {e.request_id for e in self.pending}
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block on the bells of every Ray stage and the pipes of every worker process of the graph at once."""

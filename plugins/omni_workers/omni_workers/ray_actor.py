@@ -2,6 +2,10 @@
 `StageActor` (a StageHost, the engine thread that steps it, and the stream of its events), and what the front
 needs to make one: Ray itself, imported and connected at first use, and `StageActor` wrapped with `ray.remote`
 (keep the class name: benchmarks/overlap.py finds the actors' processes by it).
+
+Contract: the front sends the messages of messages.py to `handle` (`Submit`, `Check`, `HandOff`, `Abort`; the
+tag is always 0: an actor hosts one stage), whose calls return their `Reply`; `ready()` returns the build's `Ready`
+or `Failed`; `events()` streams `Events` (each event `Sealed`) for the actor's life.
 """
 
 from __future__ import annotations
@@ -11,15 +15,16 @@ import logging
 import pickle
 import sys
 import threading
-from typing import Any
+
+import attrs
 
 from omni_kernel.core.errors import PluginError, classify
-from omni_kernel.core.ranks import set_rank_launcher
 from omni_kernel.events import StageFailed
 
+from .messages import Abort, Add, Check, Events, Failed, HandOff, Ready, Reply, Sealed, Submit
 from .ray_groups import RayRankLauncher
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker, step_hosts
-from .transport import pack_answer, pack_event
+from .transport import pack, pack_answer
 
 log = logging.getLogger("omni")
 
@@ -55,11 +60,11 @@ def actor_class(ray):
 class StageActor:
     """The body of the Ray actor (wrapped by `ray.remote` at first use): a StageHost and its engine thread.
 
-    The actor's methods run on Ray's threads and only queue work (`inbox`) or take results (`out`) under a short
-    lock; the engine thread alone touches the stage (except `check`, model-free by contract, answered at once) and
-    steps it without holding the lock, so a call never starves behind back-to-back steps. `process` is answered
-    by the engine thread between two steps, as in a worker process (at once when the stage's
-    `concurrent_process` says it may run beside a step)."""
+    `handle` runs on Ray's threads and only queues work (`inbox`) under a short lock, except what may be answered
+    beside a step: a `Check` (model-free by contract) and the processing of a `Submit` to a stage whose
+    `concurrent_inputs` says so (its add is queued). The engine thread alone adds to and steps the stage, without
+    holding the lock, so a call never starves behind back-to-back steps; it answers any other `Submit` between two
+    steps, as in a worker process. `events` hands the front what the engine thread emitted (`out`)."""
 
     def __init__(self, sys_path: list[str], spec_bytes: bytes, rank_strategy: str = "STRICT_PACK"):
         for entry in sys_path:  # what the front imports (plugins, test modules), where it exists here
@@ -68,10 +73,10 @@ class StageActor:
         self.lock = threading.Lock()
         self.work = threading.Condition(self.lock)  # the engine thread waits here for the inbox
         self.emitted = threading.Condition(self.lock)  # a long poll waits here for `out`
-        self.inbox: collections.deque = collections.deque()
-        self.out: list = []
+        self.inbox: collections.deque = collections.deque()  # (message, the _Reply of a Submit or None)
+        self.out: list[Events] = []
         self.aborted: dict[str, None] = {}
-        self.status: tuple = ("starting",)
+        self.status: Ready | Failed | None = None
         self.stop = False
         self.ranks: RayRankLauncher | None = None
         try:
@@ -79,20 +84,36 @@ class StageActor:
             setup_worker(spec)
             # a parallel stage built here starts its other ranks as actors with this one's resources
             self.ranks = RayRankLauncher(dict(spec.node.resources or {"CPU": 1}), rank_strategy)
-            set_rank_launcher(self.ranks)
-            stage = build_stage(spec)
+            stage = build_stage(attrs.evolve(spec, node=attrs.evolve(spec.node, ranks=self.ranks)))
             set_torch_threads(spec.threads)
         except BaseException as exc:  # noqa: BLE001 - the front raises it, typed
-            self.status = ("failed", *classify(exc))
+            self.status = Failed(0, classify(exc))
             return
         self.host = StageHost(stage, spec.node.id)
         self.threads = spec.threads
-        self.status = ("ready", stage.kind, stage.concurrent_process, stage.stats())
+        self.status = Ready(0, stage.kind, stage.concurrent_inputs, stage.stats())
         threading.Thread(target=self._loop, name="omni-ray-engine", daemon=True).start()
 
-    def ready(self) -> tuple[str, tuple]:
-        """(the Ray node id this actor runs on, its build's status)."""
+    def ready(self) -> tuple[str, Ready | Failed]:
+        """(the Ray node id this actor runs on, its build's outcome)."""
         return import_ray().get_runtime_context().get_node_id(), self.status
+
+    def handle(self, message):
+        """The actor's entry for the front's messages (see the class docstring): a call's Reply, else None."""
+        match message:
+            case Check(call_id=call_id, item=sealed):
+                return self._call(call_id, self.host.check, sealed)[0]
+            case Submit(call_id=call_id, item=sealed) if self.host.concurrent_inputs:
+                reply, item = self._call(call_id, self.host.process, sealed, answer=False)
+                if reply.ok:
+                    self._queue(Add(0, item))
+                return reply
+            case Submit():
+                done = _Reply()
+                self._queue(message, done)
+                return done.wait()
+        self._queue(message)
+        return None
 
     def _loop(self) -> None:
         set_torch_threads(self.threads)  # OpenMP's thread count is per calling thread
@@ -106,93 +127,81 @@ class StageActor:
                 messages = list(self.inbox)
                 self.inbox.clear()
             events: list = []
-            for message in messages:
+            for message, done in messages:
                 try:
-                    events.extend(self._handle(*message))
+                    events.extend(self._take(message, done))
                 except Exception as exc:  # noqa: BLE001 - one bad message must not stop the engine thread
-                    log.error("stage actor: %s failed: %s: %s", message[0], type(exc).__name__, exc, exc_info=exc)
-                    if message[0] == "process":
-                        message[2].append(pack_answer(False, classify(exc), self.host.node_id))
+                    log.error("stage actor: %s failed: %s: %s", type(message).__name__, type(exc).__name__, exc,
+                              exc_info=exc)
+                    if done is not None:
+                        done.put(Reply(0, *pack_answer(False, classify(exc), self.host.node_id)))
             events.extend(step_hosts([self.host], WAIT_S).get(self.host, []))
             stats = self.host.new_stats()  # after each step, and after an add or abort that changed them
-            if stats is not None:
-                events.append(("stats", stats))
             busy = self.host.has_unfinished()
-            self._emit(events)
+            if events or stats is not None:
+                self._emit(pack(Events(0, tuple(events), stats), self.host.node_id))
 
-    def _handle(self, rpc: str, arg, reply=None) -> list:
-        """One queued message, on the engine thread. Ray runs a threaded actor's calls in any order, so an abort
-        can overtake the add it follows: remember it."""
-        if rpc == "abort":
-            if arg not in self.host.request_ids():
-                self.aborted[arg] = None
-                while len(self.aborted) > 4096:
-                    self.aborted.pop(next(iter(self.aborted)))
-            self.host.abort(arg)
-            return []
-        if rpc == "process":
-            reply.append(self._answer(self.host.process, arg))
-            return []
-        request_id, data = arg
-        if self.aborted.pop(request_id, 0) is None:
+    def _take(self, message, done) -> list:
+        """The engine thread's dispatcher of one queued message: the events it made at once (a failed add).
+        Ray runs a threaded actor's calls in any order, so an abort can overtake the hand-off it follows:
+        remember it."""
+        match message:
+            case Abort(request_id=request_id):
+                if request_id not in self.host.requests:
+                    self.aborted[request_id] = None
+                    while len(self.aborted) > 4096:
+                        self.aborted.pop(next(iter(self.aborted)))
+                self.host.abort(request_id)
+            case Submit(call_id=call_id, item=sealed):
+                reply, item = self._call(call_id, self.host.process, sealed, answer=False)
+                done.put(reply)
+                return self.host.add(item) if reply.ok else []
+            case Add(item=item):
+                return self.host.add(item)
+            case HandOff(item=sealed):
+                return self._hand_off(sealed)
+        return []
+
+    def _hand_off(self, sealed: Sealed) -> list:
+        if self.aborted.pop(sealed.request_id, 0) is None:
             return []
         try:
-            item = pickle.loads(data)
+            item = pickle.loads(sealed.data)
         except Exception as exc:  # noqa: BLE001 - e.g. a class only the front has: this request only
-            return [StageFailed(request_id, self.host.node_id, self._unreadable(exc), "runtime")]
-        return self.host.add(item) if rpc == "add" else self.host.hand_off(item)
+            return [StageFailed(sealed.request_id, self.host.node_id, self._unreadable(exc), "runtime")]
+        return self.host.hand_off(item)
 
-    def _answer(self, call, data: bytes) -> tuple[bool, bytes]:
-        """A call (process, check) on the front's pickled input; its answer pickled here, so that an input this actor
-        cannot read, the call's error and a value the front cannot take all come back as the call's error."""
+    def _call(self, call_id: int, function, sealed: Sealed, answer: bool = True) -> tuple[Reply, object]:
+        """A call on the front's pickled input: its Reply, with the value pickled here where `answer` (so that an
+        input this actor cannot read, the call's error and a value the front cannot take all come back as the
+        call's error), and the value itself."""
+        node_id = self.host.node_id
         try:
-            item = pickle.loads(data)
+            item = pickle.loads(sealed.data)
         except Exception as exc:  # noqa: BLE001 - this call only
-            return pack_answer(False, ("runtime", self._unreadable(exc), None), self.host.node_id)
+            return Reply(call_id, *pack_answer(False, ("runtime", self._unreadable(exc), None), node_id)), None
         try:
-            return pack_answer(True, call(item), self.host.node_id)
+            value = function(item)
         except Exception as exc:  # noqa: BLE001 - raised again in the front, typed
-            return pack_answer(False, classify(exc), self.host.node_id)
+            return Reply(call_id, *pack_answer(False, classify(exc), node_id)), None
+        return Reply(call_id, *pack_answer(True, value if answer else None, node_id)), value
 
     def _unreadable(self, exc: Exception) -> str:
         return (f"stage {self.host.node_id!r}: its input could not be read by its Ray actor ({type(exc).__name__}: "
                 f"{' '.join(str(exc).split())})")
 
-    def _queue(self, message: tuple) -> None:
+    def _queue(self, message, done: _Reply | None = None) -> None:
         with self.lock:
-            self.inbox.append(message)
+            self.inbox.append((message, done))
             self.work.notify()
 
-    def add(self, request_id: str, data: bytes) -> None:
-        self._queue(("add", (request_id, data)))
-
-    def hand_off(self, request_id: str, data: bytes) -> None:
-        self._queue(("hand_off", (request_id, data)))
-
-    def abort(self, request_id: str) -> None:
-        self._queue(("abort", request_id))
-
-    def process(self, rpc: str, data: bytes) -> tuple[bool, bytes]:
-        if rpc == "check":  # model-free by contract: answered now, not after the running step
-            return self._answer(self.host.check, data)
-        if self.host.concurrent_process:  # the stage says its input processing may run beside a step
-            return self._answer(self.host.process, data)
-        reply: list = []
-        done = threading.Event()
-        self._queue(("process", data, _Reply(reply, done)))
-        done.wait()
-        return reply[0]
-
-    def _emit(self, events: list) -> None:
-        if events:
-            out = [e if isinstance(e, tuple) else ("event", e.request_id, pack_event(e, self.host.node_id))
-                   for e in events]
-            with self.lock:
-                self.out.extend(out)
-                self.emitted.notify_all()
+    def _emit(self, message: Events) -> None:
+        with self.lock:
+            self.out.append(message)
+            self.emitted.notify_all()
 
     def events(self):
-        """The stage's events as a Ray stream (one call for the actor's life, `num_returns="streaming"`): each
+        """The stage's `Events` as a Ray stream (one call for the actor's life, `num_returns="streaming"`): each
         item is everything emitted since the last, so a slow reader gets them in fewer, larger items. A stream
         item costs a fraction of a call's round trip (about 0.14 ms of CPU on each side against 0.55 ms here)."""
         while True:
@@ -217,16 +226,16 @@ class StageActor:
 
 
 class _Reply:
-    """Where the engine thread puts a `process` answer, waking the Ray thread that waits for it."""
+    """Where the engine thread puts a Submit's Reply, for the Ray thread that waits for it."""
 
-    def __init__(self, values: list, done: threading.Event):
-        self.values, self.done = values, done
+    def __init__(self):
+        self.reply: Reply | None = None
+        self.done = threading.Event()
 
-    def append(self, value) -> None:
-        self.values.append(value)
+    def put(self, reply: Reply) -> None:
+        self.reply = reply
         self.done.set()
 
-
-def actor_info() -> dict[str, Any]:
-    """For tests and docs: the Ray version in use."""
-    return {"ray": import_ray().__version__}
+    def wait(self) -> Reply:
+        self.done.wait()
+        return self.reply

@@ -1,8 +1,9 @@
 """Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-workers[ray]` extra).
 
-The same contract as `process_stage.ProcessStage`: the front's proxy sends add / hand_off / abort and the
-process / check calls; the actor (ray_actor.py) runs its stage's engine loop on a thread of its own, continuously,
-and streams its events (`events`, a Ray streaming generator read by a thread of the front). Outputs come back as
+The same contract as `process_stage.ProcessStage`: the front's proxy sends the messages of messages.py to the
+actor's `handle` (`Submit` and `Check` calls, `HandOff`, `Abort`); the actor (ray_actor.py) runs its stage's engine
+loop on a thread of its own, continuously, and streams its `Events` (`events`, a Ray streaming generator read by a
+thread of the front). Outputs come back as
 stream items through Ray's object store (arrays included); the front relays them to the next stage (a Ray stream
 cannot be handed to another actor). Each actor has a bundle of its node's Ray resources (`ray_resources`, else
 `NodeSpec.resources`, else {"CPU": 1}) in a placement group of its stage's (ray_groups.py: PACK for a stage alone,
@@ -10,8 +11,8 @@ SPREAD over a stage's replicas). An actor that dies fails its requests with one 
 and, when its node died, the node; it is restarted `max_restarts` times in its own bundle, which Ray places again
 where the cluster has room (at once, or when a node joins; RESTART_WAIT_S at most). The front does not wait for the
 new actor's build (a thread of its own does and rings the bell), and a call meanwhile waits or raises
-StageUnavailable as `WorkerGroup.wait_for_restarts` says, as with worker processes. Requests, events and a call's
-answer cross as bytes pickled by omni on each side (transport.pack_event, pack_answer), so one that cannot be
+StageUnavailable as `WorkerGroup.fail_fast` says, as with worker processes. Inputs, events and a call's answer
+cross as bytes pickled by omni on each side (`Sealed`, transport.pack_event, pack_answer), so one that cannot be
 pickled or unpickled fails its own request or call, never the actor's stream (which the front would take for its
 death).
 
@@ -31,10 +32,11 @@ import uuid
 
 import attrs
 
-from omni_kernel.core.errors import EngineDead, RequestError, rebuild
+from omni_kernel.core.errors import RequestError, rebuild
 from omni_kernel.core.request import StageInput
 
 from .cores import SHARED
+from .messages import Abort, Check, Events, Failed, HandOff, Sealed, Submit
 from .proxy import StageProxy, WorkerDied
 from .ray_actor import actor_class, ensure_ray
 from .ray_groups import GONE_TIMEOUT_S, PLACE_TIMEOUT_S, Reservation, kill_all, node_alive, ray_options
@@ -45,7 +47,7 @@ log = logging.getLogger("omni")
 START_TIMEOUT_S = 600.0  # an actor placed builds its stage (loads its model) within this
 RESTART_WAIT_S = 600.0  # a lost actor waits this long for room (a node that joins) and its build, then its stage
 # (or replica) is dead
-CALL_TIMEOUT_S = 300.0  # a process / check call is answered within this (it waits for the step running now)
+CALL_TIMEOUT_S = 300.0  # a submit / check call is answered within this (it waits for the step running now)
 STARTED = ("started",)  # the mailbox's word that a restarted actor's build is over (ready, failed or timed out)
 
 
@@ -113,10 +115,10 @@ class RayStage(StageProxy):
             raise RequestError(f"{self.label}: its Ray actor failed to start: {type(exc).__name__}: "
                                f"{' '.join(str(exc).split())[:300]}") from None
         self.where = node
-        if status[0] == "failed":
+        if isinstance(status, Failed):
             self.close()
-            raise rebuild(*status[1:])
-        self._built(*status[1:])
+            raise rebuild(*status.error)
+        self.on_ready(status.kind, status.concurrent_inputs, status.stats)
         self._spawn(self._poller, (self.actor,), f"omni-ray-poll-{self.node.id}")
 
     def _spawn(self, target, args: tuple, name: str) -> None:
@@ -141,7 +143,7 @@ class RayStage(StageProxy):
         try:
             self._take_status(0)
         except Exception as exc:  # noqa: BLE001 - e.g. its model is gone now
-            self.dead = EngineDead(f"{self.label}: its Ray actor could not restart within {RESTART_WAIT_S:g}s: {exc}")
+            self.end(f"{self.label}: its Ray actor could not restart within {RESTART_WAIT_S:g}s: {exc}")
             log.error("%s", self.dead)
             self.close()
 
@@ -208,12 +210,10 @@ class RayStage(StageProxy):
             if isinstance(payload, BaseException):
                 self._died(payload)
                 continue
-            for message in payload:  # a step's events, then the stage's stats after it
-                if message[0] == "stats":
-                    self._take_stats(message[1])
-                    continue
-                _, request_id, data = message
-                self._take_event(request_id, data)
+            for message in payload:
+                match message:
+                    case Events(events=events, stats=stats):
+                        self.on_events(events, stats)
 
     def _died(self, exc: BaseException) -> None:
         actor, self.actor = self.actor, None
@@ -225,11 +225,11 @@ class RayStage(StageProxy):
             died = f"Ray node {self.where[:12]} died (and its actor with it)"
         else:
             died = f"Ray actor died ({type(exc).__name__})"
-        if self._lost(died, "replica" if self.spec.replica is not None else "actor"):
+        if self.lost(died, "replica" if self.spec.replica is not None else "actor"):
             try:
                 self._start()
             except Exception as error:  # noqa: BLE001 - Ray itself is gone
-                self.dead = EngineDead(f"{self.label}: its Ray actor could not restart: {error}")
+                self.end(f"{self.label}: its Ray actor could not restart: {error}")
                 log.error("%s", self.dead)
                 self.actor = None
                 return
@@ -237,40 +237,40 @@ class RayStage(StageProxy):
 
     # The Stage contract.
 
-    def _call(self, rpc: str, item: StageInput):
+    def _call(self, what: str, item: StageInput):
+        """A Submit or Check, answered by the actor: its value, or its error raised (typed)."""
         if not self.ready and self.actor is not None:  # restarting
             self.pump()
             if not self.ready and self.actor is not None:
-                if not self.group.wait_for_restarts:
+                if self.group.fail_fast:
                     raise self._restarting()
                 self.ray.wait([self.ready_ref], timeout=RESTART_WAIT_S)
                 self._restarted()
         if self.actor is None:
-            raise self.dead or WorkerDied(f"{self.label}: its Ray actor is gone")
-        data = self._pickle(item)
+            raise self._refusal()
+        sealed = Sealed(item.request_id, self._pickle(item))
+        message = Submit(0, 0, sealed) if what == "submit" else Check(0, 0, sealed)
         try:
-            ok, answer = self.ray.get(self.actor.process.remote(rpc, data), timeout=CALL_TIMEOUT_S)
+            reply = self.ray.get(self.actor.handle.remote(message), timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the actor died, or (not expected) the call failed in it
             if not isinstance(exc, self.ray.exceptions.RayActorError):
-                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {rpc!r} call "
+                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {what!r} call "
                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
             raise WorkerDied(f"{self.label}: its Ray actor died while processing the input") from None
-        return self._answer(rpc, ok, answer)
+        return self._answer(what, reply.ok, reply.data)
 
-    def _gone(self):
-        if self.actor is None or self.dead is not None:
-            return self.dead or f"{self.label}: its Ray actor is gone"
-        return None
+    def _running(self) -> bool:
+        return self.actor is not None
 
-    def _send_add(self, rpc: str, item: StageInput) -> None:
-        data = self._pickle_add(item, item)
-        if data is not None:
-            getattr(self.actor, rpc).remote(item.request_id, data)  # in order: Ray keeps a caller's calls ordered
+    def _send_hand_off(self, item: StageInput) -> None:
+        # in order with this caller's other messages where Ray keeps them so; the actor remembers an abort that
+        # overtook the hand-off it follows
+        self.actor.handle.remote(HandOff(0, Sealed(item.request_id, self._pickle(item))))
 
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:
-            self.actor.abort.remote(request_id)
+            self.actor.handle.remote(Abort(0, request_id))
 
 
 def stop_ranks(ray, actor) -> None:

@@ -1,25 +1,22 @@
 """Replicas: independent copies of one stage, each in a worker of its own, behind one Stage (`--replicas video=2`).
 
-Each new request goes to the replica with the least outstanding work (the requests it holds or has events of,
-then the fewest restarts), and stays there: its processed input is held in the worker that processed it, and its
-events come back from there. A replica that dies fails only its own requests (its proxy's fault handling) and is
-restarted as any worker is; while it restarts, or once it is dead, new requests go to the others. The stage is
-dead only when every replica is. Its stats add the replicas' up and list each one's (`StageStats.replicas`,
-which `/metrics` labels by replica). On a machine with GPUs, give the front `CUDA_VISIBLE_DEVICES=0,1`: replica
-i of a process placement then sees the i-th of them only (spawn.py); a Ray replica reserves its own bundle.
+Each new request (a submit, or a hand-off from an upstream stage) goes to the replica with the least outstanding work
+(the requests it holds or has events of, then the fewest restarts), and stays there: its events come back from that
+replica, and its abort goes there. A replica that dies fails only its own requests (its proxy's fault handling) and is
+restarted as any worker is; while it restarts, or once it is dead, new requests go to the others. The stage is dead only
+when every replica is (its `dead`). Its stats add the replicas' up and list each one's (`StageStats.replicas`, which
+`/metrics` labels by replica). On a machine with GPUs, give the front `CUDA_VISIBLE_DEVICES=0,1`: replica i of a process
+placement then sees the i-th of them only (spawn.py); a Ray replica reserves its own bundle.
 """
 
 from __future__ import annotations
 
-import collections
-
-from omni_kernel.core.errors import EngineDead, StageUnavailable
+from omni_kernel.core.errors import StageUnavailable
 from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
 
+from .proxy import RemoteEngine
 from .settings import WorkerStats
-
-ROUTE_LIMIT = 4096  # processed inputs whose add is still to come (a submit that failed later never adds)
 
 
 class ReplicaStage:
@@ -30,38 +27,29 @@ class ReplicaStage:
         self.node_id = replicas[0].node_id
         self.kind = replicas[0].kind
         self.owner: dict[str, object] = {}  # request id -> the replica that holds it
-        self.routed: collections.OrderedDict[str, object] = collections.OrderedDict()  # processed, not added
+        self.engine = RemoteEngine(self)  # what the StageScheduler steps: each replica's events, taken together
 
     @property
-    def concurrent_process(self) -> bool:
-        return self.replicas[0].concurrent_process
+    def concurrent_inputs(self) -> bool:
+        return self.replicas[0].concurrent_inputs
 
     @property
-    def dead(self) -> EngineDead | None:
+    def dead(self) -> str | None:
+        """Why the stage takes no more requests (every replica is dead: the first one's reason), or None."""
         return self.replicas[0].dead if all(r.dead is not None for r in self.replicas) else None
 
     def pick(self):
         """The replica with the least outstanding work among those that take requests now; with none, one that is
-        restarting (a call to it waits for its build, or, where the group does not wait, is refused here as
+        restarting (a call to it waits for its build, or, where the group fails fast, is refused here as
         `stage unavailable`), else any."""
-        taking = [r for r in self.replicas if r._gone() is None and not r.restarting]
+        taking = [r for r in self.replicas if r.dead is None and r.ready]
         alive = [r for r in self.replicas if r.dead is None]
-        if not taking and alive and not alive[0].group.wait_for_restarts:
+        if not taking and alive and alive[0].group.fail_fast:
             raise StageUnavailable(f"stage unavailable: stage {self.node_id!r} has no replica that takes requests now "
                                    f"({len(alive)} restarting, {len(self.replicas) - len(alive)} dead)", None)
         return min(taking or alive or self.replicas, key=lambda r: (len(r.request_ids()), r.restarts))
 
-    def _route(self, request_id: str):
-        replica = self.routed.pop(request_id, None) or self.pick()
-        self.owner[request_id] = replica
-        return replica
-
     # The Stage contract.
-
-    @property
-    def engine(self) -> ReplicaStage:
-        """What the StageScheduler steps: this stage, which steps each replica's proxy."""
-        return self
 
     def events_for(self, outputs: list) -> list:
         return outputs
@@ -69,32 +57,27 @@ class ReplicaStage:
     def check(self, item: StageInput) -> None:
         self.pick().check(item)
 
-    def process(self, item: StageInput) -> StageInput:
+    def submit(self, item: StageInput) -> None:
         replica = self.pick()
-        out = replica.process(item)
-        self.routed[item.request_id] = replica
-        while len(self.routed) > ROUTE_LIMIT:
-            self.routed.popitem(last=False)
-        return out
-
-    def add_request(self, item: StageInput) -> None:
-        self._route(item.request_id).add_request(item)
+        replica.submit(item)
+        self.owner[item.request_id] = replica
 
     def hand_off(self, item: StageInput) -> None:
-        self._route(item.request_id).hand_off(item)
+        replica = self.pick()
+        self.owner[item.request_id] = replica
+        replica.hand_off(item)
 
-    def step(self) -> list:
+    def take_events(self) -> list:
         events = []
         for replica in self.replicas:
             if replica.has_unfinished():
-                events += replica.step()
+                events += replica.take_events()
         for event in events:
             if isinstance(event, (StageFinished, StageFailed)):
                 self.owner.pop(event.request_id, None)
         return events
 
     def abort(self, request_id: str) -> None:
-        self.routed.pop(request_id, None)
         replica = self.owner.pop(request_id, None)
         for r in [replica] if replica is not None else self.replicas:
             r.abort(request_id)
@@ -122,9 +105,8 @@ class ReplicaStage:
             kv_blocks_total=_total(s.kv_blocks_total for s in kv) if kv else None,
             kv_blocks_used=_total(s.kv_blocks_used for s in kv) if kv else None,
             prefix_hit_tokens=_total(s.prefix_hit_tokens for s in kv) if kv else None,
-            step_cache_hits=_counted(s.step_cache_hits for s in each),
-            step_cache_misses=_counted(s.step_cache_misses for s in each),
-            dead=str(self.dead) if self.dead is not None else None, placed=placed)
+            model=_summed(s.model for s in each),
+            dead=self.dead, placed=placed)
 
     def close(self) -> None:
         for replica in self.replicas:
@@ -136,7 +118,10 @@ def _total(values) -> int:
     return sum(v or 0 for v in values)
 
 
-def _counted(values) -> int | None:
-    """The replicas' sum of a counter, None when none of them counts it."""
-    counted = [v for v in values if v is not None]
-    return sum(counted) if counted else None
+def _summed(models) -> dict[str, int | float]:
+    """The replicas' model counters (StageStats.model), each summed over the replicas that count it."""
+    total: dict[str, int | float] = {}
+    for model in models:
+        for name, value in model.items():
+            total[name] = total.get(name, 0) + value
+    return total

@@ -22,6 +22,8 @@ import socket
 import uuid
 from multiprocessing.reduction import ForkingPickler, recvfds, sendfds
 
+from .messages import Fds
+
 MIN_BYTES = 64 * 1024  # smaller arrays cross inside the pickle
 NUMERIC = "biufc"  # numpy dtype kinds whose bytes are the whole array (no objects)
 _ARRIVED: dict[str, mmap.mmap] = {}  # token -> the mapping of a memory file received, until its array is loaded
@@ -99,7 +101,7 @@ def send(conn, data: bytes, fds: list) -> None:
     """`data` down `conn` (a Connection over a Unix socket), after the descriptors it refers to; closes them."""
     try:
         if fds:
-            conn.send_bytes(ForkingPickler.dumps(("fds", [token for token, _ in fds])))
+            conn.send_bytes(ForkingPickler.dumps(Fds([token for token, _ in fds])))
             with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sendfds(sock, [fd for _, fd in fds])
         conn.send_bytes(data)
@@ -108,7 +110,7 @@ def send(conn, data: bytes, fds: list) -> None:
 
 
 def take_fds(conn, tokens: list[str]) -> None:
-    """Receive the descriptors announced by an `fds` header and map them, for the message that follows."""
+    """Receive the descriptors announced by an `Fds` message and map them, for the message that follows."""
     with socket.fromfd(conn.fileno(), socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         fds = recvfds(sock, len(tokens))
     for token, fd in zip(tokens, fds):

@@ -1,20 +1,18 @@
-"""Building and driving one stage away from the front, the same in a worker process and in a Ray actor.
+"""Building and driving stages away from the front, the same in a worker process and in a Ray actor.
 
-A worker rebuilds its stage from picklable parts (`WorkerSpec`): a plugin host (`load_host()` under the same
+A worker rebuilds each stage from picklable parts (`WorkerSpec`): a plugin host (`load_host()` under the same
 OMNI_PLUGINS, or the host's own `rebuild` callable), then the stage through that host's GraphBuilder, so models
 load once, in the worker, bound methods never cross, and the stages of one share key built in one worker share
-their engine there as they would in one process. `StageHost` then drives one stage by messages; `step_hosts`
-steps each engine of a worker's stages once and hands each stage its own requests' outputs. A processed input
-stays in the worker: the process RPC answers with the item whose `processed` is a `Held` marker.
+their engine there as they would in one process. `StageHost` drives one such stage (a kernel Stage) for the
+worker's dispatcher; `step_hosts` steps the engines of a worker's stages by the kernel's rule
+(omni_kernel/core/stepping.py).
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import sys
-import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,6 +24,7 @@ from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.planner import NodeBuild, node_policy
 from omni_kernel.core.registry import share_key
 from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.stepping import step_engine
 from omni_kernel.events import StageFailed, StageFinished
 
 from .cores import SHARED, set_threads
@@ -33,7 +32,6 @@ from .cores import SHARED, set_threads
 log = logging.getLogger("omni")
 
 WAIT_S = 0.005  # a stage with only background work (an MP4 export) is waited on this long, then the inbox read
-HELD_LIMIT = 4096  # processed inputs a worker keeps for add_request (a submit that failed later never adds)
 
 
 # What the worker needs to rebuild its stage.
@@ -56,13 +54,6 @@ def default_host_factory() -> Callable[[], Any]:
     from omni_kernel.plugins import ALLOWLIST_ENV, load_host
 
     return partial(load_host, os.environ.get(ALLOWLIST_ENV))
-
-
-@attrs.frozen
-class Held:
-    """Marks a processed input that stays in the worker; add_request picks it up there by request id."""
-
-    request_id: str
 
 
 def load_plugins(spec: WorkerSpec):
@@ -108,48 +99,34 @@ def set_torch_threads(threads: int | str | None) -> None:
 
 
 class StageHost:
-    """A stage driven by messages, the same in a worker process and in a Ray actor: the RPCs (process, check),
-    add_request with a held processed input, hand_off, abort, the events of its own requests from its engine's
-    steps (`step_hosts`), and the stage's stats, sent to the front with the events whenever they changed."""
+    """One stage of a worker (a kernel Stage, stage.py), as the worker's dispatcher drives it: `check`, `process`
+    and `add` (a submit, whose processing may run beside a step where `concurrent_inputs` says so, and whose add
+    always runs between two steps), `hand_off`, `abort`, and the stage's stats, sent to the front whenever they
+    changed. `requests`: the requests added through this stage and not finished, whose outputs it owns."""
 
     def __init__(self, stage, node_id: str):
         self.stage = stage
         self.node_id = node_id
-        self.held: collections.OrderedDict[str, Any] = collections.OrderedDict()
-        self.held_lock = threading.Lock()  # a concurrent `process` (reader thread) holds inputs beside the engine loop
-        self.requests: set[str] = set()  # the requests added to its engine through this stage, not finished
+        self.requests: set[str] = set()
         self.sent: StageStats | None = None  # the stats last sent to the front
 
     @property
-    def concurrent_process(self) -> bool:
-        """`process` may be answered beside a step (the stage says so), not only between two."""
-        return self.stage.concurrent_process
+    def concurrent_inputs(self) -> bool:
+        return self.stage.concurrent_inputs
 
     @property
     def engine(self):
         return self.stage.engine
 
-    def process(self, item: StageInput) -> StageInput:
-        out = self.stage.process(item)
-        with self.held_lock:
-            self.held[item.request_id] = out.processed
-            self.held.move_to_end(item.request_id)
-            while len(self.held) > HELD_LIMIT:
-                self.held.popitem(last=False)
-        return attrs.evolve(out, processed=Held(item.request_id))
-
     def check(self, item: StageInput) -> None:
         self.stage.check(item)
 
+    def process(self, item: StageInput) -> StageInput:
+        """A submitted input processed; raises the stage's error (a UserError) for the caller."""
+        return self.stage.process(item)
+
     def add(self, item: StageInput) -> list:
-        """Events at once only when the input is lost or refused; otherwise the stage reports through its steps."""
-        if isinstance(item.processed, Held):
-            with self.held_lock:
-                processed = self.held.pop(item.request_id, None)
-            if processed is None:
-                return [StageFailed(item.request_id, self.node_id, f"stage {self.node_id!r} lost the processed input "
-                                                                   "of this request", "runtime")]
-            item = attrs.evolve(item, processed=processed)
+        """Add a processed input: no events, or its StageFailed where the engine refused it."""
         return self._alone(self.stage.add_request, item)
 
     def hand_off(self, item: StageInput) -> list:
@@ -166,8 +143,6 @@ class StageHost:
         return []
 
     def abort(self, request_id: str) -> None:
-        with self.held_lock:
-            self.held.pop(request_id, None)
         if request_id in self.requests:
             self.requests.discard(request_id)
             self.stage.abort(request_id)
@@ -175,29 +150,18 @@ class StageHost:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
-    def request_ids(self) -> set[str]:
-        return set(self.requests)
-
     def events_for(self, outputs: list) -> list:
-        """The stage's events for its requests' outputs of one engine step; a stage that cannot make them fails
-        those requests, not the worker."""
-        try:
-            events = self.stage.events_for(outputs)
-        except Exception as exc:  # noqa: BLE001 - a broken output processor fails its own requests
-            log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
-            events = [StageFailed.of(rid, self.node_id, exc) for rid in dict.fromkeys(o.request_id for o in outputs)]
-        for event in events:
-            if isinstance(event, (StageFinished, StageFailed)):
-                self.requests.discard(event.request_id)
-        return events
+        """The stage's events for its requests' outputs of one engine step."""
+        return self.stage.events_for(outputs)
 
-    def fail_all(self, exc: Exception) -> list:
-        """Its engine's step raised: every request of this stage fails (and is dropped)."""
-        log.error("stage %s failed: %s: %s", self.node_id, type(exc).__name__, exc, exc_info=exc)
-        failed = sorted(self.requests)
-        for rid in failed:
-            self.abort(rid)
-        return [StageFailed.of(rid, self.node_id, exc) for rid in failed]
+    def settle(self, events: list) -> None:
+        """A step's events: the requests they end are no longer this stage's (a failed one is aborted in the
+        engine, which a failed step of the engine itself left holding it)."""
+        for event in events:
+            if isinstance(event, StageFailed):
+                self.abort(event.request_id)
+            elif isinstance(event, StageFinished):
+                self.requests.discard(event.request_id)
 
     def new_stats(self) -> StageStats | None:
         """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""
@@ -209,28 +173,21 @@ class StageHost:
 
 
 def step_hosts(hosts: list[StageHost], timeout: float = 0.0) -> dict[StageHost, list]:
-    """Step each engine of the hosts that holds their requests and would make progress (waiting up to `timeout`
-    for one with only background work) once; each host's events from its own requests' outputs."""
+    """A worker's stepping round: each engine of `hosts` that holds their requests and would make progress (waiting
+    up to `timeout` for one with only background work) steps once, by the kernel's rule (stepping.step_engine);
+    each host gets the events of its own requests."""
     engines: dict[int, tuple[Any, list[StageHost]]] = {}
     for host in hosts:
         if host.has_unfinished():
             engines.setdefault(id(host.engine), (host.engine, []))[1].append(host)
     events: dict[StageHost, list] = {}
     for engine, members in engines.values():
-        if engine.wait(0) or (timeout and engine.wait(timeout)):
-            events.update(_step_engine(engine, members))
+        if not (engine.wait(0) or (timeout and engine.wait(timeout))):
+            continue
+        owners = {rid: host for host in members for rid in host.requests}
+        running = [(rid, host) for host in members for rid in sorted(host.requests)]
+        for host, event in step_engine(engine, owners.get, lambda running=running: running):
+            events.setdefault(host, []).append(event)
+    for host, made in events.items():
+        host.settle(made)
     return events
-
-
-def _step_engine(engine, members: list[StageHost]) -> dict[StageHost, list]:
-    try:
-        outputs = engine.step()
-    except Exception as exc:  # noqa: BLE001 - a broken engine fails its stages' requests, not the worker
-        return {host: host.fail_all(exc) for host in members}
-    owners = {rid: host for host in members for rid in host.requests}
-    mine: dict[StageHost, list] = {}
-    for out in outputs:
-        host = owners.get(out.request_id)
-        if host is not None:  # else aborted since
-            mine.setdefault(host, []).append(out)
-    return {host: host.events_for(outs) for host, outs in mine.items()}

@@ -1,34 +1,38 @@
 """What crosses between a stage's worker (a process or a Ray actor) and the front.
 
-Requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's own processes
-(never anything read from a network socket). The worker pickles each event, and a call's answer, on its own
-inside its message (`pack`), so one the front cannot unpickle fails its own request or call. Between a worker
-process and the front, arrays and tensors (latents, frames, embeddings) cross through shared memory (shared.py:
-`fds` collects the memory files a message refers to); a Ray actor's cross inside the pickle. Torch-free: numpy
-and torch are touched only if a message holds their arrays.
+Requests, events and stage outputs, as plain data pickled over a local Pipe between the runtime's own processes (never
+anything read from a network socket); the messages are messages.py's. The worker pickles each event, and a call's
+answer, on its own inside its message (`pack`), so one the front cannot unpickle fails its own request or call. Between
+a worker process and the front, arrays and tensors (latents, frames, embeddings) cross through shared memory (shared.py:
+`fds` collects the memory files a message refers to); a Ray actor's cross inside the pickle. Torch-free: numpy and torch
+are touched only if a message holds their arrays.
 """
 
 from __future__ import annotations
 
 from multiprocessing.reduction import ForkingPickler
 
+import attrs
+
 from omni_kernel.events import StageFailed
 
 from . import shared
+from .messages import Events, Reply, Sealed
 
 
 def pack(message, node_id: str, fds: list | None = None):
-    """An `events` message is (tag, events, the stage's StageStats or None when unchanged). Each event (with its
-    request id) and a call's answer are pickled on their own, so one that cannot be pickled here (an output
-    holding a lock) or unpickled in the front (a class only the worker has) fails its own request or call, and
-    the message around it always crosses."""
-    if message[0] == "reply":
-        _, call_id, ok, value = message
-        return ("reply", call_id, *pack_answer(ok, value, node_id, fds))
-    if message[0] != "events":
-        return message
-    _, tag, events, stats = message
-    return ("events", tag, [(event.request_id, pack_event(event, node_id, fds)) for event in events], stats)
+    """The message as it crosses: an `Events`'s events each `Sealed` (pickled with its request id) and a `Reply`'s
+    value pickled, on their own, so one that cannot be pickled here (an output holding a lock) or unpickled in the
+    front (a class only the worker has) fails its own request or call, and the message around it always crosses.
+    Other messages are plain data, as they are."""
+    match message:
+        case Reply(ok=ok, data=value):
+            ok, data = pack_answer(ok, value, node_id, fds)
+            return attrs.evolve(message, ok=ok, data=data)
+        case Events(events=events):
+            sealed = tuple(Sealed(event.request_id, pack_event(event, node_id, fds)) for event in events)
+            return attrs.evolve(message, events=sealed)
+    return message
 
 
 def pack_event(event, node_id: str, fds: list | None = None) -> bytes:

@@ -2,8 +2,12 @@
 
 A worker hosts one stage, or every stage of one share key (the node type's `share_key`: pipelines whose nodes would
 share an engine in one process), whichever graph of the front they belong to: the first one starts the process,
-the others are built in it (`build`), each with a tag that its messages carry both ways. A stage that closes is
-dropped from the worker; the worker stops with the last one. See process_stage.py for the stages' side.
+the others are built in it (`Build`), each with a tag that its messages carry both ways (messages.py). A stage
+that closes is dropped from the worker; the worker stops with the last one.
+
+`WorkerProcess.receive` is the front's one dispatcher of what a worker sends; it tells each stage (a
+ProcessStage, process_stage.py) through that stage's public interface: `on_ready`, `on_build_failed`,
+`on_events`, `on_worker_died`, `on_not_restarted`, and a call's `Reply` waits in `replies` for its caller.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from omni_kernel.core.errors import rebuild
 
 from . import shared
 from .cores import SHARED, board
+from .messages import Build, Drop, Events, Failed, Fds, Ready, Reply, Stop
 from .spawn import start_worker
 from .stage_host import WorkerSpec
 
@@ -37,7 +42,7 @@ class WorkerProcess:
         self.members: dict = {}  # tag -> ProcessStage
         self.tags = itertools.count()
         self.calls = itertools.count()
-        self.replies: dict[int, tuple] = {}
+        self.replies: dict[int, Reply] = {}
         self.slot = board().take() if threads == SHARED else None
         self.on_stop = on_stop
         self.child = self.conn = None  # the worker's omni_kernel.util.launch.Child, its pipe
@@ -62,7 +67,7 @@ class WorkerProcess:
         if self.proc is None:
             self.start()
         else:
-            self.send(("build", stage.spec))
+            self.send(Build(stage.spec))
         stage.started = time.monotonic()
 
     def start(self) -> None:
@@ -70,11 +75,11 @@ class WorkerProcess:
         first, *others = self.members.values()
         self.child, self.conn = start_worker(first.spec)
         self.conn.send(list(sys.path))  # so the worker imports what the front imports (plugins, test modules)
-        self.conn.send(first.spec)
+        self.conn.send(Build(first.spec))
         self.ready = False
         self.drop_backlog()
         for stage in others:
-            self.send(("build", stage.spec))
+            self.send(Build(stage.spec))
 
     def detach(self, stage) -> None:
         """`stage` closed: dropped from the worker, which stops with the last of its stages."""
@@ -82,7 +87,7 @@ class WorkerProcess:
             return
         if self.members:
             if self.conn is not None:
-                self.send(("drop", stage.spec.tag))
+                self.send(Drop(stage.spec.tag))
             return
         self.stop()
 
@@ -92,7 +97,7 @@ class WorkerProcess:
         self.conn = None
         if conn is not None:
             try:
-                conn.send(("stop",))
+                conn.send(Stop())
             except (OSError, ValueError):
                 pass
         if process is not None:
@@ -143,12 +148,12 @@ class WorkerProcess:
                     self.died(f"stopped: the front could not read its message, {type(exc).__name__}: "
                               f"{' '.join(str(exc).split())}")
                     return
-                if message[0] == "fds":  # the shared memory of the message that follows
-                    self.arrived = message[1]
+                if isinstance(message, Fds):  # the shared memory of the message that follows
+                    self.arrived = message.names
                     shared.take_fds(conn, self.arrived)
                     continue
                 self.receive(message)
-                if message[0] != "reply":  # a call's answer is loaded by its caller (ProcessStage._call), later
+                if not isinstance(message, Reply):  # a call's answer is loaded by its caller, later
                     shared.forget(self.arrived)  # what the message did not load (a dropped or unreadable event)
                 self.arrived = []
         except (EOFError, OSError):
@@ -156,31 +161,33 @@ class WorkerProcess:
                 self.died()
 
     def receive(self, message) -> None:
-        rpc = message[0]
-        if rpc == "reply":
-            self.replies[message[1]] = message[2:]
+        """The front's one dispatcher of what the worker sends."""
+        if isinstance(message, Reply):
+            self.replies[message.call_id] = message
             return
-        stage = self.members.get(message[1])
+        stage = self.members.get(message.tag)
         if stage is None:  # closed meanwhile
             return
-        if rpc == "events":  # the events of a step (or of an add that failed) and the stage's stats after it
-            _, _, events, stats = message
-            for request_id, data in events:
-                stage._take_event(request_id, data)
-            stage._take_stats(stats)
-        elif rpc == "ready":
-            stage._built(*message[2:])
-            if not self.ready:
-                self.ready = True
-                conn, backlog, self.backlog = self.conn, self.backlog, []
-                for index, (data, fds) in enumerate(backlog):
-                    if self.conn is not conn:  # it died meanwhile: died() failed what these were for
-                        self.backlog = backlog[index:]
-                        self.drop_backlog()
-                        break
-                    self.send_bytes(data, fds)
-        elif rpc == "failed":
-            stage._build_failed(rebuild(*message[2:]))
+        match message:
+            case Events(events=events, stats=stats):
+                stage.on_events(events, stats)
+            case Ready(kind=kind, concurrent_inputs=concurrent_inputs, stats=stats):
+                stage.on_ready(kind, concurrent_inputs, stats)
+                if not self.ready:
+                    self._send_backlog()
+            case Failed(error=error):
+                stage.on_build_failed(rebuild(*error))
+
+    def _send_backlog(self) -> None:
+        """The first stage is built: what waited for it goes down the pipe."""
+        self.ready = True
+        conn, backlog, self.backlog = self.conn, self.backlog, []
+        for index, (data, fds) in enumerate(backlog):
+            if self.conn is not conn:  # it died meanwhile: died() failed what these were for
+                self.backlog = backlog[index:]
+                self.drop_backlog()
+                break
+            self.send_bytes(data, fds)
 
     def died(self, how: str | None = None) -> None:
         """The worker's pipe read EOF: its stages fail what they held; restart it if a stage is to be restarted."""
@@ -191,14 +198,12 @@ class WorkerProcess:
         self.conn.close()
         self.conn = None
         self.ready = False
-        for stage in self.members.values():
-            stage.ready = False
         if self.slot is not None:
             board().clear(self.slot)
-        restart = self._fail_members(how)
-        if not (restart and self.members):
-            if not self.members:
-                self.stop()
+        restart = [stage for stage in list(self.members.values()) if stage.on_worker_died(how)]
+        self.members = {stage.spec.tag: stage for stage in restart}  # the dead, and those never built, leave
+        if not self.members:
+            self.stop()
             return
         self._restart(how)
 
@@ -210,19 +215,6 @@ class WorkerProcess:
             self.proc.wait()
         return self.child.cause()
 
-    def _fail_members(self, how: str) -> bool:
-        """Each stage fails its requests; True if one of them is to be restarted. Stages that are dead, or that
-        never built, leave the worker."""
-        restart = False
-        for stage in list(self.members.values()):
-            if stage.built_once:
-                restart = stage._lost(f"worker process died ({how})", "worker") or restart
-            else:  # died while building it the first time: its wait_ready raises this
-                stage._build_failed(stage._dead_error(how))
-        for stage in [s for s in self.members.values() if s.dead is not None or not s.built_once]:
-            self.members.pop(stage.spec.tag, None)
-        return restart
-
     def _restart(self, how: str) -> None:
         try:
             self.start()
@@ -233,7 +225,7 @@ class WorkerProcess:
                 self.proc.kill()  # started, but died before it took its spec
             self.conn = None
             for stage in self.members.values():
-                stage._not_restarted(how, exc)
+                stage.on_not_restarted(how, exc)
             self.members.clear()
             self.stop()
 

@@ -19,6 +19,7 @@ from omni_kernel import Omni
 from omni_kernel.core.request import StageOutput
 from omni_kernel.events import StageFailed, StageFinished
 from omni_workers import shared
+from omni_workers.messages import Events, Fds
 from omni_workers.transport import pack
 
 np = pytest.importorskip("numpy")
@@ -60,8 +61,8 @@ def cross(value, pipe):
     data = shared.dumps(value, fds)
     shared.send(back, data, fds)
     header = front.recv()
-    if header[0] == "fds":
-        shared.take_fds(front, header[1])
+    if isinstance(header, Fds):
+        shared.take_fds(front, header.names)
         header = front.recv()
     return header
 
@@ -94,8 +95,8 @@ def test_an_event_whose_array_cannot_be_shared_fails_its_own_request(monkeypatch
     fine = StageFinished("fine", "wan", StageOutput("fine", "wan", data={"frames": np.ones(4)}))
     monkeypatch.setattr(shared.os, "memfd_create", no_memory)
     fds: list = []
-    message = pack(("events", 0, [big, fine], None), "wan", fds)
-    (rid_big, data_big), (rid_fine, data_fine) = message[2]
+    message = pack(Events(0, (big, fine)), "wan", fds)
+    (rid_big, data_big), (rid_fine, data_fine) = ((e.request_id, e.data) for e in message.events)
     failed = pickle.loads(data_big)
     assert rid_big == "big" and isinstance(failed, StageFailed) and "Cannot allocate memory" in failed.error
     assert failed.error.startswith("stage 'wan': its output could not be sent to the front")
@@ -105,7 +106,8 @@ def test_an_event_whose_array_cannot_be_shared_fails_its_own_request(monkeypatch
 
 
 def test_a_processed_input_and_a_hand_off_cross_through_shared_memory():
-    """Both ways: the answer to the submit's `process` call, then the hand-off to the next stage's worker."""
+    """A big processed input stays in its worker; a big hand-off crosses to the next stage's worker in shared
+    memory."""
     with Omni("fake_slow", host=make_host(), placement="process") as o:
         assert o.generate("a big_input please").text == "rendered 3 words"
         trace = o.generate("a big_handoff please").trace
