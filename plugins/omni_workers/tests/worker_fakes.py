@@ -2,7 +2,7 @@
 
 `fake_slow` is `words` (kind "ar", streams the prompt word by word) -> `render` (kind "video", one output with
 the word count), each step sleeping `policy["sleep_ms"]`; `fake_video` is `render` alone (its entry stage, with
-`concurrent_process` on). A prompt with "crash" kills the worker process in a
+`concurrent_inputs` on). A prompt with "crash" kills the worker process in a
 step, "explode" makes the `words` scheduler raise at its second step (its engine is then dead), "bad" is refused
 by input processing, "frames" makes `render` return a numpy array in `data`, a word
 "hold=PATH" makes a `render` step create PATH.started, then wait until PATH exists, and "unsendable_input" /
@@ -156,7 +156,7 @@ class WordsOutputs(Outputs):
 
 
 class RenderInputs:
-    """Only counts words, so it may run beside a step: `policy["concurrent_process"]` says so (as Wan's does)."""
+    """Only counts words, so it may run beside a step: `policy["concurrent_inputs"]` says so (as Wan's does)."""
 
     def __init__(self, concurrent: bool):
         self.concurrent = concurrent
@@ -209,7 +209,7 @@ class RenderOutputs(Outputs):
 @attrs.frozen
 class FakePolicy:
     sleep_ms: float = option(0.0, help="each step sleeps this long", type=float)
-    concurrent_process: bool = option(False, help="the render stage's inputs may be processed beside a step",
+    concurrent_inputs: bool = option(False, help="the render stage's inputs may be processed beside a step",
                                       type=bool)
 
 
@@ -259,7 +259,7 @@ def build_words(node: NodeSpec, config, policy: FakePolicy, settings, engine: En
 
 
 def build_render(node: NodeSpec, config, policy: FakePolicy, settings, engine: Engine) -> Stage:
-    return Stage(node, "video", RenderInputs(policy.concurrent_process), engine, RenderOutputs(node.id))
+    return Stage(node, "video", RenderInputs(policy.concurrent_inputs), engine, RenderOutputs(node.id))
 
 
 class FrontOnly:
@@ -346,7 +346,7 @@ class FakePlugin:
     @hookimpl
     def omni_register_pipelines(self, register):
         register(self.plan)
-        policy = {"concurrent_process": True, "sleep_ms": self.plan.nodes[0].policy["sleep_ms"]}
+        policy = {"concurrent_inputs": True, "sleep_ms": self.plan.nodes[0].policy["sleep_ms"]}
         register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy=policy, final=True)]))
 
 
