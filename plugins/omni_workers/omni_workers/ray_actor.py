@@ -98,22 +98,18 @@ class StageActor:
         """(the Ray node id this actor runs on, its build's outcome)."""
         return import_ray().get_runtime_context().get_node_id(), self.status
 
-    def handle(self, message):
-        """The actor's entry for the front's messages (see the class docstring): a call's Reply, else None."""
-        match message:
-            case Check(call_id=call_id, item=sealed):
-                return self._call(call_id, self.host.check, sealed)[0]
-            case Submit(call_id=call_id, item=sealed) if self.host.concurrent_inputs:
-                reply, item = self._call(call_id, self.host.process, sealed, answer=False)
-                if reply.ok:
-                    self._queue(Add(0, item))
-                return reply
-            case Submit():
-                done = _Reply()
-                self._queue(message, done)
-                return done.wait()
-        self._queue(message)
-        return None
+    def handle(self, message) -> Reply | None:
+        """The actor's entry for the front's messages, on one of Ray's threads: dispatched here when it may be
+        answered beside a step (`_now`), else queued for the engine thread (a Submit's caller waits for its Reply)."""
+        if self._now(message):
+            return self._dispatch(message)[0]
+        done = _Reply() if isinstance(message, Submit) else None
+        self._queue(message, done)
+        return None if done is None else done.wait()
+
+    def _now(self, message) -> bool:
+        """A check (model-free), or a submit to a stage whose inputs may be processed beside a step."""
+        return isinstance(message, Check) or (isinstance(message, Submit) and self.host.concurrent_inputs)
 
     def _loop(self) -> None:
         set_torch_threads(self.threads)  # OpenMP's thread count is per calling thread
@@ -124,43 +120,59 @@ class StageActor:
                     self.work.wait()
                 if self.stop:
                     return
-                messages = list(self.inbox)
-                self.inbox.clear()
-            events: list = []
-            for message, done in messages:
-                try:
-                    events.extend(self._take(message, done))
-                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the engine thread
-                    log.error("stage actor: %s failed: %s: %s", type(message).__name__, type(exc).__name__, exc,
-                              exc_info=exc)
-                    if done is not None:
-                        done.put(Reply(0, *pack_answer(False, classify(exc), self.host.node_id)))
+            events = self._take_inbox()
             events.extend(step_hosts([self.host], WAIT_S).get(self.host, []))
             stats = self.host.new_stats()  # after each step, and after an add or abort that changed them
             busy = self.host.has_unfinished()
             if events or stats is not None:
                 self._emit(pack(Events(0, tuple(events), stats), self.host.node_id))
 
-    def _take(self, message, done) -> list:
-        """The engine thread's dispatcher of one queued message: the events it made at once (a failed add).
-        Ray runs a threaded actor's calls in any order, so an abort can overtake the hand-off it follows:
-        remember it."""
+    def _take_inbox(self) -> list:
+        """Dispatch every queued message, those they queue (a submit's add) included; the events they made."""
+        events: list = []
+        while True:
+            with self.lock:
+                messages = list(self.inbox)
+                self.inbox.clear()
+            if not messages:
+                return events
+            for message, done in messages:
+                try:
+                    reply, made = self._dispatch(message)
+                except Exception as exc:  # noqa: BLE001 - one bad message must not stop the engine thread
+                    log.error("stage actor: %s failed: %s: %s", type(message).__name__, type(exc).__name__, exc,
+                              exc_info=exc)
+                    reply, made = Reply(0, *pack_answer(False, classify(exc), self.host.node_id)), []
+                events.extend(made)
+                if done is not None:
+                    done.put(reply)
+
+    def _dispatch(self, message) -> tuple[Reply | None, list]:
+        """The actor's one dispatcher: what `message` asks, done; a call's Reply and the events made at once (a
+        failed add). Ray runs a threaded actor's calls in any order, so an abort can overtake the hand-off it
+        follows: it is remembered."""
         match message:
-            case Abort(request_id=request_id):
-                if request_id not in self.host.requests:
-                    self.aborted[request_id] = None
-                    while len(self.aborted) > 4096:
-                        self.aborted.pop(next(iter(self.aborted)))
-                self.host.abort(request_id)
-            case Submit(call_id=call_id, item=sealed):
+            case Check(call_id=call_id, item=sealed):
+                return self._call(call_id, self.host.check, sealed)[0], []
+            case Submit(call_id=call_id, item=sealed):  # added by the engine thread, before what is queued after
                 reply, item = self._call(call_id, self.host.process, sealed, answer=False)
-                done.put(reply)
-                return self.host.add(item) if reply.ok else []
+                if reply.ok:
+                    self._queue(Add(0, item))
+                return reply, []
             case Add(item=item):
-                return self.host.add(item)
+                return None, self.host.add(item)
             case HandOff(item=sealed):
-                return self._hand_off(sealed)
-        return []
+                return None, self._hand_off(sealed)
+            case Abort(request_id=request_id):
+                self._abort(request_id)
+        return None, []
+
+    def _abort(self, request_id: str) -> None:
+        if request_id not in self.host.requests:
+            self.aborted[request_id] = None
+            while len(self.aborted) > 4096:
+                self.aborted.pop(next(iter(self.aborted)))
+        self.host.abort(request_id)
 
     def _hand_off(self, sealed: Sealed) -> list:
         if self.aborted.pop(sealed.request_id, 0) is None:
