@@ -56,12 +56,14 @@ class CopiesPlacement:
     checked: list = attrs.Factory(list)
     built: list = attrs.Factory(list)
     builder: object = None  # the host's GraphBuilder, which builds the stages here
+    fail_fast: bool | None = None  # what the last build was given
 
     def check(self, settings: CopiesSettings, plan, placement_of) -> None:
         self.checked.append(settings.copies)
 
     def build(self, nodes, settings: CopiesSettings, host_factory, handle, fail_fast=False):
         self.built.append((settings.copies, [b.node.id for b in nodes]))
+        self.fail_fast = fail_fast
         return {b.node.id: self.builder.stage(b) for b in nodes}, None
 
 
@@ -84,6 +86,15 @@ def test_a_placement_declares_its_settings_and_gets_its_own_instance():
     omni = Omni("echo", host=host, placement="copies", copies=3)
     assert omni.generate("a b").text == "a b"
     assert placement.built == [(3, ["echo"])] and placement.checked == [3]
+
+
+def test_a_placement_is_built_with_the_runs_fail_fast():
+    """`fail_fast` is a kernel run setting (RunSettings), not a config key, handed to each placement's build."""
+    host, placement = host_with_copies()
+    Omni("echo", host=host, placement="copies", fail_fast=True)
+    assert placement.fail_fast is True
+    Omni("echo", host=host, placement="copies")
+    assert placement.fail_fast is False
 
 
 def test_a_declared_setting_is_validated_and_an_undeclared_key_refused():

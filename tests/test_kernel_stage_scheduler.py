@@ -212,9 +212,50 @@ def test_process_and_check_errors_are_synchronous_at_submit():
     scheduler = picky_scheduler()
     with pytest.raises(KeyError, match="explode"):
         scheduler.submit(Request("two", "explode now"))
-    with pytest.raises(InputError, match="can never serve"):  # node b's check, before node a runs
-        scheduler.submit(Request("two", "never mind"))
+    with pytest.raises(InputError, match="can never serve"):  # node b's check: node a drops what it took
+        scheduler.submit(Request("two", "never mind", request_id="never"))
     assert not scheduler.scheduler.in_flight and not scheduler.has_unfinished()
+    assert not holds(scheduler.graph.stages["a"], "never")
+
+
+def test_step_engine_hands_each_output_to_its_owner_and_keeps_a_failure_to_its_requests(caplog):
+    """The kernel's stepping rule (core/stepping.py), which a stage worker follows too: each output goes to the
+    stage that runs its request (none: dropped), a stage's broken output processor fails its own requests, and a
+    step that raises fails every request on the engine, each logged once."""
+    from omni_kernel.core.scheduler import RequestOutput
+    from omni_kernel.core.stepping import step_engine
+    from omni_kernel.events import StageFailed
+
+    class Owner:
+        def __init__(self, node_id, broken=False):
+            self.node_id, self.broken = node_id, broken
+
+        def events_for(self, outputs):
+            if self.broken:
+                raise ValueError("broken outputs")
+            return [TokenDelta(o.request_id, self.node_id, o.result) for o in outputs]
+
+    class Engine:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def step(self):
+            if isinstance(self.outputs, Exception):
+                raise self.outputs
+            return self.outputs
+
+    good, broken = Owner("good"), Owner("broken", broken=True)
+    owners = {"r1": good, "r2": broken, "r3": good}
+    outputs = [RequestOutput(rid, result=rid) for rid in ("r1", "r2", "r3", "gone")]
+    pairs = step_engine(Engine(outputs), owners.get, lambda: list(owners.items()))
+    assert [(s.node_id, type(e).__name__, e.request_id) for s, e in pairs] == [
+        ("good", "TokenDelta", "r1"), ("good", "TokenDelta", "r3"), ("broken", "StageFailed", "r2")]
+    assert "ValueError: broken outputs" in pairs[2][1].error
+    caplog.clear()
+    pairs = step_engine(Engine(RuntimeError("engine down")), owners.get, lambda: list(owners.items()))
+    assert [(s.node_id, e.request_id) for s, e in pairs] == [("good", "r1"), ("broken", "r2"), ("good", "r3")]
+    assert all(isinstance(e, StageFailed) and "engine down" in e.error for _, e in pairs)
+    assert [r.getMessage() for r in caplog.records] == ["stage engine failed: RuntimeError: engine down"]
 
 
 def test_a_failed_hand_off_fails_that_request_only():
