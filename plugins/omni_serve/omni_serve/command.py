@@ -35,7 +35,7 @@ def _host(ctx: click.Context):
 
 
 @attrs.frozen
-class Declared:
+class PluginFlags:
     """What the installed plugins add to `omni serve`: the node types' config flags and the names of the
     placements' run settings (the destinations of their flags)."""
 
@@ -43,16 +43,16 @@ class Declared:
     settings: tuple[str, ...]
 
 
-def _declared(ctx: click.Context) -> Declared:
+def _plugin_flags(ctx: click.Context) -> PluginFlags:
     """Found once per invocation and kept beside the plugin host in the context's object, so the parser and the
     callback read the same flags (and a flag two plugins declare is warned of once)."""
     obj = ctx.find_object(dict)
-    if obj is not None and obj.get("serve_declared") is not None:
-        return obj["serve_declared"]
+    if obj is not None and obj.get("serve_flags") is not None:
+        return obj["serve_flags"]
     registry = _host(ctx).registry
-    found = Declared(tuple(f for f in collect(registry) if f.where == "config"), tuple(run_setting_names(registry)))
+    found = PluginFlags(tuple(f for f in collect(registry) if f.where == "config"), tuple(run_setting_names(registry)))
     if obj is not None:
-        obj["serve_declared"] = found
+        obj["serve_flags"] = found
     return found
 
 
@@ -62,7 +62,7 @@ class ServeCommand(click.Command):
 
     def get_params(self, ctx: click.Context):
         params = super().get_params(ctx)
-        added = [_option(f) for f in _declared(ctx).flags] + placement_options(_host(ctx).registry)
+        added = [_option(f) for f in _plugin_flags(ctx).flags] + placement_options(_host(ctx).registry)
         return params[:-1] + added + params[-1:]  # --help stays last
 
 
@@ -116,9 +116,9 @@ def serve_command() -> click.Command:
 
     @click.pass_context
     def serve(ctx, pipelines, config_pairs, **options):
-        plugin_host, declared_here = _host(ctx), _declared(ctx)
-        run_settings = {key: options.pop(key) for key in declared_here.settings}
-        chosen = {flag: options.pop(flag.dest, None) for flag in declared_here.flags}
+        plugin_host, plugin_flags = _host(ctx), _plugin_flags(ctx)
+        run_settings = {key: options.pop(key) for key in plugin_flags.settings}
+        chosen = {flag: options.pop(flag.dest, None) for flag in plugin_flags.flags}
         chosen = {flag: value for flag, value in chosen.items() if value is not None and value != ()}
         try:
             _check_limits(options["max_body_mb"], options["max_text_body_mb"], options["shutdown_timeout"])
