@@ -86,6 +86,7 @@ def test_failures_keep_their_type_across_the_event_boundary():
         back = rebuild(kind, message, field)
         assert isinstance(back, UserError) == isinstance(exc, UserError) and str(back) == message
     assert rebuild(*classify(InvalidParameter("steps", "too many"))).field == "steps"
+    assert rebuild(*classify(InvalidParameter("image", "needs one"))).named("--image") == "invalid --image: needs one"
     assert classify(RuntimeError("x\n y")) == ("runtime", "RuntimeError: x y", None)
 
 

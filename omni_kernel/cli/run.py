@@ -111,7 +111,7 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
             if trace_json:
                 _write_trace(trace_json, result)
     except UserError as exc:
-        raise UserFacingError(_one_line(exc)) from None
+        raise UserFacingError(_user_line(exc)) from None
     except OmniError as exc:
         raise click.ClickException(_one_line(exc)) from None
     except KeyboardInterrupt:
@@ -134,13 +134,7 @@ def _check_before_loading(host, plan, given: dict, settings: dict, request: Requ
     starts (Omni checks them again as it builds): a typo costs no load."""
     run_settings = RunSettings.pop(settings, host.builder.placements())
     builds = host.builder.prepare(plan, given["config"], run_settings)
-    try:
-        host.builder.check_request(plan, builds, request)
-    except InvalidParameter as exc:
-        flag = INPUT_FLAGS.get(exc.field)
-        if flag is None:
-            raise
-        raise UserFacingError(" ".join(exc.named(flag).split())) from None
+    host.builder.check_request(plan, builds, request)
 
 
 def _check_trace_json(trace_json, output) -> None:
@@ -238,6 +232,13 @@ class _Progress:
             self.bar.close()
         self.bar = None
         self.phase = None
+
+
+def _user_line(exc: UserError) -> str:
+    """The user's mistake in one line; one about a request input that `omni run` takes as a flag of its own names
+    the flag."""
+    flag = INPUT_FLAGS.get(exc.field) if isinstance(exc, InvalidParameter) else None
+    return _one_line(exc) if flag is None else " ".join(exc.named(flag).split())
 
 
 def _one_line(exc: Exception) -> str:

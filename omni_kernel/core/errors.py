@@ -115,4 +115,6 @@ def rebuild(kind: str, message: str, field: str | None = None) -> OmniError:
     exc = cls.__new__(cls)  # InvalidParameter's __init__ would prefix the message again
     Exception.__init__(exc, message)
     exc.field = field  # only InvalidParameter's is read
+    if isinstance(exc, InvalidParameter):  # its text is "invalid <field>: <reason>" (InvalidParameter.__init__)
+        exc.reason = message.removeprefix(f"invalid {field}: ")
     return exc
