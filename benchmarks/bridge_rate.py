@@ -70,7 +70,9 @@ def run_bridge(host, args) -> tuple[dict, dict, float]:
     """Every prompt through a one-node bridge pipeline at once: the requests, their outputs and the seconds."""
     from omni_bridge.pipeline import BRIDGE_POLICY
 
-    policy = {} if args.unconstrained else BRIDGE_POLICY
+    # Unconstrained: the pipeline's answer format without its schema and budget (the node's own, 128 tokens).
+    policy = {k: v for k, v in BRIDGE_POLICY.items() if k not in ("json_schema", "max_tokens")} if args.unconstrained \
+        else BRIDGE_POLICY
     plan = PipelinePlan("bridge_rate", [NodeSpec("bridge", "ar.prompt_bridge", policy=policy, final=True)])
     config = {"ar_device": "cpu"}
     if args.ar_model:
@@ -97,10 +99,11 @@ def main() -> None:
     host = load_host()
     connector = host.registry.connectors["ar_to_diffusion"].item
     requests, outputs, elapsed = run_bridge(host, args)
+    from omni_bridge.guidance import ANSWER_PREFIX
     from omni_qwen import bridge_prompt
 
     # Text the model could copy instead of writing guidance: the instruction and its worked examples.
-    given = bridge_prompt.bridge_prompt("")
+    given = bridge_prompt.bridge_prompt("", ANSWER_PREFIX)
     reasons: collections.Counter = collections.Counter()
     copied = 0
     model = None

@@ -21,7 +21,8 @@ def merge_prompt(prompt: str, guidance: str | None) -> str:
 @attrs.frozen
 class ARToDiffusionConnector:
     """Turns an `ar.prompt_bridge` output into the diffusion stage's input. It converts and nothing else: the
-    StageScheduler gives the input the diffusion node's own params."""
+    StageScheduler gives the input the diffusion node's own params. It reads the output's typed fields (text, stop
+    reason, contract, the constraint it was decoded under), never the AR stage's trace."""
 
     name: str = "ar_to_diffusion"
     source_kind: str = "ar"
@@ -32,15 +33,14 @@ class ARToDiffusionConnector:
     extra_fields: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def convert(self, output: StageOutput, request: Request) -> StageInput:
-        stop_reason = output.stop_reason if output.stop_reason is not None else output.trace.get("ar.stop_reason")
-        guidance = parse_guidance(output.text, stop_reason, output.contract, self.field, self.extra_fields)
+        guidance = parse_guidance(output.text, output.stop_reason, output.contract, self.field, self.extra_fields)
         prompt = merge_prompt(request.prompt, guidance.text)
         trace: dict[str, Any] = {
             "diffusion.bridge": self.name,
             "diffusion.source_node": output.node_id,
             "diffusion.source_request_id": output.request_id,
             "diffusion.bridge_strategy": self.strategy,
-            "diffusion.bridge_constrained": output.trace.get("ar.structured_output") is not None,
+            "diffusion.bridge_constrained": output.structured is not None,
             "diffusion.bridge_parse_success": guidance.ok,
             "diffusion.bridge_fallback": not guidance.ok,
             "diffusion.bridge_fallback_reason": guidance.reason,

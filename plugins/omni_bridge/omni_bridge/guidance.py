@@ -14,8 +14,13 @@ import attrs
 
 from omni_kernel import TRUNCATED_STOP_REASONS
 
-CONTRACT = "supplemental_guidance"  # the output contract of the node types this bridge reads (NodeType.output_contract)
+# The guidance contract is this plugin's alone: its name, its field, its schema and the answer prefix. The pipelines
+# hand the AR node what it needs of it through the node policy (pipeline.py), so a renamed field changes them all.
+CONTRACT = "supplemental_guidance"  # the AR node's output contract (its policy's output_contract)
 GUIDANCE_FIELD = "guidance"
+# The start of the AR node's answer, written for the model: the object opened at the guidance string, so the model
+# writes the guidance and closes the object (`{"guidance": "`).
+ANSWER_PREFIX = "{" + json.dumps(GUIDANCE_FIELD) + ': "'
 
 # The contract as a JSON schema: the pipelines' bridge node is constrained to it (grammar-constrained decoding,
 # docs/bridge.md). maxLength keeps the guidance inside the node's token budget (GUIDANCE_MAX_TOKENS): a token of

@@ -4,12 +4,14 @@ imports neither."""
 from omni_kernel import EdgeSpec, NodeSpec, PipelinePlan
 
 from .connector import ARToDiffusionConnector
-from .guidance import GUIDANCE_MAX_TOKENS, GUIDANCE_SCHEMA
+from .guidance import ANSWER_PREFIX, CONTRACT, GUIDANCE_MAX_TOKENS, GUIDANCE_SCHEMA
 
 AR_TO_DIFFUSION = ARToDiffusionConnector()
-# The bridge node writes its guidance under the contract's schema (omni_qwen's structured output), with a budget
-# that the schema's bounded guidance always fits.
-BRIDGE_POLICY = {"json_schema": GUIDANCE_SCHEMA, "max_tokens": GUIDANCE_MAX_TOKENS}
+# The bridge node writes its guidance under the contract: its answer started with the contract's prefix, constrained
+# to its schema (omni_qwen's structured output), with a budget that the schema's bounded guidance always fits, and
+# its output named by the contract (checked against the connector's source_contract when the plan is built).
+BRIDGE_POLICY = {"json_schema": GUIDANCE_SCHEMA, "max_tokens": GUIDANCE_MAX_TOKENS, "answer_prefix": ANSWER_PREFIX,
+                 "output_contract": CONTRACT}
 
 QWEN_TO_WAN_I2V = PipelinePlan(
     "qwen_to_wan_i2v",

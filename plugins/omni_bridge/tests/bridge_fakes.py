@@ -44,6 +44,8 @@ class FakeBridgePolicy:
 
     json_schema: object = option(None, help="the guidance schema the node's output is constrained to", type=object)
     max_tokens: int | None = option(None, help="the node's token budget", type=int, validator=integer(1))
+    answer_prefix: str | None = option(None, help="the start of the node's answer", type=str)
+    output_contract: str | None = option(None, help="what the node's output holds", type=str)
 
 
 @attrs.frozen
@@ -191,8 +193,7 @@ class FakeModels:
     @hookimpl
     def omni_register_node_types(self, register):
         types = [NodeType("ar.prompt_bridge", "ar", engine_settings=ar_engine_settings, engine=ar_engine,
-                          stage=ar_stage, config=FakeARConfig, params=ARParams, policy=FakeBridgePolicy,
-                          output_contract="supplemental_guidance"),
+                          stage=ar_stage, config=FakeARConfig, params=ARParams, policy=FakeBridgePolicy),
                  NodeType("diffusion.wan22_i2v", "diffusion", engine_settings=wan_engine_settings,
                           engine=self._wan_engine, stage=wan_stage, config=FakeWanConfig, params=FakeWanParams,
                           policy=FakeWanPolicy, inputs={"image"})]

@@ -18,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from omni_bridge import FALLBACK_REASONS, merge_prompt
+from omni_bridge.guidance import ANSWER_PREFIX
 from omni_kernel.cli import main
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -184,7 +185,6 @@ def test_python_api_merges_good_json_through_the_real_stages(omni, tmp_path, mon
 
     from omni_kernel import RequestFinished, TokenDelta
     from omni_qwen import sampling
-    from omni_qwen.bridge_prompt import ANSWER_PREFIX
     from omni_qwen.demo import demo_dir
 
     tokenizer = AutoTokenizer.from_pretrained(demo_dir())

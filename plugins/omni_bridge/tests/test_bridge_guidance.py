@@ -5,7 +5,7 @@ import json
 import pytest
 
 from omni_bridge import FALLBACK_REASONS, ARToDiffusionConnector, merge_prompt, parse_guidance
-from omni_kernel import Request, StageOutput
+from omni_kernel import Request, StageOutput, Structured
 
 PROMPT = "A red fox runs through fresh snow"
 TRACE_KEYS = {"diffusion.bridge", "diffusion.source_node", "diffusion.source_request_id", "diffusion.bridge_strategy",
@@ -66,11 +66,17 @@ def test_a_complete_object_cut_afterwards_is_still_truncated():
     assert item.trace["diffusion.bridge_fallback_reason"] == "truncated"
 
 
-def test_stop_reason_comes_from_the_trace_when_the_output_has_none():
+def test_the_connector_reads_the_outputs_typed_fields_not_the_ar_trace():
     request = Request("qwen_to_wan_i2v", PROMPT)
-    output = StageOutput(request.request_id, "bridge", text='{"guidance": "x"}', trace={"ar.stop_reason": "max_tokens"})
-    item = ARToDiffusionConnector().convert(output, request)
+    cut = StageOutput(request.request_id, "bridge", text='{"guidance": "x"}', stop_reason="max_tokens",
+                      structured=Structured("json_schema"))
+    item = ARToDiffusionConnector().convert(cut, request)
     assert item.trace["diffusion.bridge_fallback_reason"] == "truncated"
+    assert item.trace["diffusion.bridge_constrained"] is True
+    traced = StageOutput(request.request_id, "bridge", text='{"guidance": "x"}',
+                         trace={"ar.stop_reason": "max_tokens", "ar.structured_output": "json_schema"})
+    item = ARToDiffusionConnector().convert(traced, request)
+    assert item.trace["diffusion.bridge_parse_success"] is True and item.trace["diffusion.bridge_constrained"] is False
 
 
 @pytest.mark.parametrize("text", ['{"guidance": "pan left"', "pan left, slowly", "{guidance: pan}", "```json\n```",

@@ -237,8 +237,9 @@ def _grammar_schema(instance, attribute, value) -> None:
 
 @attrs.frozen
 class PromptBridgePolicy:
-    """The policy of an ar.prompt_bridge node. json_schema: the node's output is constrained to it (omni_bridge's
-    pipelines give the guidance contract's)."""
+    """The policy of an ar.prompt_bridge node. Its answer's format is its consumer's, which omni_bridge's pipelines
+    give: json_schema (the node's output is constrained to it), answer_prefix (the start of the answer, written
+    for the model) and output_contract (what the output holds, for the connector that reads it)."""
 
     chat: bool = option(True, help="the bridge's chat goes through the chat template", type=bool, validator=boolean)
     max_tokens: int | None = option(128, help="the node's token budget", type=int, validator=integer(1))
@@ -247,3 +248,9 @@ class PromptBridgePolicy:
     json_schema: str | None = option(None, help="constrain the node's output to JSON valid under this JSON schema "
                                                 "(JSON text or a mapping)", converter=structured.json_schema,
                                      validator=_grammar_schema)
+    answer_prefix: str | None = option(None, help="the start of the node's answer, written for the model (its output "
+                                                  "text begins with it): a JSON object opened at its string field, "
+                                                  "which the instruction and worked answers show too; default: the "
+                                                  "guidance text alone", validator=text)
+    output_contract: str | None = option(None, help="the contract the node's output holds (StageOutput.contract), "
+                                                    "checked against the connector that reads it", validator=text)

@@ -34,6 +34,9 @@ CHATML_TEMPLATE = (
 QWEN2_PRETOKENIZE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                      r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
+# The tokenizer is trained on this text, so it stays as written: the bridge's worked answers in the JSON that
+# omni_bridge's pipelines ask for (their answer prefix), as in the guidance line below.
+CORPUS_ANSWER_PREFIX = '{"guidance": "'
 CORPUS = (
     "The quick brown fox jumps over the lazy dog. A small model streams text one token at a time.",
     "omni runs a pipeline of stages: a language model writes, a video model renders, a connector joins them.",
@@ -51,7 +54,7 @@ CORPUS = (
     "Café, naïve, façade, résumé, über, Straße, español, niño, Ångström, ça va ?",
     "def generate(prompt):\n    return model(prompt)\n\nfor i in range(10):\n    print(i)\n",
     "你好，世界！Hello, world! こんにちは。안녕하세요。Привет, мир!",
-) + (bridge_prompt(""),)  # the bridge's instruction and worked examples, so they encode compactly
+) + (bridge_prompt("", CORPUS_ANSWER_PREFIX),)  # the bridge's instruction and worked examples: they encode compactly
 
 
 def demo_dir() -> Path:

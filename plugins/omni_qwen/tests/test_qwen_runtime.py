@@ -158,27 +158,48 @@ def test_stop_strings(paged):
     assert_freed(omni)
 
 
+# The answer format omni_bridge's pipelines give the node (omni_bridge/guidance.py owns it).
+GUIDANCE_FORMAT = {"answer_prefix": '{"guidance": "', "output_contract": "supplemental_guidance"}
+
+
 def test_bridge_token_budget(run_plan):
     from omni_qwen.demo import ensure_demo_checkpoint
 
     demo = ensure_demo_checkpoint()  # its 512-token context holds the bridge's worked examples (tiny_ckpt's 256 not)
     events = []
     result = run_plan("ar.prompt_bridge", "a fox runs through snow", {"ar_model": str(demo)},
-                      policy={"max_tokens": 9}, stream=True, events=events)
+                      policy={"max_tokens": 9, **GUIDANCE_FORMAT}, stream=True, events=events)
     out = result.output
-    assert out.stop_reason == "max_tokens" and out.contract == "supplemental_guidance"
+    assert out.stop_reason == "max_tokens" and out.contract == "supplemental_guidance"  # the policy's
     assert result.trace["ar.output_tokens"] == 9 and result.trace["ar.token_budget"] == 9
     assert result.trace["ar.prompt_mode"] == "bridge_chat_template"
     assert "".join(e.text for e in events if isinstance(e, TokenDelta)) == out.text
     assert any(isinstance(e, StageFinished) for e in events)
-    from omni_qwen.bridge_prompt import ANSWER_PREFIX, BRIDGE_INSTRUCTION, EXAMPLES
+    from omni_qwen.bridge_prompt import EXAMPLES, answer, instruction
 
+    prefix = GUIDANCE_FORMAT["answer_prefix"]
     pipeline_tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(demo)
     prompt_text = pipeline_tokenizer.decode(out.data["prompt_token_ids"])
-    assert BRIDGE_INSTRUCTION in prompt_text and "a fox runs through snow" in prompt_text
-    assert all(guidance in prompt_text for _, guidance in EXAMPLES)  # the worked turns
-    assert prompt_text.endswith("<|im_start|>assistant\n" + ANSWER_PREFIX)  # the answer is started for the model
-    assert out.text.startswith(ANSWER_PREFIX)  # and the output text is the whole answer
+    assert instruction(prefix) in prompt_text and "a fox runs through snow" in prompt_text
+    assert instruction(prefix).endswith('nothing else: {"guidance": "..."}')  # the format the prefix opens
+    assert all(answer(guidance, prefix) in prompt_text for _, guidance in EXAMPLES)  # the worked turns
+    assert prompt_text.endswith("<|im_start|>assistant\n" + prefix)  # the answer is started for the model
+    assert out.text.startswith(prefix)  # and the output text is the whole answer
+
+
+def test_the_bridge_answers_in_the_format_its_policy_gives(run_plan):
+    """Without an answer prefix (no consumer's format), the worked answers are the guidance alone and no contract
+    is claimed."""
+    from omni_qwen.bridge_prompt import EXAMPLES, instruction
+    from omni_qwen.demo import ensure_demo_checkpoint
+
+    demo = ensure_demo_checkpoint()
+    out = run_plan("ar.prompt_bridge", "a fox runs through snow", {"ar_model": str(demo)},
+                   policy={"max_tokens": 4}).output
+    prompt_text = __import__("transformers").AutoTokenizer.from_pretrained(demo).decode(out.data["prompt_token_ids"])
+    assert instruction(None) in prompt_text and "JSON" not in prompt_text and "{" not in prompt_text
+    assert all(guidance in prompt_text for _, guidance in EXAMPLES)
+    assert prompt_text.endswith("<|im_start|>assistant\n") and out.contract is None
 
 
 def test_seed_reproduces_and_seeds_differ(omni):

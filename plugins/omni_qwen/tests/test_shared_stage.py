@@ -7,7 +7,9 @@ from __future__ import annotations
 from omni_kernel import NodeSpec, Omni, PipelinePlan, RequestFinished
 from omni_kernel.plugins import load_host
 
-BRIDGE_ONLY = PipelinePlan("bridge_only", [NodeSpec("bridge", "ar.prompt_bridge", final=True)])
+# The answer format omni_bridge's pipelines give the node (omni_bridge/guidance.py owns it).
+GUIDANCE_FORMAT = {"answer_prefix": '{"guidance": "', "output_contract": "supplemental_guidance"}
+BRIDGE_ONLY = PipelinePlan("bridge_only", [NodeSpec("bridge", "ar.prompt_bridge", policy=GUIDANCE_FORMAT, final=True)])
 
 
 def test_ar_text_and_the_bridge_share_one_engine_and_one_decode_batch(omni_cache):

@@ -80,3 +80,17 @@ def test_streamed_logprobs_come_from_the_token_delta():
                                          "text_offset": [0]})  # its text: its bytes (none)
     assert streamed.delta(delta)["tokens"] == ["a"]
     assert streamed.delta(TokenDelta("r", "n", "b"))["tokens"] == []  # a delta that carries none
+
+
+def test_the_server_names_no_other_plugins_trace_key():
+    """Trace keys are for users to read; what the server needs of a stage is a typed field."""
+    import ast
+    from pathlib import Path
+
+    import omni_serve
+
+    found = [f"{path.name}:{node.lineno}: {node.value!r}" for path in Path(omni_serve.__file__).parent.glob("*.py")
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith(("ar.", "diffusion."))]
+    assert found == []
