@@ -49,7 +49,7 @@ class ShuttingDown(RequestError):
 
 
 class Overloaded(RequestError):
-    """As many requests as the engine admits are in flight: retry later."""
+    """As many requests as the server admits are in flight: retry later."""
 
 
 @attrs.frozen
@@ -63,7 +63,7 @@ class _Caller:
 
 class AsyncOmni:
     """Several pipelines (Omni objects of one plugin host, so loaded models and engines are shared) behind one
-    engine loop over the host's one StageScheduler.
+    serving loop over the host's one StageScheduler.
 
     `omnis` maps the served name to its Omni; two names may serve one pipeline with different configs (each its
     own Omni and graph). Use `start()` (or `with AsyncOmni(...)`), then `submit`/`abort` from any thread, or
