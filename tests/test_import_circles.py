@@ -62,69 +62,25 @@ def imports(name: str, path: Path, known: Mapping[str, Path]) -> set[str]:
 
 
 def circles(graph: Mapping[str, set[str]]) -> list[list[str]]:
-    """One circle (a -> ... -> a) through each strongly connected group of modules (Tarjan's algorithm)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    groups: list[list[str]] = []
+    """A circle (a -> ... -> a) for each import that closes one, found by one depth-first walk of the graph."""
+    found: list[list[str]] = []
+    done: set[str] = set()
+    path: list[str] = []
 
-    def visit(start: str) -> None:
-        work = [(start, iter(sorted(graph.get(start, ()))))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(graph.get(child, ())))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                group = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    group.append(member)
-                    if member == node:
-                        break
-                if len(group) > 1:
-                    groups.append(sorted(group))
+    def visit(module: str) -> None:
+        path.append(module)
+        for imported in sorted(graph.get(module, ())):
+            if imported in path:
+                found.append([*path[path.index(imported):], imported])
+            elif imported not in done:
+                visit(imported)
+        path.pop()
+        done.add(module)
 
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return [_path_through(group, graph) for group in sorted(groups)]
-
-
-def _path_through(group: list[str], graph: Mapping[str, set[str]]) -> list[str]:
-    """A shortest circle from the group's first module back to it, within the group."""
-    start, members = group[0], set(group)
-    came_from: dict[str, str] = {}
-    frontier = [start]
-    while frontier:
-        following = []
-        for node in frontier:
-            for child in sorted(graph[node] & members):
-                if child == start:
-                    path = [node]
-                    while path[-1] != start:
-                        path.append(came_from[path[-1]])
-                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
-                if child not in came_from:
-                    came_from[child] = node
-                    following.append(child)
-        frontier = following
-    return group
+    for module in sorted(graph):
+        if module not in done:
+            visit(module)
+    return found
 
 
 def import_graph(package_dirs: Iterable[Path]) -> dict[str, set[str]]:
