@@ -13,7 +13,7 @@ export TRANSFORMERS_OFFLINE := 1
 # the environment says PYTHONDONTWRITEBYTECODE; without it every interpreter compiles torch again (conftest.py).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: demo test test-fast test-kernel-only lint setup models browser clean
+.PHONY: demo test test-full test-fast test-kernel-only lint setup models browser clean
 
 setup: $(STAMP)
 
@@ -91,12 +91,19 @@ demo: $(STAMP) $(if $(AR_MODEL),,models)
 # The default model's conversion (`models`, one core for about 25 s) runs beside pytest, whose first minute leaves
 # a core idle (a venv's pip install, the browser's waits): a real-weight test waits for it to end (its lock,
 # registry_model.fetched), and a worker that gets there first converts it from the same download instead.
+# It leaves out the tests marked `full` (pyproject.toml): the rest of a matrix whose representative cases it runs.
 TEST_WORKERS ?= 2
+TEST_MARKS ?= not full
 test:
 	$(MAKE) -j5 --output-sync=target test-setup
 	$(MAKE) --no-print-directory models & models=$$!; \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=10 --durations-file=build/test-durations.txt; \
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(if $(TEST_MARKS),-m "$(TEST_MARKS)") --durations=10 \
+		--durations-file=build/test-durations.txt; \
 	status=$$?; wait $$models; exit $$status
+
+# `make test` with the tests marked `full` too: every test there is (the whole front-kill matrix of omni_wan, ...).
+test-full:
+	$(MAKE) test TEST_MARKS=
 
 .PHONY: test-setup kernel-venv
 test-setup: lint download-smollm2 browser fixtures test-kernel-only

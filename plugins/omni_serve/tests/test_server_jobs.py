@@ -228,7 +228,8 @@ def test_a_second_server_on_the_same_store_is_refused(tmp_path, omni_cache):
         assert first.stop() == 0, first.output()
 
 
-@pytest.mark.parametrize("content", [b"not a database, just bytes\n" * 100, b"SQLite format 3\x00" + b"\xff" * 4000])
+@pytest.mark.parametrize("content", [b"not a database, just bytes\n" * 100, b"SQLite format 3\x00" + b"\xff" * 4000],
+                         ids=["not-sqlite", "sqlite-header-then-garbage"])
 def test_a_corrupt_store_refuses_the_start_in_one_line_naming_the_file_and_what_to_do(tmp_path, omni_cache,
                                                                                       content):
     db = tmp_path / "jobs.sqlite"

@@ -125,8 +125,17 @@ def freeze_at(front: subprocess.Popen, phase: str, started: Path) -> list[int]:
     raise AssertionError(f"the front ended before the request reached {phase}")
 
 
-@pytest.mark.parametrize("config", [{}, {"wan_ulysses": 2}], ids=["process", "ulysses2"])
-@pytest.mark.parametrize("phase", ["prepare", "denoise", "decode", "export"])
+PLACEMENTS = {"process": {}, "ulysses2": {"wan_ulysses": 2}}
+# `make test` kills one phase per placement: the worker alone while its ffmpeg runs, and the rank group mid-denoise
+# (between collectives); the other six cases (39-53 s each with a rank, 13-21 s without) are `full`, for
+# `make test-full` (README, "Tests").
+IN_MAKE_TEST = {("export", "process"), ("denoise", "ulysses2")}
+CASES = [pytest.param(phase, config, id=f"{phase}-{placement}",
+                      marks=() if (phase, placement) in IN_MAKE_TEST else pytest.mark.full)
+         for phase in ("prepare", "denoise", "decode", "export") for placement, config in PLACEMENTS.items()]
+
+
+@pytest.mark.parametrize(("phase", "config"), CASES)
 def test_a_front_killed_at_any_moment_leaves_nothing_and_the_next_run_works(phase, config, tiny_model, tmp_path):
     script = tmp_path / "front.py"
     script.write_text(FRONT)
