@@ -22,6 +22,9 @@ class Timeouts:
 
 @attrs.frozen
 class ServeSettings:
+    """The server's settings, one value for the whole run (`--output-dir`, `--api-key`, ... as checked and
+    defaulted by `serve_settings`); the app keeps it on `Served.settings`."""
+
     output_dir: Path
     api_key: str | None = None
     video_ttl: float | None = 3600.0
