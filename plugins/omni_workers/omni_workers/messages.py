@@ -91,15 +91,6 @@ class Reply:
 
 
 @attrs.frozen
-class Sealed:
-    """A value pickled on its own, with the request it belongs to: an event (transport.pack_event), or the input
-    the front sends a Ray actor (so one the actor cannot read fails that request alone)."""
-
-    request_id: str
-    data: bytes
-
-
-@attrs.frozen
 class Events:
     """A stage's events from one step (or from a hand-off that failed), and its stats when they changed (None:
     unchanged). The events are event objects in the worker and `Sealed` once packed."""
@@ -131,6 +122,15 @@ class Failed:
 
 
 @attrs.frozen
+class Sealed:
+    """A value pickled on its own, with the request it belongs to: an event (transport.pack_event), or the input
+    the front sends a Ray actor (so one the actor cannot read fails that request alone)."""
+
+    request_id: str
+    data: bytes
+
+
+@attrs.frozen
 class Fds:
     """The shared memory files the next message refers to (shared.py); their descriptors follow on the socket."""
 
@@ -142,7 +142,8 @@ class Fds:
 
 @attrs.frozen
 class Add:
-    """A processed input for the engine loop to add (a submit its reader thread processed beside a step)."""
+    """A submitted input, processed, for the engine loop (a Ray actor's engine thread) to add between two steps,
+    before any message that came after its Submit."""
 
     tag: int
     item: Any
