@@ -20,7 +20,8 @@ class Omni:
 
     `config` holds the model-level settings the pipeline's node types declare (e.g. ar_model, model, vae_dtype)
     and the run settings: `placement` ("inproc", or a placement a plugin registers, run-wide or per node as
-    "video=process,bridge=inproc") and the settings that placement declares (omni-workers: replicas,
+    "video=process,bridge=inproc"), `fail_fast` (a call to a placed stage whose worker restarts raises
+    StageUnavailable at once instead of waiting) and the settings that placement declares (omni-workers: replicas,
     max_restarts, worker_threads, ray_address; docs/distributed.md). Request parameters (max_tokens, steps,
     output, ...) go to `request`/`generate` as keywords. Unknown keys are refused with the valid ones listed.
 
