@@ -1,4 +1,5 @@
-"""The test helpers of omni_kernel.testing: `drain` and `wait_until` (no pytest needed to import them)."""
+"""The test helpers of omni_kernel.testing: `drain`, `wait_until` and the call chain's spy and check (no pytest
+needed to import them)."""
 
 import subprocess
 import sys
@@ -6,10 +7,10 @@ import sys
 import pytest
 
 from omni_kernel import Omni
-from omni_kernel.builtin.echo import KernelPlugin
+from omni_kernel.builtin.echo import IdentityRunner, KernelPlugin
 from omni_kernel.events import RequestFinished, TokenDelta
 from omni_kernel.plugins import PluginHost
-from omni_kernel.testing import drain, wait_until
+from omni_kernel.testing import Frame, assert_chain_goes_down, call_chain, drain, wait_until
 
 
 def echo() -> Omni:
@@ -45,6 +46,32 @@ def test_wait_until_returns_the_value_or_says_what_it_waited_for():
     assert wait_until(lambda: calls.append(1) or len(calls) >= 3 and "ready", 5, "three calls") == "ready"
     with pytest.raises(AssertionError, match="waited 0.05s for the moon, in vain"):
         wait_until(lambda: False, 0.05, "the moon")
+
+
+def test_call_chain_holds_omnis_frames_from_generate_to_the_call_and_puts_the_method_back():
+    omni = echo()
+    chain = call_chain(IdentityRunner, "run", lambda: omni.generate("a b"))
+    assert chain[0].name == "omni_kernel.api.generate", chain
+    assert chain[-1].name == "omni_kernel.builtin.echo.IdentityRunner.run", chain
+    assert all(frame.module.startswith("omni_kernel.") for frame in chain), chain
+    assert_chain_goes_down(chain, 12)
+    assert "run" in vars(IdentityRunner) and call_chain(IdentityRunner, "run", lambda: None) == []
+    assert IdentityRunner.run.__qualname__ == "IdentityRunner.run"  # the spy is gone
+    with pytest.raises(AssertionError, match="not from omni_kernel.api.generate"):
+        call_chain(IdentityRunner, "run", lambda: list(omni.run([omni.request("c")])))
+
+
+def test_assert_chain_goes_down_names_a_function_twice_a_file_entered_again_and_too_many_frames():
+    a, b, a2 = Frame("omni_x.a", "f", "a.py"), Frame("omni_x.b", "g", "b.py"), Frame("omni_x.a", "h", "a.py")
+    assert_chain_goes_down([a, a2, b], 3)
+    with pytest.raises(AssertionError, match="never reached"):
+        assert_chain_goes_down([], 3)
+    with pytest.raises(AssertionError, match="a function appears twice"):
+        assert_chain_goes_down([a, b, a], 3)
+    with pytest.raises(AssertionError, match=r"\['a.py'\] entered again once the chain had left it"):
+        assert_chain_goes_down([a, b, a2], 3)
+    with pytest.raises(AssertionError, match="3 frames, more than 2"):
+        assert_chain_goes_down([a, a2, b], 2)
 
 
 @pytest.mark.cli_subprocess
