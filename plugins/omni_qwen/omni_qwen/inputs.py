@@ -36,7 +36,9 @@ def check_fits(prompt: ARPrompt, context_window: int, capacity_tokens: int | Non
 def check_request(item: StageInput, settings: ARNodeSettings) -> None:
     """What processing refuses without the model or its tokenizer (the node type's `check`, before any model
     loads, and the first thing `process` does): the prompt must say something unless chat messages or token ids
-    stand for it; messages come alone, and only to a node that takes them."""
+    stand for it; messages come alone, and only to a node that takes them; one output constraint at most.
+    Whether xgrammar takes the constraint is asked at `process` (grammar.py imports torch and xgrammar, which a
+    front that places the stage in a worker never imports)."""
     params = item.params if item.params is not None else QwenParams()
     messages = getattr(params, "messages", None)
     given = getattr(params, "prompt_token_ids", None)
@@ -47,6 +49,7 @@ def check_request(item: StageInput, settings: ARNodeSettings) -> None:
             raise InvalidParameter("messages", "this node writes its own prompt and takes no chat messages")
     elif given is None:
         check_prompt(item.prompt)
+    Structure.of(params)
 
 
 def longest_token(tokenizer) -> int:

@@ -119,6 +119,8 @@ def test_bad_request_is_one_line_exit_2(tiny_ckpt, args, message):
     (["--prompt", " \n "], "Error: the prompt is empty"),
     (["--prompt", "hi", "-o", "messages=user: hi"],
      "Error: invalid messages: give either messages or a prompt (or prompt_token_ids), not both"),
+    (["--prompt", "hi", "-o", "regex=a+", "-o", "json_object=true"],
+     "Error: invalid regex: give one of json_schema, json_object, regex, choice, not json_object and regex"),
 ])
 def test_a_bad_prompt_is_refused_before_the_model_loads(tiny_ckpt, monkeypatch, args, line):
     """The node type's check (inputs.check_request) runs before anything is built: no model loads for it."""
