@@ -3,13 +3,17 @@ engine settings, the kernel's share key, which refuse settings invalid for the c
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
-from omni_kernel.core.errors import GraphError, InvalidParameter
+from omni_kernel.core.errors import GraphError, InvalidParameter, ModelError
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.planner import node_policy
 from omni_kernel.core.request import StageInput
 from omni_wan.build import engine_settings
+from omni_wan.layout import read_layout
 from omni_wan.params import WanConfig, WanParams, WanPolicy
 from omni_wan.plugin import NODE_TYPE, WanPlugin
 
@@ -70,3 +74,17 @@ def test_the_request_check_refuses_an_image_against_the_policy_before_any_model_
         check(WanPolicy(image="required"), StageInput("r", "a cat", params=params))
     check(WanPolicy(image="optional"), StageInput("r", "a cat", params=params))
     assert list(tmp_path.iterdir()) == []
+
+def test_the_layout_is_read_once_per_directory_until_its_files_change(tiny_model, tmp_path):
+    """Every check and build asks for the layout: it is read from disk again only when what it is read from
+    changes."""
+    model = shutil.copytree(tiny_model, tmp_path / "model")
+    first = read_layout(model)
+    assert read_layout(model) is first and read_layout(str(model)) is first
+    config = model / "transformer" / "config.json"
+    body = json.loads(config.read_text(encoding="utf-8"))
+    config.write_text(json.dumps({**body, "num_attention_heads": body["num_attention_heads"] * 2}), encoding="utf-8")
+    assert read_layout(model).num_heads == first.num_heads * 2
+    shutil.rmtree(model / "vae")
+    with pytest.raises(ModelError, match="missing vae"):
+        read_layout(model)
