@@ -55,6 +55,32 @@ def test_a_parallel_engine_depends_on_its_ray_resources(tiny_model):
     assert one.resources == (("CPU", 1),) and one != two
 
 
+def test_a_placements_rank_launcher_reaches_the_engine_through_its_settings(tiny_model):
+    """The placement that builds the node hands its launcher on the node (NodeSpec.ranks); the engine settings
+    carry it to the engine (no process-global), and it is not part of the share key or of the node's equality."""
+    config = WanConfig(model=str(tiny_model), device="cpu", wan_ulysses=2)
+
+    def launcher():
+        raise AssertionError("not started here")
+
+    placed = node({}, ranks=launcher)
+    assert placed == node({})
+    settings = engine_settings(placed, config, WanPolicy())
+    assert settings.ranks is launcher and engine_settings(node({}), config, WanPolicy()).ranks is None
+    assert settings == engine_settings(node({}), config, WanPolicy())
+
+
+def test_the_ranks_start_where_the_launcher_the_build_passed_says():
+    from omni_wan.rank_launch import PlacedRanks, ProcessRanks, launcher
+
+    class Group:
+        address = "10.0.0.7"
+
+    assert isinstance(launcher(None), ProcessRanks)
+    placed = launcher(Group)
+    assert isinstance(placed, PlacedRanks) and placed.address == "10.0.0.7"
+
+
 def test_engine_settings_refuse_a_ulysses_degree_that_does_not_divide_the_heads(tiny_model):
     with pytest.raises(InvalidParameter, match="wan_ulysses: 3 does not divide"):
         engine_settings(node({}), WanConfig(model=str(tiny_model), device="cpu", wan_ulysses=3), WanPolicy())
@@ -74,6 +100,7 @@ def test_the_request_check_refuses_an_image_against_the_policy_before_any_model_
         check(WanPolicy(image="required"), StageInput("r", "a cat", params=params))
     check(WanPolicy(image="optional"), StageInput("r", "a cat", params=params))
     assert list(tmp_path.iterdir()) == []
+
 
 def test_the_layout_is_read_once_per_directory_until_its_files_change(tiny_model, tmp_path):
     """Every check and build asks for the layout: it is read from disk again only when what it is read from
