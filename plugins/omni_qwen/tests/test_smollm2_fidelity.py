@@ -1,8 +1,9 @@
 """Real trained weights (SmolLM2-135M-Instruct, a LlamaForCausalLM) on the paged engine: greedy output through
 the ar_text stage equals transformers' `generate` for the same prompt alone, token for token (fp32), whether
 each request runs alone, 16 arrive staggered while others decode, a small KV pool forces preemption, or a
-shared system prompt is served from the prefix cache. Skipped, with the command that fetches the model, when
-the model is not in omni's cache (`make test` fetches it)."""
+shared system prompt is served from the prefix cache; and with ar_compile, the suite's one compiled run of real
+weights (the wheels tier runs the installed model once, eager, and builds the kernel without compiling a model).
+Skipped, with the command that fetches the model, when the model is not in omni's cache (`make test` fetches it)."""
 
 from __future__ import annotations
 
