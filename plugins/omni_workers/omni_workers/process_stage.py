@@ -124,8 +124,8 @@ class ProcessStage(StageProxy):
 
     # Sending.
 
-    def _call(self, what: str, item: StageInput):
-        """A Submit or Check, answered by the worker: its value, or its error raised (typed)."""
+    def _call(self, call: type[Submit | Check], item: StageInput):
+        """A Submit or Check (`call`), answered by the worker: its value, or its error raised (typed)."""
         worker = self.worker
         if not self.ready and self.conn is not None:
             self.pump()  # its Ready may have come
@@ -134,9 +134,10 @@ class ProcessStage(StageProxy):
         if self.conn is None:
             raise self._refusal()
         call_id = next(worker.calls)
-        kind = Submit if what == "submit" else Check
         process = worker.proc  # before the send: a send that finds the worker dead restarts it, and the new one
-        self._send(kind(self.spec.tag, call_id, item))  # never got this call
+        self._send(call(self.spec.tag, call_id, item))  # never got this call
+        if call is Submit and worker.proc is process:  # its worker has it: a death from now on fails it
+            self.outstanding.add(item.request_id)
         while call_id not in worker.replies:
             if self.stopped:  # closed, or its restarted worker could not build the stage
                 raise self._refusal()
@@ -145,7 +146,7 @@ class ProcessStage(StageProxy):
             worker.wait(None)
             self.pump()
         reply = worker.replies.pop(call_id)
-        return self._answer(what, reply.ok, reply.data)
+        return self._answer(call, reply.ok, reply.data)
 
     def _dumps(self, value) -> tuple[bytes, list]:
         """`value` pickled with its arrays in shared memory, and those memory files (shared.py)."""

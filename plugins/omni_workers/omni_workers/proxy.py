@@ -19,6 +19,7 @@ from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.events import StageFailed, StageFinished
 
+from .messages import Check, Submit
 from .settings import WorkerStats
 from .stage_host import WorkerSpec
 from .transport import dumps
@@ -120,9 +121,9 @@ class StageProxy:
     (`WorkerGroup.fail_fast`).
 
     A subclass provides `wait_ready`, `pump`, `close`, `handles` (what the group's wait blocks on), `_call` (a
-    call answered by its worker), `_running` (its worker is there to take a message) and `_send_hand_off`,
-    `_send_abort`. What the worker's messages tell it comes in through `on_ready`, `on_events` and
-    `lost` (from the subclass's receiving side)."""
+    `Submit` or `Check` answered by its worker; a Submit's request is outstanding once sent), `_running` (its worker
+    is there to take a message), `_send_hand_off` and `_send_abort`. What the worker's messages tell it comes in
+    through `on_ready`, `on_events` and `lost` (from the subclass's receiving side)."""
 
     what = "worker"
 
@@ -173,8 +174,9 @@ class StageProxy:
     def _load_event(self, data: bytes):
         return pickle.loads(data)
 
-    def _answer(self, what: str, ok: bool, data: bytes):
+    def _answer(self, call: type, ok: bool, data: bytes):
         """A call's answer, as the worker pickled it: its value, or its error raised (typed)."""
+        what = call.__name__.lower()
         try:
             value = pickle.loads(data)
         except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker has
@@ -269,15 +271,20 @@ class StageProxy:
 
     def check(self, item: StageInput) -> None:
         """Answered by the worker at once, beside the step running now (check is model-free)."""
-        self._call("check", item)
+        self._call(Check, item)
 
     def submit(self, item: StageInput) -> None:
         """Processed and added in the worker, in one message, answered once processed: between two of its steps (so
         it waits for the step running now), or beside a step where the stage's `concurrent_inputs` allows. A
-        processing error raises here; a failure to add comes back as the request's StageFailed."""
-        self.outstanding.add(item.request_id)
+        processing error raises here; a failure to add, or the worker's death once it had the input, comes back as
+        the request's StageFailed."""
         try:
-            self._call("submit", item)
+            self._call(Submit, item)
+        except WorkerDied:
+            if not any(e.request_id == item.request_id for e in self.pending):
+                raise
+            # the worker died once it had the input (`_call` made it outstanding then): the request was lost with
+            # it, as any request it held, and its StageFailed (pending) says so
         except BaseException:
             self.outstanding.discard(item.request_id)
             raise

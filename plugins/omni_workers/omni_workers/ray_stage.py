@@ -237,8 +237,8 @@ class RayStage(StageProxy):
 
     # The Stage contract.
 
-    def _call(self, what: str, item: StageInput):
-        """A Submit or Check, answered by the actor: its value, or its error raised (typed)."""
+    def _call(self, call: type[Submit | Check], item: StageInput):
+        """A Submit or Check (`call`), answered by the actor: its value, or its error raised (typed)."""
         if not self.ready and self.actor is not None:  # restarting
             self.pump()
             if not self.ready and self.actor is not None:
@@ -249,16 +249,18 @@ class RayStage(StageProxy):
         if self.actor is None:
             raise self._refusal()
         sealed = Sealed(item.request_id, self._pickle(item))
-        message = Submit(0, 0, sealed) if what == "submit" else Check(0, 0, sealed)
+        sent = self.actor.handle.remote(call(0, 0, sealed))
+        if call is Submit:  # its actor has it: a death from now on fails it
+            self.outstanding.add(item.request_id)
         try:
-            reply = self.ray.get(self.actor.handle.remote(message), timeout=CALL_TIMEOUT_S)
+            reply = self.ray.get(sent, timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - the actor died, or (not expected) the call failed in it
             if not isinstance(exc, self.ray.exceptions.RayActorError):
-                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {what!r} call "
+                raise RequestError(f"stage {self.node.id!r}: its Ray actor failed the {call.__name__.lower()!r} call "
                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from None
             self._died(exc)
             raise WorkerDied(f"{self.label}: its Ray actor died while processing the input") from None
-        return self._answer(what, reply.ok, reply.data)
+        return self._answer(call, reply.ok, reply.data)
 
     def _running(self) -> bool:
         return self.actor is not None
