@@ -13,6 +13,7 @@ from omni_kernel.core.errors import (
 from omni_kernel.core.events import (
                                      STOP_REASONS,
                                      TRUNCATED_STOP_REASONS,
+                                     AudioDelta,
                                      RequestFailed,
                                      RequestFinished,
                                      StageFailed,
@@ -26,9 +27,13 @@ from omni_kernel.core.hookspecs import hookimpl
 from omni_kernel.core.params import ARParams, option
 from omni_kernel.core.registry import NodeType
 from omni_kernel.core.request import (
+    AUDIO,
+    SEGMENTS,
     VIDEO,
+    Audio,
     Request,
     RequestResult,
+    Segment,
     StageInput,
     StageOutput,
     StageStats,
@@ -41,9 +46,9 @@ from omni_kernel.core.stage import Stage
 
 __version__ = "0.1.0"
 
-__all__ = ["ARParams", "EdgeSpec", "GraphError", "InputError", "InvalidParameter", "ModelError", "NodeSpec",
-           "NodeType", "Omni", "OmniError", "PipelinePlan", "Request", "RequestError", "RequestFailed",
-           "RequestFinished", "RequestOutput", "RequestResult", "STOP_REASONS", "Stage", "StageFailed",
-           "StageFinished", "StageGraph", "StageInput", "StageOutput", "StageProgress", "StageStats", "StopReason",
-           "Structured", "TRUNCATED_STOP_REASONS", "TokenDelta", "Usage", "UserError", "VIDEO", "VideoInfo", "hookimpl",
-           "option"]
+__all__ = ["ARParams", "AUDIO", "Audio", "AudioDelta", "EdgeSpec", "GraphError", "InputError", "InvalidParameter",
+           "ModelError", "NodeSpec", "NodeType", "Omni", "OmniError", "PipelinePlan", "Request", "RequestError",
+           "RequestFailed", "RequestFinished", "RequestOutput", "RequestResult", "SEGMENTS", "STOP_REASONS", "Segment",
+           "Stage", "StageFailed", "StageFinished", "StageGraph", "StageInput", "StageOutput", "StageProgress",
+           "StageStats", "StopReason", "Structured", "TRUNCATED_STOP_REASONS", "TokenDelta", "Usage", "UserError",
+           "VIDEO", "VideoInfo", "hookimpl", "option"]

@@ -42,10 +42,12 @@ class Omni:
 
     # Requests.
 
-    def request(self, prompt: str, image: str | None = None, request_id: str | None = None,
-                **params: Any) -> Request:
+    def request(self, prompt: str = "", image: str | None = None, request_id: str | None = None,
+                audio: str | bytes | None = None, **params: Any) -> Request:
+        """A request of this pipeline. `audio` is an audio input's path or its file's bytes; the prompt may be ""
+        where the pipeline reads another input (speech to text: `request(audio="a.wav")`)."""
         extra = {"request_id": request_id} if request_id else {}
-        return Request(self.graph.name, prompt, image=image, params=params, **extra)
+        return Request(self.graph.name, prompt, image=image, audio=audio, params=params, **extra)
 
     def submit(self, request: Request) -> str:
         """Process the request's inputs now (a user mistake raises here), then queue it."""
@@ -70,7 +72,7 @@ class Omni:
         while self.has_unfinished():
             yield from self.step()
 
-    def generate_stream(self, prompt: str | Request, **kwargs: Any) -> Iterator:
+    def generate_stream(self, prompt: str | Request = "", **kwargs: Any) -> Iterator:
         """Yield the events of one request (a Request, or a prompt and `request`'s keywords); closing the iterator
         early aborts the request."""
         request = prompt if isinstance(prompt, Request) else self.request(prompt, **kwargs)
@@ -88,7 +90,7 @@ class Omni:
             if not done:
                 self.scheduler.forget(self.graph, rid)
 
-    def generate(self, prompt: str | Request, **kwargs: Any) -> RequestResult:
+    def generate(self, prompt: str | Request = "", **kwargs: Any) -> RequestResult:
         """Run one request to the end (a Request, or a prompt and `request`'s keywords); raise its error (typed,
         as the stage raised it) if it fails."""
         with contextlib.closing(self.generate_stream(prompt, **kwargs)) as events:

@@ -3,6 +3,7 @@
 from omni_kernel.core.events import (
                                      STOP_REASONS,
                                      TRUNCATED_STOP_REASONS,
+                                     AudioDelta,
                                      RequestFailed,
                                      RequestFinished,
                                      StageFailed,
@@ -12,5 +13,5 @@ from omni_kernel.core.events import (
                                      TokenDelta,
 )
 
-__all__ = ["STOP_REASONS", "TRUNCATED_STOP_REASONS", "RequestFailed", "RequestFinished", "StageFailed",
+__all__ = ["STOP_REASONS", "TRUNCATED_STOP_REASONS", "AudioDelta", "RequestFailed", "RequestFinished", "StageFailed",
            "StageFinished", "StageProgress", "StopReason", "TokenDelta"]

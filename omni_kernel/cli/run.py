@@ -26,7 +26,7 @@ from omni_kernel.plugins import load_host
 from omni_kernel.util.files import check_output_path, remove_outputs, write_json
 
 # The flag of each request input `omni run` declares itself: an error naming the input names the flag
-INPUT_FLAGS = {"image": "--image"}
+INPUT_FLAGS = {"image": "--image", "audio": "--audio"}
 # tqdm's own bar with the step count last and the elapsed and remaining time after it
 BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]"
 
@@ -39,8 +39,10 @@ def run_command(registry) -> click.Command:
     flags = collect(registry)
     options = [
         click.Option(["--pipeline"], required=True, help="Pipeline to run (see `omni pipelines`)."),
-        click.Option(["--prompt"], required=True, help="The user's prompt."),
+        click.Option(["--prompt"], help="The user's prompt (not needed where the pipeline reads the --audio or "
+                                        "--image given instead)."),
         click.Option(["--image"], type=click.Path(), help="Input image, for pipelines that take one."),
+        click.Option(["--audio"], type=click.Path(), help="Input audio file, for pipelines that take one."),
     ]
     for flag in flags:
         help = f"{flag.info.help[:1].upper()}{flag.info.help[1:]} [{', '.join(flag.plugins)}]"
@@ -63,10 +65,11 @@ def run_command(registry) -> click.Command:
     setting_names = run_setting_names(registry)
 
     @click.pass_context
-    def run(ctx, pipeline, prompt, image, request_pairs, config_pairs, trace_json, as_json, **given):
+    def run(ctx, pipeline, prompt, image, audio, request_pairs, config_pairs, trace_json, as_json, **given):
         settings = {key: given.pop(key) for key in setting_names}
         chosen = {by_dest[k]: v for k, v in given.items() if v is not None and v != ()}
-        _run(ctx, pipeline, prompt, image, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
+        inputs = {"image": image, "audio": audio}
+        _run(ctx, pipeline, prompt, inputs, chosen, request_pairs, config_pairs, trace_json, as_json, settings)
 
     return RunCommand("run", callback=run, params=options,
                          help="Run one request through a pipeline and print its output and trace.\n\n"
@@ -92,22 +95,23 @@ class RunCommand(click.Command):
             raise
 
 
-def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], request_pairs, config_pairs,
-         trace_json, as_json: bool, settings: dict | None = None) -> None:
+def _run(ctx, pipeline: str, prompt: str | None, inputs: dict, chosen: dict[Flag, object], request_pairs,
+         config_pairs, trace_json, as_json: bool, settings: dict | None = None) -> None:
     host = ctx.obj.get("host") or load_host()
     omni = None
     try:
         plan = Planner(host.registry).plan(pipeline)
+        prompt = _prompt_or_missing(ctx, host.registry, plan, prompt, inputs)
         given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
         settings = {k: v for k, v in (settings or {}).items() if v is not None}
-        _check_before_loading(host, plan, given, dict(settings), Request(plan.name, prompt, image=image,
+        _check_before_loading(host, plan, given, dict(settings), Request(plan.name, prompt, **inputs,
                                                                          params=given["params"]))
         if trace_json:  # before any model loads: a bad trace path must not cost the run
             _check_trace_json(trace_json, given["params"].get("output"))
         with _signals_interrupt():
             omni = Omni(plan, host=host, **given["config"], **settings)
             stream = bool(given["params"].get("stream")) and not as_json
-            result, streamed = _drive(omni, omni.request(prompt, image=image, **given["params"]), stream)
+            result, streamed = _drive(omni, omni.request(prompt, **inputs, **given["params"]), stream)
             if trace_json:
                 _write_trace(trace_json, result)
     except UserError as exc:
@@ -127,6 +131,17 @@ def _run(ctx, pipeline: str, prompt: str, image, chosen: dict[Flag, object], req
     elif not streamed and result.text is not None:
         click.echo(result.text)
     click.echo(format_trace(result.trace), err=True)
+
+
+def _prompt_or_missing(ctx, registry, plan, prompt: str | None, inputs: dict) -> str:
+    """The prompt, "" where it is not given but a node of the pipeline reads an input the run gives instead (speech
+    to text reads its --audio); otherwise click's missing-option error, as for any required flag."""
+    if prompt is not None:
+        return prompt
+    reads = {name for node_type in registry.node_types_of(plan).values() for name in node_type.inputs}
+    if any(value is not None and name in reads for name, value in inputs.items()):
+        return ""
+    raise click.MissingParameter(ctx=ctx, param=next(p for p in ctx.command.params if p.name == "prompt"))
 
 
 def _check_before_loading(host, plan, given: dict, settings: dict, request: Request) -> None:

@@ -1,4 +1,4 @@
-"""Events yielded while requests run. Stages emit the first four; the StageScheduler adds the last two."""
+"""Events yielded while requests run. Stages emit the first five; the StageScheduler adds the last two."""
 
 from __future__ import annotations
 
@@ -30,6 +30,22 @@ class TokenDelta:
     text: str
     logprobs: tuple[Mapping[str, Any], ...] | None = None
     prompt_logprobs: tuple[Mapping[str, Any], ...] | None = None
+
+
+@attrs.frozen
+class AudioDelta:
+    """New sound of a streaming audio stage, in order: one chunk (e.g. one sentence) as 16-bit signed little-endian
+    mono PCM at `sample_rate`; `text` is what it speaks, where the stage knows ("" otherwise)."""
+
+    request_id: str
+    node_id: str
+    pcm: bytes = attrs.field(repr=lambda pcm: f"<{len(pcm)} bytes>")
+    sample_rate: int
+    text: str = ""
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) // 2 / self.sample_rate
 
 
 @attrs.frozen

@@ -84,11 +84,15 @@ def split(pipeline: str, what: str, classes: Mapping[str, type | None], values: 
             for node, cls in classes.items()}
 
 
+REQUEST_INPUTS = ("image", "audio")  # a Request's inputs besides the prompt, as NodeType.inputs names them
+
+
 def resolve(pipeline: str, node_types: Mapping[str, Any], request) -> dict[str, Any]:
     """Each node's params for a request (node id -> its params instance); refuses parameters no node of the
-    pipeline declares and an image when no node reads one."""
-    if request.image is not None and not any("image" in t.inputs for t in node_types.values()):
-        raise InvalidParameter("image", f"pipeline {pipeline!r} takes no input image")
+    pipeline declares and an input (image, audio) when no node reads one."""
+    for name in REQUEST_INPUTS:
+        if getattr(request, name) is not None and not any(name in t.inputs for t in node_types.values()):
+            raise InvalidParameter(name, f"pipeline {pipeline!r} takes no input {name}")
     return split(pipeline, "request parameter", {n: t.params for n, t in node_types.items()}, request.params)
 
 

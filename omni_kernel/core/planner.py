@@ -136,7 +136,8 @@ class GraphBuilder:
         for build in builds:
             if build.node_type.check is None:
                 continue
-            item = StageInput(request.request_id, request.prompt, image=request.image, params=params[build.node.id])
+            item = StageInput(request.request_id, request.prompt, image=request.image, audio=request.audio,
+                              params=params[build.node.id])
             build.node_type.check(build.node, build.config, build.policy, build.settings, item)
 
     def placements(self) -> dict[str, Any]:

@@ -35,11 +35,14 @@ class NodeType:
     attrs classes of `params.option` fields: the model-level settings, the request parameters each StageInput
     carries, and the node policy a pipeline plan sets (`NodeSpec.policy`, validated when the plan is built). An
     undeclared key is refused everywhere. `inputs` names the request inputs the node may read besides the prompt
-    (e.g. "image"). `check(node, config, policy, settings, item)`, where given, refuses a request's inputs and
-    parameters before any model loads (the part of input processing that needs no model: the same checks the
-    stage's input processor runs first when the request is processed). `output_contract` names what its
-    StageOutput holds for a connector that declares a `source_contract` (or the node's policy does, where its
-    class declares an `output_contract` and the plan sets it: planner.output_contract).
+    ("image", "audio"; params.REQUEST_INPUTS): a request that gives one no node reads is refused, and `omni run`
+    needs no `--prompt` where a node reads an input the run gives (a speech-to-text node reads its audio; its
+    prompt is then ""; a node that reads the prompt refuses "" in its check, params.check_prompt).
+    `check(node, config, policy, settings, item)`, where given, refuses a request's inputs and parameters before
+    any model loads (the part of input processing that needs no model: the same checks the stage's input processor
+    runs first when the request is processed). `output_contract` names what its StageOutput holds for a connector
+    that declares a `source_contract` (or the node's policy does, where its class declares an `output_contract` and
+    the plan sets it: planner.output_contract).
     """
 
     name: str

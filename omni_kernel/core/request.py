@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Mapping
@@ -29,14 +30,32 @@ def _require_prompt(instance, attribute, value) -> None:
         raise InvalidParameter("prompt", "is not valid UTF-8 text") from None
 
 
+def _as_audio(value) -> str | bytes | None:
+    if value is None or isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    raise InvalidParameter("audio", "must be a file's path or its bytes")
+
+
+def _short_audio(value) -> str:
+    """An uploaded file's bytes are not printed in a repr: its size is."""
+    return f"<{len(value)} bytes>" if isinstance(value, bytes) else repr(value)
+
+
 @attrs.frozen
 class Request:
     """What a user asks a pipeline for. `params` is one flat mapping of request parameters; the StageScheduler
-    routes each key to the nodes whose node type declares it and refuses keys that none declares."""
+    routes each key to the nodes whose node type declares it and refuses keys that none declares. `image` and
+    `audio` are the request's inputs besides the prompt (a path; an audio input may also be the file's bytes, as
+    uploaded), refused where no node of the pipeline reads them (NodeType.inputs)."""
 
     pipeline: str
     prompt: str = attrs.field(validator=_require_prompt)
     image: str | None = None
+    audio: str | bytes | None = attrs.field(default=None, converter=_as_audio, repr=_short_audio)
     params: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
     request_id: str = attrs.field(factory=_new_id)
     arrival_time: float = attrs.field(factory=time.time)
@@ -51,6 +70,7 @@ class StageInput:
     request_id: str
     prompt: str
     image: str | None = None
+    audio: str | bytes | None = attrs.field(default=None, converter=_as_audio, repr=_short_audio)
     params: Any = None
     trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
     processed: Any = attrs.field(default=None, eq=False, repr=False)
@@ -95,10 +115,43 @@ VIDEO = "video"  # the key of a video stage's VideoInfo in its StageOutput's dat
 
 
 @attrs.frozen
+class Audio:
+    """Sound as a stage made or heard it: 16-bit signed little-endian mono PCM at `sample_rate` samples a second.
+    An audio stage's StageOutput holds its whole Audio under `data["audio"]` (AUDIO)."""
+
+    pcm: bytes = attrs.field(repr=lambda pcm: f"<{len(pcm)} bytes>")
+    sample_rate: int
+
+    @property
+    def samples(self) -> int:
+        return len(self.pcm) // 2
+
+    @property
+    def seconds(self) -> float:
+        return self.samples / self.sample_rate
+
+
+AUDIO = "audio"  # the key of an audio stage's Audio in its StageOutput's data
+
+
+@attrs.frozen
+class Segment:
+    """A stretch of a transcript with its times in the audio, in seconds from the start."""
+
+    start: float
+    end: float
+    text: str
+
+
+SEGMENTS = "segments"  # the key of a speech-to-text stage's segments (a tuple of Segment) in its StageOutput's data
+
+
+@attrs.frozen
 class StageOutput:
     """A stage's finished result for one request. `trace` keys are already `stage.field`; `data` is a mapping of
-    the stage's own values (a video stage's VideoInfo under VIDEO). `usage` and `structured` are what a stage that
-    counts tokens or decodes under a grammar says of the request (None: it says nothing)."""
+    the stage's own values (a video stage's VideoInfo under VIDEO, an audio stage's Audio under AUDIO, a
+    transcript's Segments under SEGMENTS). `usage` and `structured` are what a stage that counts tokens or decodes
+    under a grammar says of the request (None: it says nothing)."""
 
     request_id: str
     node_id: str

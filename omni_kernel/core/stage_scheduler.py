@@ -65,7 +65,8 @@ class StageScheduler:
         flight = InFlight(request, graph, params, set(graph.order))
         try:
             for node_id in graph.order:
-                item = StageInput(request.request_id, request.prompt, image=request.image, params=params[node_id])
+                item = StageInput(request.request_id, request.prompt, image=request.image, audio=request.audio,
+                                  params=params[node_id])
                 stage = graph.stages[node_id]
                 if node_id in entries:
                     self._place(flight, node_id, stage)

@@ -216,23 +216,24 @@ class AsyncOmni:
     async def submit(self, pipeline: str, request: Request, on_event: OnEvent) -> str:
         return await asyncio.wrap_future(self.submit_nowait(pipeline, request, on_event))
 
-    async def open(self, pipeline: str, prompt: str, image: str | None = None, request_id: str | None = None,
-                   **params: Any) -> EventStream:
+    async def open(self, pipeline: str, prompt: str = "", image: str | None = None, request_id: str | None = None,
+                   audio: str | bytes | None = None, **params: Any) -> EventStream:
         """Submit a request (a UserError raises here, before anything is sent to a client) and return the
-        stream of its events."""
+        stream of its events. `audio`: an audio input's path or its file's bytes (an upload)."""
         omni = self.omnis.get(pipeline)
         if omni is None:
             raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
-        request = omni.request(prompt, image=image, request_id=request_id, **params)
+        request = omni.request(prompt, image=image, request_id=request_id, audio=audio, **params)
         stream = EventStream(self.abort, asyncio.get_running_loop())
         stream.request_id = await self.submit(pipeline, request, stream.put)
         return stream
 
-    async def generate(self, pipeline: str, prompt: str, image: str | None = None, request_id: str | None = None,
+    async def generate(self, pipeline: str, prompt: str = "", image: str | None = None,
+                       request_id: str | None = None, audio: str | bytes | None = None,
                        **params: Any) -> AsyncIterator:
         """One request's events in order, ending with RequestFinished or RequestFailed. Leaving the loop early
         (or the task being cancelled, e.g. a client that disconnected) aborts the request."""
-        stream = await self.open(pipeline, prompt, image, request_id, **params)
+        stream = await self.open(pipeline, prompt, image, request_id, audio, **params)
         async with stream:
             async for event in stream:
                 yield event
