@@ -4,6 +4,7 @@ stage, and no worker outlives the front. Torch-free: the echo pipeline and the f
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import pickle
@@ -87,6 +88,19 @@ def test_each_stage_runs_in_its_own_process_and_many_requests_finish():
         assert len(pids) == 3 and trace["fake.connector_pid"] == os.getpid()
         want = run_all(inproc, prompts)
         assert sorted(e.result.text for e in done.values()) == sorted(e.result.text for e in want.values())
+
+
+def test_a_requests_audio_reaches_a_stage_in_a_worker(tmp_path):
+    """The audio input (an upload's bytes, or a path) crosses to the worker with the stage's input."""
+    data = bytes(range(256)) * 64
+    path = tmp_path / "a.wav"
+    path.write_bytes(data[:1000])
+    with Omni("fake_listen", host=make_host(), placement="process") as o:
+        sizes = [o.generate(audio=audio).text.split()[:2] for audio in (data, str(path))]
+        pid = int(o.generate(audio=data).text.split()[2])
+    assert sizes == [[str(len(data)), hashlib.sha256(data).hexdigest()[:8]],
+                     ["1000", hashlib.sha256(data[:1000]).hexdigest()[:8]]]
+    assert pid != os.getpid()
 
 
 def test_stages_overlap_and_the_front_does_not_spin():

@@ -14,11 +14,13 @@ input / the connector's input for `render` (whose output trace says its sum and 
 memory), and "lost_frames" gives `render`'s output a shared-memory array that never arrives. The config
 `fake_build_gate=PATH` makes a worker's build wait while PATH exists (a slow model load, e.g. of a restart). Each
 stage's output trace has the thread count its worker set for each of its steps (`words.threads`, `render.threads`;
-shared cores).
+shared cores). `fake_listen` is one `listen` node (kind "asr") that reads the request's audio (a path or bytes) and
+answers with its size, its digest and the worker's pid.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -321,6 +323,29 @@ def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePla
                         [EdgeSpec("words", "render", "fake_words_to_render")])
 
 
+class ListenRunner:
+    """The audio input's size and digest, as the worker saw it, in one step."""
+
+    def add_request(self, record) -> None:
+        audio = record.item.audio
+        data = audio if isinstance(audio, bytes) else Path(audio).read_bytes()
+        record.state = f"{len(data)} {hashlib.sha256(data).hexdigest()[:8]} {os.getpid()}"
+
+    def run(self, batch) -> dict:
+        return {job.request_id: job.state for job in batch.records}
+
+    def free(self, record) -> None:
+        pass
+
+
+def build_listen_engine(settings) -> Engine:
+    return Engine(StepScheduler(max_batch=8, num_steps=lambda item: 1), ListenRunner())
+
+
+def build_listen(node: NodeSpec, config, policy, settings, engine: Engine) -> Stage:
+    return Stage(node, "asr", None, engine)
+
+
 class FakePlugin:
     """`shared`: nodes of one type, config and policy share one engine (in one worker, under placement process),
     whichever graph of the host they are in; otherwise every node has an engine of its own."""
@@ -338,6 +363,8 @@ class FakePlugin:
                           stage=build_words, config=FakeConfig, params=FakeParams, policy=FakePolicy))
         register(NodeType("fake.render", "video", engine_settings=self.engine_settings, engine=build_render_engine,
                           stage=build_render, config=FakeConfig, params=FakeParams, policy=FakePolicy))
+        register(NodeType("fake.listen", "asr", engine_settings=lambda node, config, policy: node.id,
+                          engine=build_listen_engine, stage=build_listen, inputs={"audio"}))
 
     @hookimpl
     def omni_register_connectors(self, register):
@@ -348,6 +375,7 @@ class FakePlugin:
         register(self.plan)
         policy = {"concurrent_inputs": True, "sleep_ms": self.plan.nodes[0].policy["sleep_ms"]}
         register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy=policy, final=True)]))
+        register(PipelinePlan("fake_listen", [NodeSpec("listen", "fake.listen", final=True)]))
 
 
 def make_host(sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False) -> PluginHost:
