@@ -223,7 +223,11 @@ class AsyncOmni:
         omni = self.omnis.get(pipeline)
         if omni is None:
             raise InvalidParameter("model", f"{pipeline!r} is not served; served: {', '.join(self.omnis)}")
-        request = omni.request(prompt, image=image, request_id=request_id, audio=audio, **params)
+        return await self.open_request(pipeline, omni.request(prompt, image=image, request_id=request_id, audio=audio,
+                                                              **params))
+
+    async def open_request(self, pipeline: str, request: Request) -> EventStream:
+        """`open` for a Request the caller made (e.g. one whose parameters hold a `prompt` of their own)."""
         stream = EventStream(self.abort, asyncio.get_running_loop())
         stream.request_id = await self.submit(pipeline, request, stream.put)
         return stream

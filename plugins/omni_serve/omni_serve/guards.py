@@ -21,7 +21,8 @@ log = logging.getLogger("omni")
 
 
 TEXT_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-STREAMED_PATHS = frozenset({"/v1/videos"})  # multipart bodies read as they come (uploads.py), not buffered here
+# multipart bodies read as they come (uploads.py), not buffered here
+STREAMED_PATHS = frozenset({"/v1/videos", "/v1/audio/transcriptions"})
 
 
 def _streamed(scope) -> bool:

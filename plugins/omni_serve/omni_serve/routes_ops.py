@@ -34,10 +34,14 @@ async def retrieve_model(model: str, served: ServedDep):
     return card
 
 
+CAPABILITIES = {"text": ["chat.completions", "completions"], "video": ["videos"], "speech": ["audio.speech"],
+                "transcription": ["audio.transcriptions"]}
+
+
 def model_card(served, model: str) -> dict:
     name = served.names[model]
     return {"id": model, "object": "model", "created": served.created, "owned_by": "omni", "root": name,
-            "capabilities": ["chat.completions", "completions"] if served.kinds[name] == "text" else ["videos"]}
+            "capabilities": CAPABILITIES[served.kinds[name]]}
 
 
 @router.get("/health")

@@ -1,7 +1,8 @@
 """The FastAPI app of `omni serve`: OpenAI-compatible routes over one AsyncOmni.
 
 Routes: GET /v1/models, POST /v1/chat/completions, POST /v1/completions, the Videos API (POST/GET /v1/videos,
-GET/DELETE /v1/videos/{id}, GET /v1/videos/{id}/content), GET /health, GET /metrics (routes_*.py, over the
+GET/DELETE /v1/videos/{id}, GET /v1/videos/{id}/content), the audio API (POST /v1/audio/speech, POST
+/v1/audio/transcriptions, GET /v1/audio/voices), GET /health, GET /metrics (routes_*.py, over the
 `Served` state), and the web page at / (page.py) unless --no-ui. Errors are OpenAI-style JSON (handlers.py).
 Request values go to the pipeline's node types as declared request parameters, so the kernel checks them (and
 refuses keys no node declares) exactly as it does for `omni run`.
@@ -16,7 +17,7 @@ import time
 
 from fastapi import FastAPI
 
-from . import routes_ops, routes_text, routes_videos
+from . import routes_audio, routes_ops, routes_text, routes_videos
 from .async_omni import AsyncOmni
 from .guards import OmniASGI
 from .handlers import HANDLERS
@@ -36,7 +37,7 @@ def create_app(async_omni: AsyncOmni, settings: ServeSettings, store: JobStore |
     app = FastAPI(title="omni serve", version="0.1.0", lifespan=lifespan, exception_handlers=HANDLERS,
                   description="OpenAI-compatible API over omni pipelines")
     app.state.served = served = Served.build(async_omni, settings, store)
-    for routes in (routes_ops, routes_text, routes_videos):
+    for routes in (routes_ops, routes_text, routes_videos, routes_audio):
         app.include_router(routes.router)
     if settings.ui:
         add_page(app)

@@ -19,7 +19,8 @@ from .settings import ServeSettings
 from .store import JobStore
 from .videos import VideoJobs
 
-ROUTES = {"text": "/v1/chat/completions or /v1/completions", "video": "/v1/videos"}
+ROUTES = {"text": "/v1/chat/completions or /v1/completions", "video": "/v1/videos", "speech": "/v1/audio/speech",
+          "transcription": "/v1/audio/transcriptions"}
 
 
 @attrs.define
@@ -29,7 +30,7 @@ class Served:
     jobs: VideoJobs
     metrics: Metrics
     names: dict[str, str]  # served model name (a pipeline key or an alias) -> pipeline key
-    kinds: dict[str, str]  # pipeline key -> "text" or "video"
+    kinds: dict[str, str]  # pipeline key -> "text", "video", "speech" or "transcription"
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @classmethod
@@ -61,9 +62,14 @@ class Served:
 
 
 def _kind(async_omni: AsyncOmni, name: str) -> str:
-    """"video" when the final node is a diffusion node told the path of the file it writes (`output`)."""
+    """"video" when the final node is a diffusion node told the path of the file it writes (`output`); "speech"
+    when the final node speaks (kind "tts"); "transcription" when the entry node listens (kind "asr")."""
     graph = async_omni.omnis[name].graph
     node_type = graph.node_types.get(graph.final)
+    if getattr(node_type, "kind", None) == "tts":
+        return "speech"
+    if any(getattr(graph.node_types.get(n), "kind", None) == "asr" for n in graph.entries()):
+        return "transcription"
     writes = "output" in options_of(getattr(node_type, "params", None))
     return "video" if writes and getattr(node_type, "kind", None) == "diffusion" else "text"
 

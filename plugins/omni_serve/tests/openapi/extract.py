@@ -25,7 +25,8 @@ SOURCE_SHA256 = "bbfd19abcde0e7412da99378deb2a959ccdd3a812f97c9e35901921e8e973f9
 SUBSET = HERE / "openai-subset.json"
 # The operations omni serves (OpenAI paths are relative to the /v1 server URL).
 PATHS = {"/chat/completions": ["post"], "/completions": ["post"], "/models": ["get"], "/models/{model}": ["get"],
-         "/videos": ["post", "get"], "/videos/{video_id}": ["get", "delete"], "/videos/{video_id}/content": ["get"]}
+         "/videos": ["post", "get"], "/videos/{video_id}": ["get", "delete"], "/videos/{video_id}/content": ["get"],
+         "/audio/speech": ["post"], "/audio/transcriptions": ["post"]}
 
 
 def sha256(data: bytes) -> str:
