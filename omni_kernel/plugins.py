@@ -25,9 +25,10 @@ HOOKS = {
     "omni_register_pipelines": Registry.add_pipeline,
     "omni_register_commands": Registry.add_command,
     "omni_register_placements": Registry.add_placement,
+    "omni_register_models": Registry.add_model,
 }
 # The `omni` group's own commands; a plugin command of the same name would never be reachable.
-BUILTIN_COMMANDS = frozenset({"run", "plugins", "pipelines"})
+BUILTIN_COMMANDS = frozenset({"run", "plugins", "pipelines", "models"})
 
 log = logging.getLogger("omni")
 

@@ -1,6 +1,6 @@
 """The `omni` command line: the group (plugin commands, errors as one line, logging), `omni plugins` and
-`omni pipelines`. `omni run` is built in run.py; the placement flags that commands share are in options.py, and
-the flags of the node types' options in flags.py."""
+`omni pipelines`. `omni run` is built in run.py, `omni models` in models.py; the placement flags that commands share
+are in options.py, and the flags of the node types' options in flags.py."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 import click
 
 from omni_kernel import __version__
+from omni_kernel.cli.models import models_command
 from omni_kernel.cli.options import placement_options  # noqa: F401 - plugins import it from here
 from omni_kernel.cli.run import run_command
 from omni_kernel.plugins import load_host
@@ -111,3 +112,5 @@ def pipelines(ctx: click.Context) -> None:
         for edge in plan.edges:
             click.echo(f"  edge {edge.source} -> {edge.target} via {edge.connector}")
 
+
+main.add_command(models_command)

@@ -30,3 +30,8 @@ def omni_register_commands(register):
 def omni_register_placements(register):
     """Register stage placements other than inproc: register(obj) with `name` and
     `build(nodes, settings, host_factory, workers) -> (stages by node id, workers)` (docs/plugins.md)."""
+
+
+@hookspec
+def omni_register_models(register):
+    """Register models `omni models fetch` puts into the cache: register(FetchableModel(...))."""

@@ -1,4 +1,5 @@
-"""What plugins register: node types, connectors, pipelines and CLI commands, each with its claimant."""
+"""What plugins register: node types, connectors, pipelines, CLI commands, placements and fetchable models, each
+with its claimant."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import attrs
 
 from omni_kernel.core.errors import DuplicateRegistration, PluginError
 from omni_kernel.core.graph import PipelinePlan
+from omni_kernel.core.models import FetchableModel
 
 OLD_FORM = ("NodeType(factory=...) is the old form: a node type now gives engine_settings=, engine= and stage= "
             "(the kernel builds and shares the engines; docs/plugins.md, \"Node types\")")
@@ -87,6 +89,7 @@ class Registry:
     pipelines: dict[str, Registered] = attrs.Factory(dict)
     commands: dict[str, Registered] = attrs.Factory(dict)
     placements: dict[str, Registered] = attrs.Factory(dict)
+    models: dict[str, Registered] = attrs.Factory(dict)
 
     def copy(self) -> Registry:
         return Registry(*(dict(getattr(self, f.name)) for f in attrs.fields(Registry)))
@@ -112,6 +115,12 @@ class Registry:
     def add_placement(self, placement: Any, plugin: str) -> None:
         self._add(self.placements, "placement", placement.name, placement, plugin)
 
+    def add_model(self, model: FetchableModel, plugin: str) -> None:
+        if not isinstance(model, FetchableModel):
+            raise PluginError(f"plugin {plugin!r} registers {model!r} as a model; omni_register_models takes a "
+                              "FetchableModel (omni_kernel.core.models)")
+        self._add(self.models, "model", model.name, model, plugin)
+
     def node_kinds(self) -> Mapping[str, str]:
         return {name: r.item.kind for name, r in self.node_types.items()}
 
@@ -120,9 +129,9 @@ class Registry:
 
     def by_plugin(self, plugin: str) -> dict[str, list[str]]:
         tables = {"node types": self.node_types, "connectors": self.connectors, "pipelines": self.pipelines,
-                  "commands": self.commands, "placements": self.placements}
+                  "commands": self.commands, "placements": self.placements, "models": self.models}
         found = {what: sorted(n for n, r in table.items() if r.plugin == plugin) for what, table in tables.items()}
-        return found if found["placements"] else {k: v for k, v in found.items() if k != "placements"}
+        return {k: v for k, v in found.items() if v or k not in ("placements", "models")}  # those two where any
 
     def node_types_of(self, plan: PipelinePlan) -> dict[str, NodeType]:
         """Node id -> NodeType for the plan's registered node types."""

