@@ -1,12 +1,16 @@
 // The page of `omni serve`: it calls the same public API as any client (/v1/models, /v1/chat/completions,
-// /v1/videos). Everything a request or an answer holds is put in the page as text (textContent), never as HTML.
+// /v1/videos, /v1/audio/speech, /v1/audio/transcriptions, /v1/audio/voices). Everything a request or an answer holds is put in the page as text (textContent), never as HTML.
 "use strict";
 
 const POLL_MS = 100; // how often a running job is asked for its progress: shorter than one denoise step
 const KEY_STORE = "omni-api-key"; // sessionStorage: the key stays in this browser tab
 const LIVE = ["queued", "in_progress"];
+const PCM_RATE = 24000; // the API's pcm: 16-bit little-endian mono at 24 kHz
+const KINDS = { videos: "video", "audio.speech": "speech", "audio.transcriptions": "transcription" };
+const SAYS = { video: "renders a video", speech: "speaks a text", transcription: "transcribes speech",
+  chat: "answers in a chat" };
 
-const state = { cards: new Map(), history: [], jobs: new Map(), polling: false };
+const state = { cards: new Map(), history: [], jobs: new Map(), polling: false, recorder: null };
 const $ = (selector, root = document) => root.querySelector(selector);
 
 class ApiError extends Error {
@@ -84,8 +88,13 @@ async function start() {
   if ([...state.cards.values()].some(isVideo)) await loadJobs();
 }
 
+function kindOf(card) {
+  const known = card.capabilities.find((c) => KINDS[c]);
+  return known ? KINDS[known] : "chat";
+}
+
 function isVideo(card) {
-  return card.capabilities.includes("videos");
+  return kindOf(card) === "video";
 }
 
 function fillPipelines() {
@@ -94,7 +103,7 @@ function fillPipelines() {
   select.replaceChildren(...[...state.cards.values()].map((card) => {
     const option = document.createElement("option");
     option.value = card.id;
-    option.textContent = `${card.id} (${isVideo(card) ? "video" : "chat"})`;
+    option.textContent = `${card.id} (${kindOf(card)})`;
     return option;
   }));
   if (state.cards.has(chosen)) select.value = chosen;
@@ -109,9 +118,12 @@ function showPanel() {
     panel.replaceChildren();
     return;
   }
-  $("#pipeline-kind").textContent = isVideo(card) ? "renders a video" : "answers in a chat";
-  panel.replaceChildren($(isVideo(card) ? "#video-panel" : "#chat-panel").content.cloneNode(true));
-  if (isVideo(card)) buildVideoForm(card);
+  const kind = kindOf(card);
+  $("#pipeline-kind").textContent = SAYS[kind];
+  panel.replaceChildren($(`#${kind}-panel`).content.cloneNode(true));
+  if (kind === "video") buildVideoForm(card);
+  else if (kind === "speech") buildSpeechForm(card);
+  else if (kind === "transcription") buildTranscriptionForm(card);
   else $(".chat-form", panel).addEventListener("submit", sendChat);
 }
 
@@ -155,6 +167,178 @@ async function sendChat(event) {
   } finally {
     log.setAttribute("aria-busy", "false");
   }
+}
+
+// --- speech: the text spoken, played as it arrives ------------------------------------------------------------
+
+async function buildSpeechForm(card) {
+  $(".speech-form").addEventListener("submit", (event) => speak(event, card));
+  try {
+    const voices = await (await api("/v1/audio/voices")).json();
+    const mine = voices.data.filter((voice) => voice.model === card.id);
+    $("#voice").replaceChildren(...mine.map((voice) => new Option(voice.id, voice.id, voice.default, voice.default)));
+  } catch (error) {
+    showError(error);
+  }
+}
+
+function base64Bytes(text) {
+  const binary = atob(text);
+  const bytes = new Uint8Array(binary.length);
+  for (let i = 0; i < binary.length; i += 1) bytes[i] = binary.charCodeAt(i);
+  return bytes;
+}
+
+// Plays the whole 16-bit samples of `bytes` (an odd byte waits for the next chunk) right after what is queued.
+class Player {
+  constructor() {
+    this.context = new AudioContext({ sampleRate: PCM_RATE });
+    this.at = 0;
+    this.rest = new Uint8Array(0);
+    this.samples = 0;
+    this.parts = [];
+  }
+
+  add(bytes) {
+    this.parts.push(bytes);
+    const joined = new Uint8Array(this.rest.length + bytes.length);
+    joined.set(this.rest);
+    joined.set(bytes, this.rest.length);
+    const whole = joined.length - (joined.length % 2);
+    this.rest = joined.slice(whole);
+    const view = new DataView(joined.buffer, 0, whole);
+    const count = whole / 2;
+    if (!count) return;
+    const buffer = this.context.createBuffer(1, count, PCM_RATE);
+    const channel = buffer.getChannelData(0);
+    for (let i = 0; i < count; i += 1) channel[i] = view.getInt16(2 * i, true) / 32768;
+    const source = this.context.createBufferSource();
+    source.buffer = buffer;
+    source.connect(this.context.destination);
+    this.at = Math.max(this.at, this.context.currentTime);
+    source.start(this.at);
+    this.at += buffer.duration;
+    this.samples += count;
+  }
+
+  // The whole sound as a WAV file, for the page's <audio> (replay, download).
+  wav() {
+    const size = this.parts.reduce((sum, part) => sum + part.length, 0);
+    const header = new DataView(new ArrayBuffer(44));
+    const text = (at, value) => [...value].forEach((c, i) => header.setUint8(at + i, c.charCodeAt(0)));
+    text(0, "RIFF");
+    header.setUint32(4, 36 + size, true);
+    text(8, "WAVEfmt ");
+    header.setUint32(16, 16, true);
+    header.setUint16(20, 1, true);
+    header.setUint16(22, 1, true);
+    header.setUint32(24, PCM_RATE, true);
+    header.setUint32(28, PCM_RATE * 2, true);
+    header.setUint16(32, 2, true);
+    header.setUint16(34, 16, true);
+    text(36, "data");
+    header.setUint32(40, size, true);
+    return new Blob([header, ...this.parts], { type: "audio/wav" });
+  }
+}
+
+async function speak(event, card) {
+  event.preventDefault();
+  const status = $(".speech-status");
+  const audio = $(".speech-audio");
+  const body = { model: card.id, input: $("#speech-text").value, voice: $("#voice").value || "alloy",
+    response_format: "pcm", stream_format: "sse" };
+  if ($("#speed").value !== "") body.speed = Number($("#speed").value);
+  showError(null);
+  audio.hidden = true;
+  if (audio.src) URL.revokeObjectURL(audio.src);
+  const player = new Player();
+  status.textContent = "speaking";
+  try {
+    const response = await api("/v1/audio/speech", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
+    });
+    for await (const data of events(response)) {
+      const message = JSON.parse(data);
+      if (message.type === "error") throw new ApiError(0, message.error.message);
+      if (message.type !== "speech.audio.delta") continue;
+      player.add(base64Bytes(message.audio));
+      status.textContent = `playing: ${(player.samples / PCM_RATE).toFixed(2)} s received`;
+    }
+    audio.src = URL.createObjectURL(player.wav());
+    audio.hidden = false;
+    status.textContent = `spoken: ${(player.samples / PCM_RATE).toFixed(2)} s`;
+  } catch (error) {
+    status.textContent = "";
+    showError(error);
+  }
+}
+
+// --- transcription: a file, or a recording from the microphone --------------------------------------------------
+
+function buildTranscriptionForm(card) {
+  $(".transcription-form").addEventListener("submit", (event) => {
+    event.preventDefault();
+    const file = $("#audio-file").files[0];
+    if (file) transcribe(card, file, file.name);
+    else showError(new ApiError(0, "choose an audio file, or record one"));
+  });
+  $(".record").addEventListener("click", () => record(card));
+  $(".stop").addEventListener("click", () => state.recorder && state.recorder.stop());
+}
+
+async function transcribe(card, blob, filename) {
+  const out = $(".transcript");
+  const body = new FormData();
+  body.append("model", card.id);
+  body.append("stream", "true");
+  body.append("file", blob, filename);
+  showError(null);
+  out.textContent = "";
+  out.setAttribute("aria-busy", "true");
+  try {
+    const response = await api("/v1/audio/transcriptions", { method: "POST", body });
+    for await (const data of events(response)) {
+      const message = JSON.parse(data);
+      if (message.type === "error") throw new ApiError(0, message.error.message);
+      if (message.type === "transcript.text.delta") out.textContent += message.delta;
+      if (message.type === "transcript.text.done") out.textContent = message.text;
+    }
+  } catch (error) {
+    showError(error);
+  } finally {
+    out.setAttribute("aria-busy", "false");
+  }
+}
+
+async function record(card) {
+  showError(null);
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  } catch (error) {
+    showError(new ApiError(0, `the microphone is not available (${error.message})`));
+    return;
+  }
+  const recorder = new MediaRecorder(stream);
+  const parts = [];
+  recorder.addEventListener("dataavailable", (event) => {
+    if (event.data.size) parts.push(event.data);
+  });
+  recorder.addEventListener("stop", () => {
+    stream.getTracks().forEach((track) => track.stop());
+    state.recorder = null;
+    $(".record").disabled = false;
+    $(".stop").disabled = true;
+    const blob = new Blob(parts, { type: recorder.mimeType || "audio/webm" });
+    $(".recording-status").textContent = `recorded ${(blob.size / 1024).toFixed(0)} KB`;
+    transcribe(card, blob, "recording.webm");
+  });
+  state.recorder = recorder;
+  recorder.start(250);
+  $(".record").disabled = true;
+  $(".stop").disabled = false;
+  $(".recording-status").textContent = "recording";
 }
 
 // --- the video form, from the model card's declared options ------------------------------------------------

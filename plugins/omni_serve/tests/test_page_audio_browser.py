@@ -1,0 +1,131 @@
+"""The web page's speech panels in a real browser (headless Chromium, as test_page_browser.py) against a server
+over the test speech plugin (speech_plugin.py): a text spoken and played as it arrives, a file transcribed, and a
+recording made through the browser's own microphone path (Chromium's fake capture device fed a WAV) transcribed.
+Screenshots go to build/test-artifacts/browser/."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+import subprocess
+import wave
+
+import pytest
+from test_page_browser import ARTIFACTS, BROWSER_DIR, LAUNCH, launch
+
+from serving import running
+
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is in omni-serve's test extras")
+expect = playwright_sync.expect
+
+pytestmark = [pytest.mark.browser, pytest.mark.server]
+
+# Records what the speech status says as it changes: the test reads the record, never the clock.
+WATCH_STATUS = """() => {
+  const status = document.querySelector('.speech-status');
+  window.seenStatus = [];
+  new MutationObserver(() => window.seenStatus.push(status.textContent))
+    .observe(status, {subtree: true, childList: true, characterData: true});
+}"""
+HEARD = r"I heard (\d+\.\d) seconds of sound\."
+
+
+def tone_wav(path, seconds: float = 2.0, rate: int = 48000) -> None:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"".join(struct.pack("<h", int(9000 * math.sin(2 * math.pi * 330 * i / rate)))
+                               for i in range(int(seconds * rate))))
+
+
+@pytest.fixture(scope="module")
+def microphone(tmp_path_factory):
+    path = tmp_path_factory.mktemp("microphone") / "tone.wav"
+    tone_wav(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def chromium(microphone):
+    """The browser (test_page_browser.py's), with a fake microphone that plays `microphone` and no permission
+    prompt."""
+    if not (BROWSER_DIR / "node_modules" / "@sparticuz" / "chromium").is_dir():
+        pytest.skip("no headless Chromium: `make browser` installs it (npm ci of @sparticuz/chromium)")
+    found = json.loads(subprocess.run(["node", "-e", LAUNCH], cwd=BROWSER_DIR, check=True, capture_output=True,
+                                      text=True, timeout=120).stdout)
+    found["args"] = [*found["args"], "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+                     f"--use-file-for-fake-audio-capture={microphone}", "--autoplay-policy=no-user-gesture-required"]
+    with playwright_sync.sync_playwright() as driver:
+        yield lambda: launch(driver, found)
+
+
+@pytest.fixture
+def page(chromium, request, server):
+    browser = chromium()
+    page = browser.new_page(viewport={"width": 1000, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(server.url + "/")
+    expect(page.get_by_label("Pipeline", exact=True).locator("option")).to_have_count(2)
+    yield page
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
+    browser.close()
+    assert not errors, f"the page's script failed: {errors}"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("serve-audio-page")
+    with running(["--pipeline", "fake_tts", "--pipeline", "fake_asr", "--output-dir", str(tmp / "out"),
+                  "--shutdown-timeout", "5"], tmp / "server.log", plugins=("speech_plugin:SpeechPlugin",)) as proc:
+        yield proc
+
+
+def test_a_text_is_spoken_and_played_as_it_arrives(page):
+    page.get_by_label("Pipeline", exact=True).select_option("fake_tts")
+    expect(page.get_by_label("Voice", exact=True).locator("option")).to_have_count(2)
+    expect(page.get_by_label("Voice", exact=True)).to_have_value("ana")
+    page.evaluate(WATCH_STATUS)
+    page.get_by_label("Text", exact=True).fill("First a quick one. Then this is said slowly. The end.")
+    page.get_by_role("button", name="Speak", exact=True).click()
+    expect(page.get_by_role("status", name="Speech status")).to_contain_text("spoken:", timeout=30_000)
+    seen = page.evaluate("window.seenStatus")
+    playing = [s for s in seen if s.startswith("playing")]
+    assert len(set(playing)) >= 2, seen  # the sound grew, sentence by sentence, before the end
+    audio = page.get_by_label("Spoken audio", exact=True)
+    page.wait_for_function("a => a.readyState >= 1 && a.duration > 0", arg=audio.element_handle(), timeout=10_000)
+    duration = page.evaluate("a => a.duration", audio.element_handle())
+    said = float(seen[-1].split()[1])
+    assert duration == pytest.approx(said, abs=0.05) and said > 0.5
+    expect(page.get_by_role("alert")).to_have_text("")
+
+
+def test_a_recording_through_the_microphone_is_transcribed(page, microphone):
+    page.get_by_label("Pipeline", exact=True).select_option("fake_asr")
+    page.get_by_role("button", name="Record", exact=True).click()
+    expect(page.get_by_role("status", name="Recording status")).to_have_text("recording")
+    page.wait_for_timeout(1500)
+    page.get_by_role("button", name="Stop", exact=True).click()
+    transcript = page.get_by_role("log", name="Transcript")
+    expect(transcript).to_have_attribute("aria-busy", "false", timeout=30_000)
+    expect(transcript).to_have_text(re.compile(HEARD), timeout=30_000)
+    heard = float(transcript.text_content().split()[2])
+    assert 0.8 <= heard <= 10, heard  # about the 1.5 s recorded, the fake microphone's tone decoded
+    expect(page.get_by_role("alert")).to_have_text("")
+    # and a file, uploaded
+    page.get_by_label("Audio file", exact=True).set_input_files(str(microphone))
+    page.get_by_role("button", name="Transcribe", exact=True).click()
+    expect(transcript).to_have_text("I heard 2.0 seconds of sound.", timeout=30_000)
+
+
+def test_a_file_that_is_not_audio_shows_the_apis_message(page, tmp_path):
+    page.get_by_label("Pipeline", exact=True).select_option("fake_asr")
+    junk = tmp_path / "notes.wav"
+    junk.write_bytes(b"not a sound" * 50)
+    page.get_by_label("Audio file", exact=True).set_input_files(str(junk))
+    page.get_by_role("button", name="Transcribe", exact=True).click()
+    expect(page.get_by_role("alert")).to_contain_text("invalid file: the file is not audio", timeout=30_000)
