@@ -24,6 +24,7 @@ from omni_kernel.core.events import (
 )
 from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan, StageGraph
 from omni_kernel.core.hookspecs import hookimpl
+from omni_kernel.core.models import FetchableModel
 from omni_kernel.core.params import ARParams, option
 from omni_kernel.core.registry import NodeType
 from omni_kernel.core.request import (
@@ -46,9 +47,9 @@ from omni_kernel.core.stage import Stage
 
 __version__ = "0.1.0"
 
-__all__ = ["ARParams", "AUDIO", "Audio", "AudioDelta", "EdgeSpec", "GraphError", "InputError", "InvalidParameter",
-           "ModelError", "NodeSpec", "NodeType", "Omni", "OmniError", "PipelinePlan", "Request", "RequestError",
-           "RequestFailed", "RequestFinished", "RequestOutput", "RequestResult", "SEGMENTS", "STOP_REASONS", "Segment",
-           "Stage", "StageFailed", "StageFinished", "StageGraph", "StageInput", "StageOutput", "StageProgress",
-           "StageStats", "StopReason", "Structured", "TRUNCATED_STOP_REASONS", "TokenDelta", "Usage", "UserError",
-           "VIDEO", "VideoInfo", "hookimpl", "option"]
+__all__ = ["ARParams", "AUDIO", "Audio", "AudioDelta", "EdgeSpec", "FetchableModel", "GraphError", "InputError",
+           "InvalidParameter", "ModelError", "NodeSpec", "NodeType", "Omni", "OmniError", "PipelinePlan", "Request",
+           "RequestError", "RequestFailed", "RequestFinished", "RequestOutput", "RequestResult", "SEGMENTS",
+           "STOP_REASONS", "Segment", "Stage", "StageFailed", "StageFinished", "StageGraph", "StageInput",
+           "StageOutput", "StageProgress", "StageStats", "StopReason", "Structured", "TRUNCATED_STOP_REASONS",
+           "TokenDelta", "Usage", "UserError", "VIDEO", "VideoInfo", "hookimpl", "option"]

@@ -6,6 +6,7 @@ for speech to text: it reports what it heard, in one step."""
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 from pathlib import Path
 
@@ -161,6 +162,16 @@ def test_the_entry_stage_gets_the_requests_audio(host, listen, tmp_path):
     path.write_bytes(data[:100])
     assert omni.generate(audio=str(path)).text == heard(data[:100])
     assert listen.seen[-1].audio == str(path)
+
+
+def test_omni_run_json_prints_the_segments_with_times(host, tmp_path):
+    path = tmp_path / "a.raw"
+    path.write_bytes(b"\x01\x02" * 800)
+    result = omni(host, "run", "--pipeline", "listen", "--audio", str(path), "--json")
+    assert result.exit_code == 0, result.output
+    output = json.loads(result.stdout)["output"]
+    assert output == {"text": heard(b"\x01\x02" * 800),
+                      "segments": [{"start": 0.0, "end": 0.05, "text": heard(b"\x01\x02" * 800)}]}
 
 
 def test_a_node_that_needs_audio_refuses_a_request_without_it(host):

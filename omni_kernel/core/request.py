@@ -187,6 +187,9 @@ class RequestResult:
         from omni_kernel.core.trace import jsonable
 
         output = {"path": self.output.path} if self.output.path is not None else {"text": self.output.text}
+        data = self.output.data if isinstance(self.output.data, Mapping) else {}
+        if SEGMENTS in data:  # a transcript's times: what `omni run --json` adds for speech to text
+            output["segments"] = [attrs.asdict(segment) for segment in data[SEGMENTS]]
         body: dict[str, Any] = {"request_id": self.request_id, "pipeline": self.pipeline, "output": output}
         if self.output.stop_reason is not None:
             body["stop_reason"] = self.output.stop_reason
