@@ -60,6 +60,9 @@ TIER_OF_FIXTURE = {
     "smollm2_dir": "real_model",
     "qwen25_tokenizer_dir": "real_model",
     "qwen25_tokenizer": "real_model",
+    "voice_dir": "real_model",
+    "whisper_dir": "real_model",
+    "recordings": "real_model",
     "server": "server",
 }
 

@@ -61,15 +61,18 @@ def _remove_flow_weight_norm(model) -> None:
 def load_voice(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """The VitsModel in directory `path`, in eval mode on `device`. A directory of omni's conversion (config.json's
     `resblock` "2") is built here with type-2 blocks and its weights loaded strictly (every tensor of the file used,
-    every inference weight given); any other VitsModel directory loads through `from_pretrained`."""
+    every inference weight given; the training-only parts are left unset); any other VitsModel directory loads
+    through `from_pretrained`."""
     from safetensors.torch import load_file
     from transformers import VitsConfig, VitsModel
+    from transformers.initialization import no_init_weights
 
     path = Path(path)
     config = VitsConfig.from_pretrained(path)
     if str(getattr(config, "resblock", "1")) != "2":
         return VitsModel.from_pretrained(path, dtype=dtype).to(device).eval()
-    model = VitsModel(config)
+    with no_init_weights():  # every inference weight comes from the file (checked below): 0.7 s instead of 2.6
+        model = VitsModel(config)
     use_residual_block2(model)
     _remove_flow_weight_norm(model)
     state = load_file(str(path / "model.safetensors"))
