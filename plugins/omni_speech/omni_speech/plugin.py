@@ -1,0 +1,106 @@
+"""Entry point of the omni_speech plugin: its node types, pipelines and models. Imports no torch: models load when
+an engine is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
+from omni_kernel.core.engine import Engine
+from omni_kernel.core.request import StageInput
+from omni_kernel.core.stage import Stage
+
+from .tts_config import TTSConfig, TTSParams
+from .tts_engine import TTSEngineSettings, TTSInputs, TTSOutputs, build_engine
+
+TTS = PipelinePlan("tts", [NodeSpec("speak", "tts.vits", final=True, plugin_hint="omni-speech")],
+                   description="text to speech with a VITS voice (default: the Piper voice joe), sentence by sentence")
+
+
+class TTSStages:
+    """Builds each TTS engine and stage; owns the loaded voices, one per (path, dtype, device), and each directory's
+    voice front end (read once: a check reads it for every request)."""
+
+    def __init__(self):
+        from omni_hf import ModelPool
+
+        self.models = ModelPool(_load_voice)
+        self.voices = ModelPool(_read_voice)
+
+    def engine_settings(self, node: NodeSpec, config: TTSConfig, policy) -> TTSEngineSettings:
+        from omni_hf import resolve_device
+
+        path = config.tts_model
+        if path is None:
+            path = _default_voice()
+        model = (str(Path(path).expanduser().resolve()), config.tts_dtype,
+                 resolve_device(config.tts_device, "tts_device"))
+        return TTSEngineSettings(model, config.tts_max_batch)
+
+    def engine(self, settings: TTSEngineSettings) -> Engine:
+        return build_engine(self.models.acquire(settings.model).model, settings)
+
+    def stage(self, node: NodeSpec, config: TTSConfig, policy, settings: TTSEngineSettings, engine: Engine) -> Stage:
+        voice = self.voice(settings)
+        return Stage(node, "tts", TTSInputs(voice), engine, TTSOutputs(node.id, voice.sample_rate),
+                     summary=f"tts {node.id}: voice {voice.name} ({settings.model[0]}), {settings.model[2]}, "
+                             f"up to {settings.max_batch} sentences a step")
+
+    def check(self, node: NodeSpec, config: TTSConfig, policy, settings: TTSEngineSettings, item: StageInput) -> None:
+        TTSInputs(self.voice(settings)).check(item)
+
+    def voice(self, settings: TTSEngineSettings):
+        return self.voices.acquire(settings.model[0]).model
+
+
+def _default_voice() -> Path:
+    from omni_kernel.core.errors import ModelError
+
+    from . import weights
+
+    path = weights.fetched(weights.VOICE)
+    if path is None:
+        raise ModelError(weights.not_fetched(weights.VOICE))
+    return path
+
+
+def _read_voice(path: str):
+    from .tts_voice import Voice
+
+    return Voice.read(path)
+
+
+def _load_voice(key: tuple):
+    from omni_hf import quiet_hf_load, torch_dtype
+
+    from .vits_decoder import load_voice
+
+    path, dtype, device = key
+    import torch
+
+    with quiet_hf_load(["transformers"]):
+        return load_voice(path, dtype=torch_dtype(dtype, "tts_dtype") or torch.float32, device=device)
+
+
+class SpeechPlugin:
+    def __init__(self):
+        self.tts = TTSStages()
+
+    @hookimpl
+    def omni_register_node_types(self, register):
+        tts = self.tts
+        register(NodeType("tts.vits", "tts", engine_settings=tts.engine_settings, engine=tts.engine, stage=tts.stage,
+                          check=tts.check, config=TTSConfig, params=TTSParams,
+                          description="speaks the prompt with a VITS voice (a transformers VitsModel directory), "
+                                      "sentence by sentence, as 16-bit mono PCM; writes --output in its format"))
+
+    @hookimpl
+    def omni_register_pipelines(self, register):
+        register(TTS)
+
+    @hookimpl
+    def omni_register_models(self, register):
+        from .weights import register_models
+
+        register_models(register)
+
