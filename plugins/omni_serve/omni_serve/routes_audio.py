@@ -172,9 +172,12 @@ async def speech(request: Request, body: SpeechRequest, served: ServedDep):
     try:
         stream = await served.async_omni.open(name, body.input, request_id=rid, **params)
     except Exception as exc:  # noqa: BLE001 - mapped to its HTTP answer
-        raise api_error(exc) from None
+        raise about_input(api_error(exc)) from None
     final = served.final(name)
-    first = await until_disconnect(request, first_audio(stream, final))
+    try:
+        first = await until_disconnect(request, first_audio(stream, final))
+    except APIError as exc:
+        raise about_input(exc) from None
     if first is None:
         await stream.aclose()
         return Response(status_code=499)
@@ -186,6 +189,15 @@ async def speech(request: Request, body: SpeechRequest, served: ServedDep):
                                  headers=SSE_HEADERS)
     return StreamingResponse(audio_body(chunks, outcome, done), media_type=MEDIA_TYPES[body.response_format],
                              headers={"Cache-Control": "no-cache"})
+
+
+def about_input(error: APIError) -> APIError:
+    """An error about the text as the client knows it: its field is `input` (the pipeline's prompt)."""
+    if error.param == "prompt" or (error.param is None and error.code == "bad_input"):
+        error.param = "input"
+        error.message = error.message.replace("the prompt", "the input", 1)
+        error.args = (error.message,)
+    return error
 
 
 async def first_audio(stream, final: str) -> tuple[Audio, RequestFinished | None]:
