@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = {".": "omni_kernel", "plugins/omni_hf": "omni_hf", "plugins/omni_qwen": "omni_qwen",
                  "plugins/omni_wan": "omni_wan", "plugins/omni_bridge": "omni_bridge",
                  "plugins/omni_serve": "omni_serve", "plugins/omni_workers": "omni_workers",
+                 "plugins/omni_speech": "omni_speech",
                  "examples/plugin_example": "omni_plugin_example"}
 PROMPT = "What is the capital of France?"
 GREEDY = ("--prompt", PROMPT, "--temperature", "0", "--max-tokens", "16")
