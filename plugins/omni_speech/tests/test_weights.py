@@ -52,8 +52,14 @@ def test_an_archive_of_other_bytes_is_refused_and_nothing_is_left(tmp_path):
     assert list((tmp_path / "models").iterdir()) == []
 
 
-def test_fetched_never_downloads(monkeypatch):
-    """A run's look-up with an empty cache: None, and no pip (the session's OMNI_CACHE_DIR is a fresh folder)."""
+@pytest.fixture
+def empty_cache(monkeypatch, tmp_path):
+    """A cache of this test's own: what it writes there is gone after it."""
+    monkeypatch.setenv("OMNI_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_fetched_never_downloads(monkeypatch, empty_cache):
+    """A run's look-up with an empty cache: None, and no pip."""
     def no_download(*args, **kwargs):
         raise AssertionError("fetched() ran a download")
 
@@ -64,7 +70,7 @@ def test_fetched_never_downloads(monkeypatch):
     assert fetched(WHISPER, wheel="/nonexistent/" + WHISPER.archive.wheel) is None
 
 
-def test_fetched_waits_for_a_fetch_under_way():
+def test_fetched_waits_for_a_fetch_under_way(empty_cache):
     """A test session beside `make models`: fetched() returns the model the other fetch is installing, once that
     fetch ends, instead of None."""
     started = threading.Event()
