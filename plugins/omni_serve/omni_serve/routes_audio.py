@@ -6,8 +6,10 @@ A speech pipeline is one whose final node's kind is "tts": its AudioDelta events
 events (`stream_format` "sse"). A transcription pipeline is one whose entry node's kind is "asr": the uploaded file
 goes to disk as it arrives and its path is the request's audio input; the node decodes it (any format ffmpeg
 reads) and refuses what is not speech. Nothing here knows a model: the voices are what the `voice` request option
-of the tts node declares (its choices, else its default), and OpenAI's built-in voice names (alloy, ash, ...) mean
-the pipeline's default voice unless the pipeline has a voice of that name.
+of the tts node declares (its choices, else its default); where the model decides its voices (the option declares
+neither) the one listed is "default", the model's own voice. OpenAI's built-in voice names (alloy, ash, ...) and
+"default" mean the pipeline's default voice unless the pipeline has a voice of that name; any other name goes to
+the node, which refuses one its model lacks, naming the voices it has.
 
 As everywhere in omni serve, values are checked by the node types through their declared request parameters
 (empty text, text over 4,096 characters, an unknown voice, speed outside 0.25-4, a file that is not audio: 400
@@ -48,6 +50,7 @@ router = APIRouter()
 # OpenAI's built-in voices: each means the pipeline's default voice (unless the pipeline has a voice so named).
 OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
                  "shimmer", "verse")
+DEFAULT_VOICE = "default"  # the model's own voice, where the node does not declare its voices' names
 TRANSCRIPT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # The transcription form's OpenAI fields, read by name; every other field is a declared request option.
 TRANSCRIPTION_FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature",
@@ -99,11 +102,11 @@ def voice_param(served: Served, name: str, voice: str | dict[str, str]) -> dict[
         voice = voice["id"]
     voices, _ = voices_of(served, name)
     if "voice" not in served.options(name):
-        if voice in OPENAI_VOICES:
+        if voice in (*OPENAI_VOICES, DEFAULT_VOICE):
             return {}
         raise APIError(400, f"invalid voice: {voice!r}; model {name!r} has one voice (use one of OpenAI's names, "
                             f"e.g. 'alloy')", "voice", "invalid_value")
-    if voice in OPENAI_VOICES and voice not in voices:
+    if voice in (*OPENAI_VOICES, DEFAULT_VOICE) and voice not in voices:
         return {}
     return {"voice": voice}
 
@@ -116,7 +119,7 @@ async def list_voices(served: ServedDep):
         if served.kinds[name] != "speech":
             continue
         voices, default = voices_of(served, name)
-        for voice in voices or ("default",):
+        for voice in voices or (DEFAULT_VOICE,):
             entry = {"id": voice, "object": "voice", "model": model, "default": voice == default or not voices}
             if entry["default"]:
                 entry["aliases"] = [v for v in OPENAI_VOICES if v not in voices]
@@ -195,7 +198,8 @@ def about_input(error: APIError) -> APIError:
     """An error about the text as the client knows it: its field is `input` (the pipeline's prompt)."""
     if error.param == "prompt" or (error.param is None and error.code == "bad_input"):
         error.param = "input"
-        error.message = error.message.replace("the prompt", "the input", 1)
+        error.message = error.message.replace("invalid prompt:", "invalid input:", 1).replace("the prompt",
+                                                                                               "the input", 1)
         error.args = (error.message,)
     return error
 

@@ -1,0 +1,68 @@
+"""The audio API on the real speech weights (omni_speech's `tts` and `asr` pipelines: the Piper voice joe and
+Whisper tiny.en, converted into the user's cache by `make models`): the official client has a sentence spoken as
+it is synthesized, and the same sound transcribed back. Skips, saying why, where omni_speech or its converted
+weights are missing (omni_serve's tests cannot use omni_speech's fixtures: the directories are found the same way
+its conftest finds them)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import imageio_ffmpeg
+import pytest
+
+from omni_kernel.util.files import cache_dir
+
+from serving import running
+
+pytestmark = [pytest.mark.server, pytest.mark.real_model]
+
+weights = pytest.importorskip("omni_speech.weights", reason="omni-speech is not installed")
+# Read at import, before a session's omni_cache points OMNI_CACHE_DIR at a temporary directory (as
+# plugins/omni_speech/tests/conftest.py does).
+USER_CACHE = cache_dir()
+SENTENCE = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April."
+
+
+def converted(model):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        path = weights.fetched(model)
+    if path is None:
+        pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it (make test does)")
+    return path
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z]+", text.lower())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from omni_kernel.plugins import load_host
+
+    pipelines = load_host().registry.pipelines
+    args = ["--pipeline", "tts", "-c", f"tts_model={converted(weights.VOICE)}"]
+    if "asr" in pipelines:
+        args += ["--pipeline", "asr", "-c", f"asr_model={converted(weights.WHISPER)}"]
+    tmp = tmp_path_factory.mktemp("audio-real")
+    with running([*args, "--output-dir", str(tmp / "out"), "--shutdown-timeout", "5"], tmp / "server.log") as proc:
+        yield proc
+
+
+def test_real_voice_speaks_as_it_goes_and_whisper_hears_it(client, http):
+    voices = http.get("/v1/audio/voices").json()["data"]
+    assert voices and voices[0]["default"] and "alloy" in voices[0]["aliases"], voices
+    with client.audio.speech.with_streaming_response.create(model="tts", voice="alloy", input=SENTENCE,
+                                                            response_format="mp3") as response:
+        chunks = list(response.iter_bytes())
+    mp3 = b"".join(chunks)
+    pcm = subprocess.run([imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-f", "mp3", "-i", "pipe:0", "-f", "s16le",
+                          "-ac", "1", "-ar", "16000", "pipe:1"], input=mp3, capture_output=True, check=True).stdout
+    assert 3.0 < len(pcm) / 32000 < 12.0, len(pcm) / 32000
+    if "asr" not in {m["id"] for m in http.get("/v1/models").json()["data"]}:
+        pytest.skip("omni_speech registers no `asr` pipeline yet: the speech was checked, not transcribed")
+    out = client.audio.transcriptions.create(model="asr", file=("speech.mp3", mp3), response_format="verbose_json")
+    assert words(out.text) == words(SENTENCE), out.text
+    assert out.segments and out.segments[-1].end <= out.duration + 0.5
