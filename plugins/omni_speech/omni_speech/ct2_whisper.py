@@ -24,12 +24,24 @@ from omni_kernel.core.errors import ModelError
 FORMAT_VERSION = 6
 DTYPES = {0: np.float32, 1: np.int8, 2: np.int16, 3: np.int32, 4: np.float16}  # 5 (bf16) has no numpy type
 SAMPLING_RATE = 16000
-# Special tokens of Whisper's vocabularies: the English-only ones (GPT-2's 50,257 tokens, <|endoftext|> last)
-# and the multilingual ones (one more token before the specials).
-ENGLISH_ONLY = {"eot": 50256, "sot": 50257, "translate": 50357, "transcribe": 50358, "prev": 50360,
-                "no_timestamps": 50362}
-MULTILINGUAL = {"eot": 50257, "sot": 50258, "translate": 50358, "transcribe": 50359, "prev": 50361,
-                "no_timestamps": 50363}
+# Whisper's special tokens by their text; their ids differ between vocabularies (English-only, multilingual, v3).
+SPECIAL = {"eot": "<|endoftext|>", "sot": "<|startoftranscript|>", "translate": "<|translate|>",
+           "transcribe": "<|transcribe|>", "prev": "<|startofprev|>", "no_timestamps": "<|notimestamps|>"}
+MULTILINGUAL_VOCAB = 51865  # OpenAI's rule: a vocabulary this large or larger is a multilingual model's
+LANGUAGE_TOKEN = re.compile(r"^<\|[a-z]{2,3}\|>$")
+
+
+def special_tokens(tokenizer: dict) -> tuple[dict[str, int], dict[str, int]]:
+    """The special tokens' ids and the language tokens' ids (none for an English-only vocabulary), from the added
+    tokens of a tokenizer.json."""
+    added = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+    missing = [text for text in SPECIAL.values() if text not in added]
+    if missing:
+        raise ModelError(f"tokenizer.json lacks Whisper's special token {missing[0]}")
+    tokens = {key: added[text] for key, text in SPECIAL.items()}
+    languages = {text: id_ for text, id_ in added.items()
+                 if tokens["sot"] < id_ < tokens["translate"] and LANGUAGE_TOKEN.match(text)}
+    return tokens, languages
 
 
 class _Reader:
@@ -179,20 +191,21 @@ def whisper_config(variables: dict[str, np.ndarray], tokens: dict[str, int]) -> 
     }
 
 
-def generation_config(ct2_config: dict, tokens: dict[str, int], multilingual: bool, max_length: int) -> dict:
+def generation_config(ct2_config: dict, tokens: dict[str, int], languages: dict[str, int], max_length: int) -> dict:
     """What transformers' Whisper `generate` reads: the special tokens, the suppressed ones (CTranslate2's config
     keeps OpenAI's lists), the alignment heads (word times)."""
     config = {
         "bos_token_id": tokens["sot"], "decoder_start_token_id": tokens["sot"],
         "eos_token_id": tokens["eot"], "pad_token_id": tokens["eot"],
         "no_timestamps_token_id": tokens["no_timestamps"], "prev_sot_token_id": tokens["prev"],
-        "is_multilingual": multilingual, "max_initial_timestamp_index": 50, "return_timestamps": False,
+        "is_multilingual": bool(languages), "max_initial_timestamp_index": 50, "return_timestamps": False,
         "suppress_tokens": list(ct2_config.get("suppress_ids", [])),
         "begin_suppress_tokens": list(ct2_config.get("suppress_ids_begin", [])),
         "alignment_heads": ct2_config.get("alignment_heads", []),
         "max_length": max_length,
     }
-    if multilingual:
+    if languages:
+        config["lang_to_id"] = languages
         config["task_to_id"] = {"translate": tokens["translate"], "transcribe": tokens["transcribe"]}
     return config
 
@@ -208,14 +221,19 @@ def convert_ct2_whisper(model_dir: Path, out: Path) -> None:
         ct2_config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot read {model_dir / 'config.json'}: {exc}") from None
+    try:
+        tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot read {model_dir / 'tokenizer.json'}: {exc}") from None
+    tokens, languages = special_tokens(tokenizer)
     variables = read_model_bin(model_dir / "model.bin")
-    multilingual = variables["decoder/embeddings/weight"].shape[0] >= 51865
-    tokens = MULTILINGUAL if multilingual else ENGLISH_ONLY
+    if variables["decoder/embeddings/weight"].shape[0] < MULTILINGUAL_VOCAB:
+        languages = {}  # an English-only model: its vocabulary keeps the language tokens, unused
     config = WhisperConfig(**whisper_config(variables, tokens))
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps(
-        generation_config(ct2_config, tokens, multilingual, config.max_target_positions), indent=1) + "\n")
+        generation_config(ct2_config, tokens, languages, config.max_target_positions), indent=1) + "\n")
     state = {key: torch.from_numpy(np.array(value)) for key, value in whisper_tensors(variables).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
