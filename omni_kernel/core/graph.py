@@ -181,6 +181,8 @@ class StageGraph:
     node_types: dict[str, Any] = attrs.Factory(dict)
     # What the placements of its placed stages returned (each with close() and watch(timeout)); none for inproc.
     placed: list = attrs.Factory(list)
+    # node id -> the values its request options take in this build, where its model decides them (NodeType.choices)
+    choices: dict[str, Mapping[str, tuple[str, ...]]] = attrs.Factory(dict)
 
     def close(self) -> None:
         """Stop the graph's placed stages (a no-op for in-process stages); the graph takes no requests after."""

@@ -170,8 +170,10 @@ class GraphBuilder:
         types = {b.node.id: b.node_type for b in builds}
         connectors = {(e.source, e.target): self.registry.connectors[e.connector].item for e in plan.edges}
         order = [b.node.id for b in builds]
+        choices = {b.node.id: dict(b.node_type.choices(b.node, b.config, b.policy, b.settings)) for b in builds
+                   if b.node_type.choices is not None}
         return StageGraph(plan=plan, stages={n: stages[n] for n in order}, connectors=connectors, order=order,
-                          node_types=types, placed=handles)
+                          node_types=types, placed=handles, choices=choices)
 
     def _place(self, name: str, group: list[NodeBuild], settings: RunSettings, host_factory, handles: list) -> dict:
         """A placement's stages; the handle it returns (close(), watch(timeout)) is offered to the next placement of

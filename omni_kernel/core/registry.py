@@ -42,9 +42,12 @@ class NodeType:
     prompt is then ""; a node that reads the prompt refuses "" in its check, params.check_prompt).
     `check(node, config, policy, settings, item)`, where given, refuses a request's inputs and parameters before
     any model loads (the part of input processing that needs no model: the same checks the stage's input processor
-    runs first when the request is processed). `output_contract` names what its StageOutput holds for a connector
-    that declares a `source_contract` (or the node's policy does, where its class declares an `output_contract` and
-    the plan sets it: planner.output_contract).
+    runs first when the request is processed). `choices(node, config, policy, settings)`, where given, names the
+    values a request option takes in this build where its model decides them (option name -> values, the default
+    first; a voice model's voices), kept on the built graph (StageGraph.choices) for what shows them (omni serve's
+    /v1/audio/voices); the node's check still refuses any other. `output_contract` names what its StageOutput
+    holds for a connector that declares a `source_contract` (or the node's policy does, where its class declares an
+    `output_contract` and the plan sets it: planner.output_contract).
     """
 
     name: str
@@ -59,6 +62,7 @@ class NodeType:
     policy: type | None = attrs.field(default=None, kw_only=True)
     inputs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, kw_only=True)
     check: Callable[..., None] | None = attrs.field(default=None, kw_only=True)
+    choices: Callable[..., Mapping[str, tuple[str, ...]]] | None = attrs.field(default=None, kw_only=True)
     description: str = attrs.field(default="", kw_only=True)
     output_contract: str | None = attrs.field(default=None, kw_only=True)
     share_key: Any = attrs.field(default=None, kw_only=True, validator=_refuse_old_form, repr=False)

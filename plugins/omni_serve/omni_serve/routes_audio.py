@@ -5,11 +5,12 @@ A speech pipeline is one whose final node's kind is "tts": its AudioDelta events
 (audio_encode.py) and sent as a chunked body (`stream_format` "audio", the default) or as `speech.audio.delta`
 events (`stream_format` "sse"). A transcription pipeline is one whose entry node's kind is "asr": the uploaded file
 goes to disk as it arrives and its path is the request's audio input; the node decodes it (any format ffmpeg
-reads) and refuses what is not speech. Nothing here knows a model: the voices are what the `voice` request option
-of the tts node declares (its choices, else its default); where the model decides its voices (the option declares
-neither) the one listed is "default", the model's own voice. OpenAI's built-in voice names (alloy, ash, ...) and
-"default" mean the pipeline's default voice unless the pipeline has a voice of that name; any other name goes to
-the node, which refuses one its model lacks, naming the voices it has.
+reads) and refuses what is not speech. Nothing here knows a model: the voices are the values of the tts node's
+`voice` request option, as its node type names them for the built model (NodeType.choices, kept on the graph:
+StageGraph.choices; the first is the default), else as the option declares them (its choices, else its default);
+where none are named the one listed is "default", the model's own voice. OpenAI's built-in voice names (alloy, ash,
+...) and "default" mean the pipeline's default voice unless the pipeline has a voice of that name; any other name
+goes to the node, which refuses one its model lacks, naming the voices it has.
 
 As everywhere in omni serve, values are checked by the node types through their declared request parameters
 (empty text, text over 4,096 characters, an unknown voice, speed outside 0.25-4, a file that is not audio: 400
@@ -75,18 +76,18 @@ class SpeechRequest(BaseModel):
 # --- voices ----------------------------------------------------------------------------------------------------
 
 
-def tts_params(served: Served, name: str):
-    graph = served.async_omni.omnis[name].graph
-    return getattr(graph.node_types.get(graph.final), "params", None)
-
-
 def voices_of(served: Served, name: str) -> tuple[tuple[str, ...], str | None]:
-    """The voices a speech pipeline declares (its tts node's `voice` choices, else its default alone) and its
-    default voice (None: the node picks its model's own)."""
+    """The voices of a speech pipeline's final node and its default voice (None: the node picks its model's own):
+    the values its built model has (StageGraph.choices, the default first), else its `voice` option's declared
+    choices or default."""
+    graph = served.async_omni.omnis[name].graph
     info = served.options(name).get("voice")
     if info is None:
         return (), None
-    params = tts_params(served, name)
+    built = tuple(getattr(graph, "choices", {}).get(graph.final, {}).get("voice") or ())
+    if built:
+        return built, built[0]
+    params = getattr(graph.node_types.get(graph.final), "params", None)
     field = attrs.fields_dict(params).get("voice") if params is not None else None
     default = field.default if field is not None and isinstance(field.default, str) else None
     choices = tuple(info.choices or ())

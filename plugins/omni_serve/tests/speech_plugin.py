@@ -1,10 +1,10 @@
 """A test plugin that speaks and listens without a model, for the audio API's tests.
 
 Pipeline `fake_tts` (node kind "tts"): each sentence of the text becomes one AudioDelta, a sine tone 20 ms a
-character (divided by `speed`) at 22,050 Hz, the pitch set by the voice ("ana" or "bob"); a sentence holding
-"slowly" takes 0.3 s to make. Pipeline `fake_asr` (node kind "asr", reads the request's audio): the file is decoded
-with ffmpeg (refused when it is not audio, is empty or is silent) and the transcript says how long it is, one word
-a step, in two segments."""
+character (divided by `speed`) at 22,050 Hz, the pitch set by the voice ("ana" or "bob": the voices its node type
+names for the built "model", NodeType.choices); a sentence holding "slowly" takes 0.3 s to make. Pipeline
+`fake_asr` (node kind "asr", reads the request's audio): the file is decoded with ffmpeg (refused when it is not
+audio, is empty or is silent) and the transcript says how long it is, one word a step, in two segments."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import attrs
 
 from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.core.engine import Engine
-from omni_kernel.core.errors import InputError
+from omni_kernel.core.errors import InputError, InvalidParameter
 from omni_kernel.core.events import AudioDelta, StageFinished, TokenDelta
 from omni_kernel.core.params import check_prompt, number, option, text
 from omni_kernel.core.request import AUDIO, SEGMENTS, Audio, Segment, StageInput, StageOutput, Usage
@@ -27,13 +27,14 @@ from omni_kernel.core.stage import Inputs, Outputs, Stage
 
 RATE = 22050
 PITCH = {"ana": 440.0, "bob": 220.0}
+MODEL_VOICES = ("ana", "bob")  # what the "model" has (NodeType.choices); the param declares no choices
 MAX_CHARS = 4096
 SENTENCE = re.compile(r"[^.!?]+[.!?]*")
 
 
 @attrs.frozen
 class FakeTTSParams:
-    voice: str = option("ana", help="the voice", choices=tuple(PITCH))
+    voice: str | None = option(None, help="the voice (default: the model's first)", validator=text)
     speed: float = option(1.0, help="speed, 0.25-4", type=float, validator=number(0.25, 4))
     response_format: str = option("wav", help="the output file's format",
                                   choices=("mp3", "opus", "aac", "flac", "wav", "pcm"))
@@ -54,6 +55,10 @@ def tone(chars: int, pitch: float, speed: float) -> bytes:
 class TTSInputs(Inputs):
     def check(self, item: StageInput) -> None:
         check_prompt(item.prompt)
+        voice = item.params.voice
+        if voice is not None and voice not in MODEL_VOICES:
+            raise InvalidParameter("voice", f"{voice!r} is not a voice of this model; its voices: "
+                                            f"{', '.join(MODEL_VOICES)}")
         if len(item.prompt) > MAX_CHARS:
             raise InputError(f"the text has {len(item.prompt)} characters, more than {MAX_CHARS}")
 
@@ -73,7 +78,8 @@ class TTSRunner:
             sentence, params = job.state[step], job.item.params
             if "slowly" in sentence:
                 time.sleep(0.3)
-            out[job.request_id] = (sentence, tone(len(sentence), PITCH[params.voice], params.speed))
+            pitch = PITCH[params.voice or MODEL_VOICES[0]]
+            out[job.request_id] = (sentence, tone(len(sentence), pitch, params.speed))
         return out
 
     def free(self, record) -> None:
@@ -189,6 +195,10 @@ def check_tts(node, config, policy, settings, item: StageInput) -> None:
     TTSInputs().check(item)
 
 
+def tts_choices(node, config, policy, settings) -> dict[str, tuple[str, ...]]:
+    return {"voice": MODEL_VOICES}
+
+
 def check_asr(node, config, policy, settings, item: StageInput) -> None:
     ASRInputs().check(item)
 
@@ -197,7 +207,8 @@ class SpeechPlugin:
     @hookimpl
     def omni_register_node_types(self, register):
         register(NodeType("fakespeech.tts", "tts", engine_settings=settings, engine=tts_engine, stage=tts_stage,
-                          check=check_tts, params=FakeTTSParams, description="a sine tone per sentence"))
+                          check=check_tts, choices=tts_choices, params=FakeTTSParams,
+                          description="a sine tone per sentence"))
         register(NodeType("fakespeech.asr", "asr", engine_settings=settings, engine=asr_engine, stage=asr_stage,
                           check=check_asr, params=FakeASRParams, inputs=("audio",),
                           description="says how long the audio is"))

@@ -53,7 +53,7 @@ def server(tmp_path_factory):
 
 def test_real_voice_speaks_as_it_goes_and_whisper_hears_it(client, http):
     voices = http.get("/v1/audio/voices").json()["data"]
-    assert voices and voices[0]["default"] and "alloy" in voices[0]["aliases"], voices
+    assert [(v["id"], v["default"]) for v in voices] == [("joe", True)] and "alloy" in voices[0]["aliases"], voices
     with client.audio.speech.with_streaming_response.create(model="tts", voice="alloy", input=SENTENCE,
                                                             response_format="mp3") as response:
         chunks = list(response.iter_bytes())

@@ -49,6 +49,10 @@ class TTSStages:
     def check(self, node: NodeSpec, config: TTSConfig, policy, settings: TTSEngineSettings, item: StageInput) -> None:
         TTSInputs(self.voice(settings)).check(item)
 
+    def choices(self, node: NodeSpec, config: TTSConfig, policy, settings: TTSEngineSettings) -> dict:
+        """The voices the built model has (the default first), for what lists them (omni serve's voices)."""
+        return {"voice": self.voice(settings).names}
+
     def voice(self, settings: TTSEngineSettings):
         return self.voices.acquire(settings.model[0]).model
 
@@ -90,7 +94,7 @@ class SpeechPlugin:
     def omni_register_node_types(self, register):
         tts = self.tts
         register(NodeType("tts.vits", "tts", engine_settings=tts.engine_settings, engine=tts.engine, stage=tts.stage,
-                          check=tts.check, config=TTSConfig, params=TTSParams,
+                          check=tts.check, choices=tts.choices, config=TTSConfig, params=TTSParams,
                           description="speaks the prompt with a VITS voice (a transformers VitsModel directory), "
                                       "sentence by sentence, as 16-bit mono PCM; writes --output in its format"))
 
