@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omni_kernel.util.files import cache_dir
+
 from serving import running, video_done
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is in omni-serve's test extras")
@@ -46,6 +48,10 @@ WATCH_PROGRESS = """() => {
       window.seenProgress.push([bar.getAttribute('aria-valuenow'), bar.closest('li').querySelectorAll('video').length]);
   }).observe(document.body, {subtree: true, attributes: true, attributeFilter: ['aria-valuenow']});
 }"""
+# omni_speech's converted weights are in the user's cache (make models), read before a session's omni_cache points
+# OMNI_CACHE_DIR elsewhere; each speech pipeline, the config key of its model.
+USER_CACHE = cache_dir()
+SPEECH_MODELS = {"tts": ("VOICE", "tts_model"), "asr": ("WHISPER", "asr_model")}
 # What Playwright says when the browser process exits under it.
 DIED_STARTING = "Target page, context or browser has been closed"
 PLAYING = "video => video.readyState >= 1 && video.duration > 0"
@@ -236,8 +242,34 @@ def test_with_an_api_key_the_page_asks_for_it_and_works_once_it_is_given(omni_ca
         assert key not in page.content()  # the key lives in the browser's session storage, not in the page
 
 
+def every_pipeline() -> list[str]:
+    """`omni serve` flags that serve every registered pipeline: omni_speech's, where installed, on the user's
+    converted weights (-c tts_model=..., asr_model=...), or left out (each other pipeline named) where those are
+    missing."""
+    from omni_kernel.plugins import load_host
+
+    names = sorted(load_host().registry.pipelines)
+    speech = [n for n in names if n in SPEECH_MODELS]
+    if not speech:
+        return []
+    from omni_speech import weights
+
+    pairs, missing = [], []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        for name in speech:
+            model, key = SPEECH_MODELS[name]
+            path = weights.fetched(getattr(weights, model))
+            pairs += ["-c", f"{key}={path}"] if path else []
+            missing += [] if path else [name]
+    if not missing:
+        return pairs
+    return [*pairs, *(a for n in names if n not in missing for a in ("--pipeline", n))]
+
+
 def test_every_pipeline_with_placement_process_and_the_store_jobs_across_a_restart(omni_cache, tmp_path, page):
-    args = ["--placement", "process", "--output-dir", str(tmp_path / "videos"), "--shutdown-timeout", "5"]
+    args = ["--placement", "process", "--output-dir", str(tmp_path / "videos"), "--shutdown-timeout", "5",
+            *every_pipeline()]
     with running(args, tmp_path / "first.log") as proc:
         models = [m["id"] for m in httpx.get(proc.url + "/v1/models").json()["data"]]
         assert {"ar_text", "wan_i2v", "qwen_to_wan_i2v"} <= set(models)
@@ -256,6 +288,12 @@ def test_every_pipeline_with_placement_process_and_the_store_jobs_across_a_resta
                     expect(image).to_be_hidden()
                 else:
                     expect(image).to_be_visible()
+            elif "audio.speech" in card["capabilities"]:
+                expect(page.get_by_role("button", name="Speak", exact=True)).to_have_count(1)
+                expect(page.get_by_label("Voice", exact=True).locator("option")).not_to_have_count(0)
+            elif "audio.transcriptions" in card["capabilities"]:
+                expect(page.get_by_role("button", name="Transcribe", exact=True)).to_have_count(1)
+                expect(page.get_by_role("button", name="Record", exact=True)).to_have_count(1)
             else:
                 expect(page.get_by_role("button", name="Send", exact=True)).to_have_count(1)
                 expect(page.get_by_role("log")).to_have_count(1)
