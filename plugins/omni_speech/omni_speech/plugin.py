@@ -10,6 +10,7 @@ from omni_kernel.core.engine import Engine
 from omni_kernel.core.request import StageInput
 from omni_kernel.core.stage import Stage
 
+from .asr_stages import ASR, ASRStages
 from .tts_config import TTSConfig, TTSParams
 from .tts_engine import TTSEngineSettings, TTSInputs, TTSOutputs, build_engine
 
@@ -89,6 +90,7 @@ def _load_voice(key: tuple):
 class SpeechPlugin:
     def __init__(self):
         self.tts = TTSStages()
+        self.asr = ASRStages()
 
     @hookimpl
     def omni_register_node_types(self, register):
@@ -97,10 +99,12 @@ class SpeechPlugin:
                           check=tts.check, choices=tts.choices, config=TTSConfig, params=TTSParams,
                           description="speaks the prompt with a VITS voice (a transformers VitsModel directory), "
                                       "sentence by sentence, as 16-bit mono PCM; writes --output in its format"))
+        register(self.asr.node_type())
 
     @hookimpl
     def omni_register_pipelines(self, register):
         register(TTS)
+        register(ASR)
 
     @hookimpl
     def omni_register_models(self, register):
