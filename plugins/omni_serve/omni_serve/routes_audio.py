@@ -53,6 +53,7 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "m
                  "shimmer", "verse")
 DEFAULT_VOICE = "default"  # the model's own voice, where the node does not declare its voices' names
 TRANSCRIPT_FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+SEGMENT_FORMATS = ("srt", "verbose_json", "vtt")  # the formats that show the segments' times
 # The transcription form's OpenAI fields, read by name; every other field is a declared request option.
 TRANSCRIPTION_FIELDS = ("file", "model", "language", "prompt", "response_format", "temperature",
                         "timestamp_granularities", "timestamp_granularities[]", "stream", "include", "include[]",
@@ -332,8 +333,8 @@ def audio_file(form: FormData) -> StoredFile:
     return upload
 
 
-def granularities(form: FormData) -> None:
-    """Segments with times are always there (verbose_json); words are not: refused, naming what is."""
+def granularities(form: FormData) -> bool:
+    """Whether segments with times were asked for; words are not available: refused, naming what is."""
     values = [v for key in ("timestamp_granularities[]", "timestamp_granularities") for v in form.getlist(key)]
     for value in values:
         if value not in ("segment", "word"):
@@ -343,6 +344,7 @@ def granularities(form: FormData) -> None:
             raise APIError(400, "invalid timestamp_granularities: word timestamps are not available; segments have "
                                 "their times (response_format verbose_json)", "timestamp_granularities",
                            "invalid_value")
+    return "segment" in values
 
 
 def read_transcription_form(form: FormData, served: Served, name: str, model: str) -> tuple[dict, str, str, bool]:
@@ -363,8 +365,9 @@ def read_transcription_form(form: FormData, served: Served, name: str, model: st
     if chunking not in (None, "auto"):
         raise APIError(400, "invalid chunking_strategy: only 'auto' (30-second windows)", "chunking_strategy",
                        "invalid_value")
-    granularities(form)
-    params: dict[str, Any] = {}
+    segments = granularities(form) or fmt in SEGMENT_FORMATS
+    # a node that decodes times only when asked (Whisper's timestamp tokens) is asked where the answer shows them
+    params: dict[str, Any] = {"timestamps": True} if segments and "timestamps" in options else {}
     prompt = form_text(form, "prompt") or ""
     if prompt and "prompt" in options:
         params["prompt"], prompt = prompt, ""
@@ -423,14 +426,15 @@ async def transcribe(request: Request, served: Served, model: str, name: str, pa
 
 
 def about_file(error: APIError, path: Path) -> APIError:
-    """An error about the upload as the client knows it: `file`, never the server's path."""
-    if str(path) in error.message:
-        error.message = error.message.replace(repr(str(path)), "the uploaded file").replace(str(path), "file")
-        error.args = (error.message,)
-    if error.param == "audio" or error.message.startswith("invalid audio:"):
+    """An error about the upload as the client knows it: its field `file`, never the server's path."""
+    message = error.message.replace("invalid audio:", "invalid file:", 1)
+    for shown in (f"the audio file {str(path)!r}", f"the audio {str(path)!r}", repr(str(path)), str(path)):
+        message = message.replace(shown, "the uploaded file")
+    about_audio = "audio" in message or "uploaded file" in message
+    if error.param == "audio" or (error.param is None and error.code == "bad_input" and about_audio):
         error.param = "file"
-        error.message = error.message.replace("invalid audio:", "invalid file:", 1)
-        error.args = (error.message,)
+    error.message = message
+    error.args = (message,)
     return error
 
 
