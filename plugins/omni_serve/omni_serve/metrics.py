@@ -123,6 +123,10 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("omni_inter_token_latency_seconds", "time between streamed text deltas", ["model"],
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.ttfa = Histogram("omni_time_to_first_audio_seconds", "speech: arrival to the first sound's bytes",
+                              ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.audio = Counter("omni_audio_seconds", "seconds of audio, by route: spoken (speech) or heard "
+                             "(transcriptions)", ["model", "route"], registry=r)
         self.e2e = Histogram("omni_e2e_request_latency_seconds", "request latency, arrival to last byte",
                              ["model", "route"], buckets=E2E_BUCKETS, registry=r)
         self.generated = Counter("omni_generated_tokens", "tokens generated", ["model"], registry=r)

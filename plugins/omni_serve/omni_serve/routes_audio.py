@@ -186,6 +186,7 @@ async def speech(request: Request, body: SpeechRequest, served: ServedDep):
     if first is None:
         await stream.aclose()
         return Response(status_code=499)
+    served.metrics.ttfa.labels(body.model).observe(time.perf_counter() - arrival)
     outcome = Outcome(finished=first[1])
     chunks = encoded(first[0], stream, final, body.response_format, outcome)
     done = Recorded(served, body.model, arrival, outcome)
@@ -269,7 +270,11 @@ class Recorded:
         self.served, self.model, self.arrival, self.outcome = served, model, arrival, outcome
 
     def __call__(self) -> None:
-        self.served.metrics.e2e.labels(self.model, "speech").observe(time.perf_counter() - self.arrival)
+        metrics = self.served.metrics
+        metrics.e2e.labels(self.model, "speech").observe(time.perf_counter() - self.arrival)
+        if self.outcome.finished is not None:
+            spoken = audio_seconds(self.outcome.finished.result)
+            metrics.audio.labels(self.model, "speech").inc(spoken)
 
 
 class SpeechFailed(RuntimeError):
@@ -285,14 +290,18 @@ async def audio_body(chunks: AsyncIterator[bytes], outcome: Outcome, done: Recor
     done()
 
 
+def audio_seconds(result) -> float:
+    """The seconds of audio a finished request's stages say they spoke or heard (Usage.audio_seconds)."""
+    return sum(out.usage.audio_seconds or 0.0 for out in result.outputs.values() if out.usage is not None)
+
+
 def speech_usage(result) -> dict[str, Any]:
     """speech.audio.done's usage: the tokens the stages count (0 where they count none), and the seconds spoken."""
     counted = [out.usage for out in result.outputs.values() if out.usage is not None]
     prompt = sum(u.input_tokens or 0 for u in counted)
     output = sum(u.output_tokens or 0 for u in counted)
-    seconds = sum(u.audio_seconds or 0.0 for u in counted)
     return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "audio_seconds": round(seconds, 3)}
+            "audio_seconds": round(audio_seconds(result), 3)}
 
 
 def event_line(body: dict[str, Any]) -> str:
@@ -421,8 +430,13 @@ async def transcribe(request: Request, served: Served, model: str, name: str, pa
         return Response(status_code=499)
     if isinstance(finished, RequestFailed):
         raise about_file(APIError.of_failure(finished.kind, finished.error, finished.field), path)
-    served.metrics.e2e.labels(model, "transcriptions").observe(time.perf_counter() - arrival)
+    transcribed(served, model, arrival, finished.result)
     return transcript_answer(finished.result, fmt, params.get("language"))
+
+
+def transcribed(served: Served, model: str, arrival: float, result) -> None:
+    served.metrics.e2e.labels(model, "transcriptions").observe(time.perf_counter() - arrival)
+    served.metrics.audio.labels(model, "transcriptions").inc(audio_seconds(result))
 
 
 def about_file(error: APIError, path: Path) -> APIError:
@@ -511,7 +525,7 @@ async def transcript_events(stream, final: str, path: Path, served: Served, mode
                     error = about_file(APIError.of_failure(event.kind, event.error, event.field), path)
                     yield event_line({"type": "error", **error.body()})
                 elif isinstance(event, RequestFinished):
-                    served.metrics.e2e.labels(model, "transcriptions").observe(time.perf_counter() - arrival)
+                    transcribed(served, model, arrival, event.result)
                     yield event_line(transcript_done(event.result, "".join(parts)))
     finally:
         path.unlink(missing_ok=True)

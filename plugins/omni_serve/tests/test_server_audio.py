@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import wave
+from pathlib import Path
 
 import httpx
 import imageio_ffmpeg
@@ -22,6 +23,8 @@ import openai
 import openai_spec
 import pytest
 from openai_spec import validate
+
+from omni_kernel.testing import wait_until
 
 from serving import ServerProcess
 
@@ -338,3 +341,34 @@ def test_schemathesis_over_the_audio_operations(server):
         run()
     assert set(answered) == set(forced), answered
     assert answered["/audio/speech"] >= {200, 400} and answered["/audio/transcriptions"] >= {200, 400}, answered
+
+
+def encoders_of(pid: int) -> list[str]:
+    """The ffmpeg processes the server runs now (its children's command lines)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    lines = []
+    for child in children:
+        try:
+            lines.append(Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue  # it ended
+    return [line for line in lines if "ffmpeg" in line]
+
+
+def test_a_client_that_leaves_mid_speech_aborts_it_and_its_encoder(http, server):
+    text = "Quick. " + "This sentence is spoken slowly. " * 8
+    with http.stream("POST", "/v1/audio/speech", json={"model": "fake_tts", "voice": "ana", "input": text,
+                                                        "response_format": "mp3"}) as r:
+        next(r.iter_raw())
+        assert encoders_of(server.proc.pid), "the mp3 encoder runs while the sound is made"
+    wait_until(lambda: http.get("/health").json()["in_flight"] == 0, 10, "the request to be aborted")
+    wait_until(lambda: not encoders_of(server.proc.pid), 10, "the encoder to stop")
+    audio = speech_file(http, "wav")
+    heard = http.post("/v1/audio/transcriptions", data={"model": "fake_asr"}, files={"file": ("a.wav", audio)})
+    assert heard.status_code == 200, heard.text
+    metrics = http.get("/metrics").text
+    assert 'omni_time_to_first_audio_seconds_count{model="fake_tts"}' in metrics
+    assert 'omni_audio_seconds_total{model="fake_asr",route="transcriptions"}' in metrics
+    assert 'omni_audio_seconds_total{model="fake_tts",route="speech"}' in metrics
