@@ -21,7 +21,7 @@ from omni_kernel.core.request import StageInput, StageStats
 from omni_kernel.core.scheduler import RequestOutput, SchedulerOutput
 
 from .asr_inputs import ASRInput, WhisperAssets
-from .asr_windows import WINDOW_FRAMES, WindowSegment, plain_window, split_window
+from .asr_windows import WINDOW_FRAMES, WindowSegment, split_window
 
 
 @attrs.frozen
@@ -140,10 +140,7 @@ class ASRScheduler:
 
     def _close_window(self, job: ASRJob) -> None:
         tokens = job.tokens[:-1] if job.tokens[-1] == self.limits.eos else job.tokens
-        if job.processed.timestamps:
-            window = split_window(tokens, self.limits.timestamp_begin, job.seek, job.window_frames)
-        else:
-            window = plain_window(tokens, job.seek, job.window_frames, job.processed.audio_frames)
+        window = split_window(tokens, self.limits.timestamp_begin, job.seek, job.window_frames)
         job.segments.extend(window.segments)
         job.seek += window.advance
         job.open, job.tokens = False, []
@@ -173,9 +170,10 @@ class ASRScheduler:
 
 @attrs.define(eq=False)
 class RowState:
-    """The runner's part of a request: its KV pool slot, its sampler, and its open window's logits processors."""
+    """The runner's part of a request: its KV pool slot (from its first step), its sampler, and its open window's
+    logits processors."""
 
-    slot: int
+    slot: int | None
     generator: Any = None
     processors: list = attrs.Factory(list)
 
@@ -195,12 +193,12 @@ class ASRRunner:
             generator = torch.Generator(device="cpu")
             seed = record.processed.seed
             generator.manual_seed(seed if seed is not None else int(torch.seed()))
-        record.state = RowState(self.forward.pool.take(), generator)
+        record.state = RowState(None, generator)
 
     def free(self, record: ASRJob) -> None:
-        if record.state is not None:
+        if record.state is not None and record.state.slot is not None:
             self.forward.pool.give(record.state.slot)
-            record.state = None
+        record.state = None
 
     def run(self, batch: SchedulerOutput) -> dict[str, Decoded]:
         import torch
@@ -217,6 +215,9 @@ class ASRRunner:
                 results[job.request_id] = Decoded(self._choose(job, job.decoder_prompt + tuple(job.tokens), row),
                                                   step_batch=size)
         if opening:
+            for job in opening:  # a slot from its first step on (the scheduler runs at most the pool's size)
+                if job.state.slot is None:
+                    job.state.slot = self.forward.pool.take()
             features = torch.stack([torch.from_numpy(self._window(job)) for job in opening])
             slots = [job.state.slot for job in opening]
             self.forward.encode(features, slots)

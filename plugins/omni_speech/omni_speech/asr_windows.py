@@ -9,7 +9,9 @@ The rule is transformers' (and OpenAI's) sequential long-form decoding, so a req
   next window starts at that segment's end; the unfinished words after it are decoded again in the next window.
   A window that ends on a single timestamp (no speech after it) or has no segment boundary moves the seek by the
   whole window. The request is done when its seek reaches the end of its frames.
-- Without timestamps a window is one segment: from its start to its end (at most the audio's end).
+- Without timestamps a window is one segment over the whole window (its end is cut to the audio's end when the
+  segments are reported). A model that writes timestamp tokens anyway is cut at them as with timestamps, since
+  transformers does so.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def split_window(tokens: Sequence[int], timestamp_begin: int, seek: int, window_
     single_ending = stamps[-2:] == [False, True]
     pairs = [i + 1 for i in range(len(tokens) - 1) if stamps[i] and stamps[i + 1]]
     if not pairs:
-        end = window_frames * SECONDS_PER_FRAME / TIME_PRECISION
+        end = window_frames // FRAMES_PER_POSITION  # the window's last whole timestamp step
         last = [token for token, stamp in zip(tokens, stamps) if stamp]
         if last and last[-1] != timestamp_begin:
             end = last[-1] - timestamp_begin
@@ -74,10 +76,3 @@ def split_window(tokens: Sequence[int], timestamp_begin: int, seek: int, window_
         advance = (tokens[start - 2] - timestamp_begin) * FRAMES_PER_POSITION
     return WindowResult(tuple(segments), advance if advance > 0 else window_frames)
 
-
-def plain_window(tokens: Sequence[int], seek: int, window_frames: int, audio_frames: int) -> WindowResult:
-    """A window decoded without timestamps: one segment over its audio (ending where the audio ends, not its padding);
-    the seek moves by the whole window."""
-    start = seek * SECONDS_PER_FRAME
-    end = start + max(min(window_frames, audio_frames - seek), 0) * SECONDS_PER_FRAME
-    return WindowResult((WindowSegment(start, end, tuple(tokens)),), window_frames)
