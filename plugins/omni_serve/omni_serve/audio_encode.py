@@ -26,6 +26,7 @@ ENCODERS = {"mp3": ["-c:a", "libmp3lame", "-b:a", "64k", "-f", "mp3"],
             "flac": ["-c:a", "flac", "-f", "flac"],
             "pcm": ["-c:a", "pcm_s16le", "-ar", str(PCM_RATE), "-f", "s16le"]}
 READ_SIZE = 1 << 16
+EXIT_S = 5.0  # an encoder whose output ended exits within this, else it is killed
 UNKNOWN = 0xFFFFFFFF
 
 
@@ -49,6 +50,7 @@ class Encoder:
         self.fmt, self.sample_rate = fmt, sample_rate
         self.proc: asyncio.subprocess.Process | None = None
         self.queue: asyncio.Queue[bytes] = asyncio.Queue()  # wav: what `read` hands out
+        self.drained = False  # ffmpeg's output ended: it exits by itself
 
     async def start(self) -> Encoder:
         if self.fmt == "wav":
@@ -79,13 +81,21 @@ class Encoder:
     async def read(self) -> bytes:
         if self.proc is None:
             return await self.queue.get()
-        return await self.proc.stdout.read(READ_SIZE)
+        data = await self.proc.stdout.read(READ_SIZE)
+        self.drained = not data
+        return data
 
     async def close(self) -> None:
-        """Stop the encoder (at the end, or when the client went away or the request failed)."""
+        """Stop the encoder (at the end, or when the client went away or the request failed). One that wrote its
+        last byte is left to exit and be reaped by asyncio's watcher: killing it would reap it first (Popen.kill
+        polls), and the watcher would log an unknown child."""
         if self.proc is None:
             return
-        if self.proc.returncode is None:
+        if not self.drained:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
-        await self.proc.wait()
+        try:
+            await asyncio.wait_for(self.proc.wait(), EXIT_S)
+        except asyncio.TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()

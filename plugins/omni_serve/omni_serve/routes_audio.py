@@ -259,8 +259,9 @@ async def encoded(first: Audio, stream, final: str, fmt: str, outcome: Outcome) 
     finally:
         if pump is not None and not pump.done():
             pump.cancel()
-        await encoder.close()
         await stream.aclose()
+        # shielded: a response cancelled (the client left) still reaps its encoder, not the next subprocess made
+        await asyncio.shield(encoder.close())
 
 
 class Recorded:

@@ -347,7 +347,10 @@ def encoders_of(pid: int) -> list[str]:
     """The ffmpeg processes the server runs now (its children's command lines)."""
     children = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        children += (task / "children").read_text().split()
+        try:
+            children += (task / "children").read_text().split()
+        except OSError:
+            continue  # a thread that ended (asyncio's child watcher runs one per subprocess)
     lines = []
     for child in children:
         try:
