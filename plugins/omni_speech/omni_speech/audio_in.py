@@ -98,7 +98,7 @@ def _checked(samples: np.ndarray) -> DecodedAudio:
         raise InputError("the audio is empty: it decodes to no samples")
     seconds = samples.size / SAMPLE_RATE
     if seconds > MAX_SECONDS:
-        raise InputError(f"the audio is longer than the limit of {MAX_SECONDS // 60} minutes")
+        raise InputError(f"the audio is longer than the limit of {MAX_SECONDS / 60:g} minutes")
     if not np.isfinite(samples).all():
         raise InputError("the audio holds samples that are not finite numbers")
     peak = float(np.abs(samples).max())
