@@ -123,6 +123,8 @@ def serve_command() -> click.Command:
         try:
             _check_limits(options["max_body_mb"], options["max_text_body_mb"], options["shutdown_timeout"])
             plan = plan_pipelines(plugin_host, pipelines, chosen, config_pairs, run_settings)
+            if not pipelines:
+                plan = with_models(plugin_host, plan)
             run_server(plugin_host, plan, serve_settings(list(plan), **options))
         except UserError as exc:
             raise _UsageError(" ".join(str(exc).split())) from None
@@ -130,8 +132,8 @@ def serve_command() -> click.Command:
             raise click.ClickException(" ".join(str(exc).split())) from None
 
     return ServeCommand("serve", callback=serve, params=options,
-                        help="Serve pipelines over an OpenAI-compatible HTTP API (chat, completions, videos).\n\n"
-                             "Model flags come from the installed node types, as for `omni run`; see "
+                        help="Serve pipelines over an OpenAI-compatible HTTP API (chat, completions, videos, "
+                             "audio).\n\nModel flags come from the installed node types, as for `omni run`; see "
                              "docs/serving.md.")
 
 
@@ -193,6 +195,30 @@ def plan_pipelines(host, names, chosen: dict[Flag, object], config_pairs,
         pairs = tuple(i for i in config_pairs if i.partition("=")[0].strip().replace("-", "_") in mine)
         out[name] = (name, {**values(registry, plan, flags, {"config": pairs})["config"], **run_settings})
     return out
+
+
+def with_models(host, plan: dict[str, tuple[str, dict]]) -> dict[str, tuple[str, dict]]:
+    """With no --pipeline, the planned pipelines whose models are there: one whose default model was never fetched
+    (a speech pipeline before `omni models fetch`) is left out, saying so, instead of stopping the server."""
+    out = {name: entry for name, entry in plan.items() if _models_there(host, name, entry[1])}
+    if not out:
+        raise UserError("no pipeline to serve: the models of every pipeline are missing (see `omni models list`)")
+    return out
+
+
+def _models_there(host, name: str, config: dict) -> bool:
+    """Whether the pipeline's settings check without a ModelError (e.g. a default model never fetched: `omni models
+    fetch`), logging why not."""
+    from omni_kernel.core.errors import ModelError
+
+    from .async_omni import check_before_building
+
+    try:
+        check_before_building(host, name, config)
+    except ModelError as exc:
+        log.info("not serving %s: %s", name, " ".join(str(exc).split()))
+        return False
+    return True
 
 
 def serve_settings(served: list[str], *, host: str, port: int, api_key: str | None, aliases, output_dir, jobs_db,
