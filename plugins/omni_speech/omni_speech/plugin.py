@@ -34,9 +34,10 @@ class TTSStages:
         path = config.tts_model
         if path is None:
             path = _default_voice()
-        model = (str(Path(path).expanduser().resolve()), config.tts_dtype,
-                 resolve_device(config.tts_device, "tts_device"))
-        return TTSEngineSettings(model, config.tts_max_batch)
+        device = resolve_device(config.tts_device, "tts_device")
+        model = (str(Path(path).expanduser().resolve()), config.tts_dtype, device)
+        batch_decoder = device.startswith("cuda") if config.tts_batch_decoder is None else config.tts_batch_decoder
+        return TTSEngineSettings(model, config.tts_max_batch, batch_decoder)
 
     def engine(self, settings: TTSEngineSettings) -> Engine:
         return build_engine(self.models.acquire(settings.model).model, settings)
@@ -45,7 +46,8 @@ class TTSStages:
         voice = self.voice(settings)
         return Stage(node, "tts", TTSInputs(voice), engine, TTSOutputs(node.id, voice.sample_rate),
                      summary=f"tts {node.id}: voice {voice.name} ({settings.model[0]}), {settings.model[2]}, "
-                             f"up to {settings.max_batch} sentences a step")
+                             f"up to {settings.max_batch} sentences a step"
+                             f"{'' if settings.batch_decoder else ' (decoder row by row)'}")
 
     def check(self, node: NodeSpec, config: TTSConfig, policy, settings: TTSEngineSettings, item: StageInput) -> None:
         TTSInputs(self.voice(settings)).check(item)

@@ -123,8 +123,9 @@ def check_text(text: str) -> None:
 class TTSRunner:
     """Synthesizes the next chunk of every request of a step in one forward (tts_model.synthesize)."""
 
-    def __init__(self, model):
+    def __init__(self, model, batch_decoder: bool):
         self.model = model
+        self.batch_decoder = batch_decoder
 
     def add_request(self, record) -> None:
         record.state = Progress()
@@ -138,7 +139,7 @@ class TTSRunner:
             rows.append(Row(speech.chunks[step].ids, speech.noise_scale, speech.noise_w, speech.length_scale,
                             speech.chunk_seed(step)))
         start = time.perf_counter()
-        waveforms = synthesize(self.model, rows)
+        waveforms = synthesize(self.model, rows, self.batch_decoder)
         seconds = time.perf_counter() - start
         out = {}
         for record, step, waveform in zip(batch.records, batch.steps, waveforms):
@@ -218,12 +219,14 @@ class TTSOutputs:
 
 @attrs.frozen
 class TTSEngineSettings:
-    """Everything a TTS engine depends on (its share key): the loaded model's key and the batch size."""
+    """Everything a TTS engine depends on (its share key): the loaded model's key, the batch size and whether the
+    decoder runs over the batch at once."""
 
     model: tuple  # (path, dtype, device)
     max_batch: int
+    batch_decoder: bool
 
 
 def build_engine(model, settings: TTSEngineSettings) -> Engine:
     scheduler = StepScheduler(max_batch=settings.max_batch, num_steps=lambda item: len(item.processed.chunks))
-    return Engine(scheduler, TTSRunner(model))
+    return Engine(scheduler, TTSRunner(model, settings.batch_decoder))

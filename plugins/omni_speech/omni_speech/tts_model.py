@@ -52,8 +52,9 @@ def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def synthesize(model, rows: Sequence[Row]) -> list[torch.Tensor]:
-    """Each row's waveform (float, in [-1, 1], on the CPU), in one forward over the batch."""
+def synthesize(model, rows: Sequence[Row], batch_decoder: bool = True) -> list[torch.Tensor]:
+    """Each row's waveform (float, in [-1, 1], on the CPU), in one forward over the batch; with `batch_decoder`
+    False the decoder runs row by row (each on its own frames), the rest still over the batch."""
     device = model.device
     lengths = [len(r.ids) for r in rows]
     input_ids = torch.zeros(len(rows), max(lengths), dtype=torch.long)
@@ -80,9 +81,14 @@ def synthesize(model, rows: Sequence[Row]) -> list[torch.Tensor]:
     log_variances = torch.matmul(alignment, encoded.prior_log_variances).transpose(1, 2)
     noise = _noise(generators, means.shape[1], frames.tolist(), [r.noise_scale for r in rows], means)
     latents = model.flow(means + noise * torch.exp(log_variances), output_mask, None, reverse=True)
-    waveform = masked_decoder(model.decoder, latents * output_mask, output_mask)
+    spectrogram = latents * output_mask
     hop = int(torch.tensor(model.config.upsample_rates).prod())
-    return [waveform[i, 0, :int(frames[i]) * hop].float().cpu() for i in range(len(rows))]
+    lengths = frames.tolist()
+    if not batch_decoder:
+        return [masked_decoder(model.decoder, spectrogram[i:i + 1, :, :n], [n])[0, 0].float().cpu()
+                for i, n in enumerate(lengths)]
+    waveform = masked_decoder(model.decoder, spectrogram, lengths)
+    return [waveform[i, 0, :n * hop].float().cpu() for i, n in enumerate(lengths)]
 
 
 def _log_duration(model, hidden: torch.Tensor, mask: torch.Tensor, generators, lengths, noise_w) -> torch.Tensor:
@@ -114,35 +120,53 @@ def _alignment(duration: torch.Tensor, input_mask: torch.Tensor, output_mask: to
     return (starts.unsqueeze(1).transpose(2, 3) * mask).squeeze(1)
 
 
-def masked_decoder(decoder, spectrogram: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """VitsHifiGan's forward with every row's tail zeroed before each convolution (`mask`: (batch, 1, frames), one
-    per input frame; each upsampler stretches it). A row's samples then equal its own run alone."""
+def masked_decoder(decoder, spectrogram: torch.Tensor, frames: Sequence[int]) -> torch.Tensor:
+    """VitsHifiGan's forward with every row's tail zeroed before each convolution (row i is `frames[i]` frames long;
+    each upsampler stretches that). A row's samples then equal its own run alone; rows of the longest length need
+    nothing zeroed, so a batch of one is VitsHifiGan's forward exactly."""
     slope = decoder.config.leaky_relu_slope
+    tails = _Tails(list(frames))
     hidden = decoder.conv_pre(spectrogram)
     kernels = decoder.num_kernels
     for i, upsampler in enumerate(decoder.upsampler):
-        hidden = upsampler(nn.functional.leaky_relu(hidden * mask, slope))
-        mask = torch.repeat_interleave(mask, upsampler.stride[0], dim=2)
-        hidden = hidden[:, :, :mask.shape[2]]
+        hidden = upsampler(nn.functional.leaky_relu(tails.zero(hidden), slope))
+        tails.stretch(upsampler.stride[0])
         blocks = decoder.resblocks[i * kernels:(i + 1) * kernels]
-        total = _residual_block(blocks[0], hidden, mask)
+        total = _residual_block(blocks[0], hidden, tails)
         for block in blocks[1:]:
-            total = total + _residual_block(block, hidden, mask)
+            total = total + _residual_block(block, hidden, tails)
         hidden = total / kernels
-    hidden = decoder.conv_post(nn.functional.leaky_relu(hidden * mask))
+    hidden = decoder.conv_post(nn.functional.leaky_relu(tails.zero(hidden)))
     return torch.tanh(hidden)
 
 
-def _residual_block(block, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """One HiFi-GAN residual block (type 1: `convs1`/`convs2`; type 2: `convs`), its convolutions reading masked
-    inputs."""
+class _Tails:
+    """Each row's length at the decoder's current resolution, and the zeroing of what lies past it (in place: the
+    tail is never read as audio)."""
+
+    def __init__(self, lengths: list[int]):
+        self.lengths = lengths
+
+    def stretch(self, factor: int) -> None:
+        self.lengths = [n * factor for n in self.lengths]
+
+    def zero(self, hidden: torch.Tensor) -> torch.Tensor:
+        for row, length in enumerate(self.lengths):
+            if length < hidden.shape[2]:
+                hidden[row, :, length:] = 0
+        return hidden
+
+
+def _residual_block(block, hidden: torch.Tensor, tails: _Tails) -> torch.Tensor:
+    """One HiFi-GAN residual block (type 1: `convs1`/`convs2`; type 2: `convs`), its convolutions reading inputs
+    with zero tails."""
     slope = block.leaky_relu_slope
     if hasattr(block, "convs1"):
         for conv1, conv2 in zip(block.convs1, block.convs2):
-            out = conv1(nn.functional.leaky_relu(hidden * mask, slope))
-            out = conv2(nn.functional.leaky_relu(out * mask, slope))
+            out = conv1(nn.functional.leaky_relu(tails.zero(hidden), slope))
+            out = conv2(nn.functional.leaky_relu(tails.zero(out), slope))
             hidden = hidden + out
         return hidden
     for conv in block.convs:
-        hidden = hidden + conv(nn.functional.leaky_relu(hidden * mask, slope))
+        hidden = hidden + conv(nn.functional.leaky_relu(tails.zero(hidden), slope))
     return hidden

@@ -33,20 +33,35 @@ def omni(tiny_voice):
         yield omni
 
 
-def test_a_batch_equals_each_row_alone(model):
+@pytest.mark.parametrize("batch_decoder", [True, False], ids=["batched_decoder", "decoder_by_row"])
+def test_a_batch_equals_each_row_alone(model, batch_decoder):
     import torch
 
     from omni_speech.tts_model import Row, synthesize
 
     rows = [Row([1, 0, 20, 0, 30, 0, 40, 0, 2], 0.667, 0.8, 1.0, 11), Row([1, 0, 25, 0, 2], 0.5, 0.6, 1.3, 12),
             Row(list(range(1, 40)), 0.667, 0.8, 0.7, 13)]
-    batch = synthesize(model, rows)
+    batch = synthesize(model, rows, batch_decoder)
     for row, waveform in zip(rows, batch):
         alone = synthesize(model, [row])[0]
         assert waveform.shape == alone.shape
         assert torch.allclose(waveform, alone, atol=1e-4, rtol=0)
     other_seed = synthesize(model, [Row(rows[0].ids, 0.667, 0.8, 1.0, 99)])[0]
     assert other_seed.shape != batch[0].shape or not torch.allclose(other_seed, batch[0])
+
+
+def test_the_real_voice_batched_equals_each_sentence_alone(voice_dir):
+    import torch
+
+    from omni_speech.tts_model import Row, synthesize
+    from omni_speech.tts_voice import Voice
+    from omni_speech.vits_decoder import load_voice
+
+    voice, model = Voice.read(voice_dir), load_voice(voice_dir)
+    rows = [Row(voice.chunks(text)[0].ids, 0.667, 0.8, 1.0, seed)
+            for seed, text in enumerate(["Knowledge is power.", "Where is the nearest train station?"])]
+    for row, waveform in zip(rows, synthesize(model, rows, batch_decoder=True)):
+        assert torch.allclose(waveform, synthesize(model, [row])[0], atol=1e-4, rtol=0)
 
 
 def test_noise_zero_equals_transformers_vits_forward(model):
