@@ -62,9 +62,9 @@ class TTSParams:
                               validator=integer(0, MAX_SEED))
     response_format: str | None = option(None, help="the audio file's format (default: the output file's "
                                                     "extension, else wav)", choices=FORMATS)
-    output: str | None = option(None, help="audio file to write (e.g. out.wav; its extension gives the format; "
-                                           "default: none, the audio is in the result)", flag="--output",
-                                converter=_path, validator=text)
+    output: str | None = option(None, help="output file; for speech its extension gives the audio format (wav, mp3, "
+                                           "flac, opus, aac, pcm; default: no file, the audio is in the result)",
+                                flag="--output", converter=_path, validator=text)
 
 
 def output_format(params: TTSParams) -> str:

@@ -5,6 +5,12 @@ the whole Audio, the file when one was asked for, the usage and the trace).
 A request's steps are its chunks (tts_voice.Voice.chunks: sentences, a short first one). The scheduler keeps one
 record per request; the runner keeps its batch sizes and step times in the record's `state`, the output processor
 its audio so far in `output`.
+
+Trace keys: tts.input_chars, tts.sentences (chunks), tts.voice, tts.seed (drawn when the request gave none),
+tts.audio_seconds, tts.rtf (the seconds of the steps that synthesized the request over the seconds of audio they
+made; a step shared by several requests counts whole for each), tts.ttfa_ms (from the input's processing to its
+first chunk's audio), tts.batch_max and tts.batch_mean (sentences per step of the steps it was in), and with a
+file, tts.output and tts.format.
 """
 
 from __future__ import annotations
