@@ -82,12 +82,14 @@ class Voice:
         two exceptions: a first sentence of more than FIRST_CHUNK_SPLIT phonemes is cut after its first clause
         (comma, colon, semicolon) that ends past FIRST_CHUNK_MIN phonemes, so the first audio comes after a short
         synthesis; a sentence of more than MAX_CHUNK phonemes is cut at clause boundaries into parts of at most
-        MAX_CHUNK where its clauses allow (one forward's memory grows with its longest row). Sentences with no
+        MAX_CHUNK (one forward's memory grows with its longest row); a clause longer than that (espeak-ng's own cut
+        of a text with no punctuation is about 800 characters) is cut between words first. Sentences with no
         phoneme the voice knows are skipped. A directory without a voice file (its own tokenizer) splits after
         . ! or ? followed by a space."""
         if self.espeak_voice is None:
             return self._tokenizer_chunks(text)
-        clauses = phonemes.Espeak.shared().clauses(text, self.espeak_voice)
+        clauses = [part for clause in phonemes.Espeak.shared().clauses(text, self.espeak_voice)
+                   for part in _cut_clause(clause, MAX_CHUNK)]
         groups: list[list[int]] = []
         for sentence in _sentence_indices(clauses):
             for part in _split(sentence, clauses, MAX_CHUNK):
@@ -127,6 +129,21 @@ class Voice:
 
 def nothing_to_say() -> InputError:
     return InputError("the text has nothing the voice can speak (no letters or digits it knows)")
+
+
+def _cut_clause(clause: Clause, limit: int) -> list[Clause]:
+    """A clause of more than `limit` phonemes as consecutive parts between words; the last keeps the terminator
+    and the sentence end, the first the text."""
+    if len(clause.piper_text()) <= limit:
+        return [clause]
+    parts: list[list[str]] = [[]]
+    for word in clause.phonemes.split(" "):
+        if parts[-1] and len(" ".join(parts[-1] + [word])) > limit:
+            parts.append([])
+        parts[-1].append(word)
+    last = len(parts) - 1
+    return [Clause(" ".join(words), clause.terminator if i == last else "", clause.sentence_end and i == last,
+                   clause.text if i == 0 else "") for i, words in enumerate(parts)]
 
 
 def _sentence_indices(clauses: list[Clause]) -> list[list[int]]:

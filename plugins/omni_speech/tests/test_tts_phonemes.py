@@ -15,7 +15,7 @@ import pytest
 
 from omni_speech import phonemes
 from omni_speech.phonemes import Clause, phoneme_ids, phoneme_list, sentences
-from omni_speech.tts_voice import FIRST_CHUNK_SPLIT, Voice
+from omni_speech.tts_voice import FIRST_CHUNK_SPLIT, MAX_CHUNK, Voice
 
 # text -> Piper's phonemes, one string per sentence (piper-tts 1.8.0)
 PIPER_PHONEMES = {
@@ -84,6 +84,12 @@ def test_a_long_first_sentence_is_cut_at_a_clause_so_the_first_audio_comes_early
                                         "seat near the windows.", "Then it left."]
     short = voice.chunks("Short one, with a comma. Next.")
     assert [c.text for c in short] == ["Short one, with a comma.", "Next."]
+
+
+def test_a_long_text_without_punctuation_is_cut_between_words(tmp_path):
+    chunks = _piper_voice(tmp_path).chunks(("word " * 819)[:4096])
+    assert len(chunks) > 1 and all(len(c.ids) <= 2 * MAX_CHUNK + 3 for c in chunks)
+    assert sum(len(c.ids) for c in chunks) > 4000
 
 
 def test_text_the_voice_cannot_speak_makes_no_chunk(tmp_path):
