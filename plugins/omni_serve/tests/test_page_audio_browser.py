@@ -5,6 +5,7 @@ Screenshots go to build/test-artifacts/browser/."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -12,8 +13,11 @@ import struct
 import subprocess
 import wave
 
+import httpx
 import pytest
 from test_page_browser import ARTIFACTS, BROWSER_DIR, LAUNCH, launch
+
+from omni_kernel.util.files import cache_dir
 
 from serving import running
 
@@ -49,32 +53,44 @@ def microphone(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def chromium(microphone):
-    """The browser (test_page_browser.py's), with a fake microphone that plays `microphone` and no permission
-    prompt."""
+def chromium():
+    """Starts the browser (test_page_browser.py's) with a fake microphone that plays the WAV it is given, and no
+    permission prompt."""
     if not (BROWSER_DIR / "node_modules" / "@sparticuz" / "chromium").is_dir():
         pytest.skip("no headless Chromium: `make browser` installs it (npm ci of @sparticuz/chromium)")
     found = json.loads(subprocess.run(["node", "-e", LAUNCH], cwd=BROWSER_DIR, check=True, capture_output=True,
                                       text=True, timeout=120).stdout)
-    found["args"] = [*found["args"], "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
-                     f"--use-file-for-fake-audio-capture={microphone}", "--autoplay-policy=no-user-gesture-required"]
+
+    def start(microphone):
+        args = [*found["args"], "--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+                f"--use-file-for-fake-audio-capture={microphone}", "--autoplay-policy=no-user-gesture-required"]
+        return launch(driver, {**found, "args": args})
+
     with playwright_sync.sync_playwright() as driver:
-        yield lambda: launch(driver, found)
+        yield start
 
 
-@pytest.fixture
-def page(chromium, request, server):
-    browser = chromium()
+@contextlib.contextmanager
+def opened(browser, url: str, name: str, pipelines: int):
+    """A page of the server at `url`; at the end its screenshot, and no script error."""
     page = browser.new_page(viewport={"width": 1000, "height": 900})
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.goto(server.url + "/")
-    expect(page.get_by_label("Pipeline", exact=True).locator("option")).to_have_count(2)
-    yield page
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{request.node.name}.png"), full_page=True)
-    browser.close()
+    page.goto(url + "/")
+    expect(page.get_by_label("Pipeline", exact=True).locator("option")).to_have_count(pipelines)
+    try:
+        yield page
+    finally:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        browser.close()
     assert not errors, f"the page's script failed: {errors}"
+
+
+@pytest.fixture
+def page(chromium, microphone, request, server):
+    with opened(chromium(microphone), server.url, request.node.name, 2) as page:
+        yield page
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +145,58 @@ def test_a_file_that_is_not_audio_shows_the_apis_message(page, tmp_path):
     page.get_by_label("Audio file", exact=True).set_input_files(str(junk))
     page.get_by_role("button", name="Transcribe", exact=True).click()
     expect(page.get_by_role("alert")).to_contain_text("invalid file: the file is not audio", timeout=30_000)
+
+
+# The real speech weights (omni_speech's tts and asr on the user's converted voice and Whisper, `make models`),
+# found as plugins/omni_speech/tests/conftest.py finds them; read before a session's omni_cache moves the cache.
+USER_CACHE = cache_dir()
+SENTENCE = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    weights = pytest.importorskip("omni_speech.weights", reason="omni-speech is not installed")
+    paths = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        for key, model in (("tts_model", weights.VOICE), ("asr_model", weights.WHISPER)):
+            paths[key] = weights.fetched(model)
+            if paths[key] is None:
+                pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it")
+    tmp = tmp_path_factory.mktemp("serve-audio-page-real")
+    args = ["--pipeline", "tts", "--pipeline", "asr", *(a for k, p in paths.items() for a in ("-c", f"{k}={p}")),
+            "--output-dir", str(tmp / "out"), "--shutdown-timeout", "5"]
+    with running(args, tmp / "server.log") as proc:
+        yield proc
+
+
+@pytest.mark.real_model
+def test_the_real_voice_plays_and_whisper_transcribes_it_through_the_microphone(chromium, real_server, tmp_path,
+                                                                                 request):
+    """The page speaks with the real voice; the fake microphone plays that voice's sound (then a second of
+    silence, looped), the page records it and the real Whisper writes it down."""
+    pcm = httpx.post(real_server.url + "/v1/audio/speech", timeout=120, json={
+        "model": "tts", "voice": "alloy", "input": SENTENCE, "response_format": "pcm"}).content
+    microphone = tmp_path / "speech.wav"
+    with wave.open(str(microphone), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(pcm + b"\0" * 48000)
+    seconds = len(pcm) / 48000 + 1
+    with opened(chromium(microphone), real_server.url, request.node.name, 2) as page:
+        page.get_by_label("Pipeline", exact=True).select_option("tts")
+        expect(page.get_by_label("Voice", exact=True)).to_have_value("joe")
+        page.get_by_label("Text", exact=True).fill(SENTENCE)
+        page.get_by_role("button", name="Speak", exact=True).click()
+        expect(page.get_by_role("status", name="Speech status")).to_contain_text("spoken:", timeout=60_000)
+        assert float(page.get_by_role("status", name="Speech status").text_content().split()[1]) > 1.5
+        page.get_by_label("Pipeline", exact=True).select_option("asr")
+        page.get_by_role("button", name="Record", exact=True).click()
+        expect(page.get_by_role("status", name="Recording status")).to_have_text("recording")
+        page.wait_for_timeout(int(2 * seconds * 1000))  # a whole pass of the sentence, wherever the loop began
+        page.get_by_role("button", name="Stop", exact=True).click()
+        transcript = page.get_by_role("log", name="Transcript")
+        expect(transcript).to_contain_text(re.compile("quick brown fox", re.I), timeout=60_000)
+        expect(transcript).to_have_attribute("aria-busy", "false", timeout=60_000)
+        expect(page.get_by_role("alert")).to_have_text("")
