@@ -4,6 +4,7 @@ s16le), with the ffmpeg binary imageio-ffmpeg ships (encoders libmp3lame, flac, 
 `write_audio` writes a whole file atomically (omni_kernel.util.files.atomic_path: an error or a kill leaves no
 partial file). `StreamEncoder` encodes as the audio comes: `feed` a chunk, get the bytes ffmpeg has made so far;
 `close` gives the rest. A wav stream's header says "length unknown" (all sizes 0xFFFFFFFF), as streamed WAV does.
+`encoded_stream` turns a request's events (`Omni.generate_stream`) into the encoded file's bytes as they come.
 For the CLI and the Python API; `omni serve` has its own encoder (it does not import this plugin).
 """
 
@@ -14,9 +15,11 @@ import struct
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from omni_kernel.core.errors import RequestError
+from omni_kernel.core.events import AudioDelta, RequestFailed
 from omni_kernel.core.request import Audio
 from omni_kernel.util.files import atomic_path
 
@@ -126,6 +129,27 @@ class StreamEncoder:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+
+def encoded_stream(events: Iterable, fmt: str) -> Iterator[bytes]:
+    """The bytes of a speech request's audio in `fmt`, encoded as its AudioDeltas come (e.g.
+    `encoded_stream(Omni("tts").generate_stream("Hello."), "mp3")`); a failed request raises its error."""
+    encoder: StreamEncoder | None = None
+    try:
+        for event in events:
+            if isinstance(event, AudioDelta):
+                encoder = encoder or StreamEncoder(event.sample_rate, fmt)
+                block = encoder.feed(event.pcm)
+                if block:
+                    yield block
+            elif isinstance(event, RequestFailed):
+                raise event.exception()
+        if encoder is not None:
+            yield encoder.close()
+            encoder = None
+    finally:
+        if encoder is not None:
+            encoder.abort()
 
 
 def _ffmpeg_command(sample_rate: int, fmt: str) -> list[str]:

@@ -68,3 +68,13 @@ def test_the_real_voice_speaks_a_sentence(voice_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.stat().st_size > 1000 and "tts.voice" in result.output and '"joe"' in result.output
     assert "tts.audio_seconds" in result.output
+
+
+@pytest.mark.cli_subprocess
+def test_the_plugin_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, omni_speech.plugin; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip() == "[]"

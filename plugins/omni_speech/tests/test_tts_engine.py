@@ -125,3 +125,12 @@ def test_the_output_file_is_written_in_its_extensions_format(omni, tmp_path):
     result = omni.generate("Write me.", output=str(path), seed=1)
     assert result.path == str(path) and path.read_bytes()[:4] == b"fLaC"
     assert result.trace["tts.format"] == "flac"
+
+
+def test_the_audio_streams_encoded_as_it_comes(omni):
+    from omni_speech.audio_out import encoded_stream
+
+    blocks = list(encoded_stream(omni.generate_stream(TEXT, seed=2), "wav"))
+    assert blocks[0].startswith(b"RIFF") and len(blocks) >= 3  # the header with the first sentence, then one each
+    pcm = omni.generate(TEXT, seed=2).output.data[AUDIO].pcm
+    assert b"".join(blocks)[44:] == pcm
