@@ -78,13 +78,12 @@ def _read_voice(path: str):
 
 
 def _load_voice(key: tuple):
+    import torch
     from omni_hf import quiet_hf_load, torch_dtype
 
     from .vits_decoder import load_voice
 
     path, dtype, device = key
-    import torch
-
     with quiet_hf_load(["transformers"]):
         return load_voice(path, dtype=torch_dtype(dtype, "tts_dtype") or torch.float32, device=device)
 
