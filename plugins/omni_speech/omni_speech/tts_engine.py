@@ -101,13 +101,19 @@ class TTSInputs(Inputs):
             if not params.output.strip():
                 raise InvalidParameter("output", "is empty; name a file such as out.wav, or leave it out")
             check_output_path(params.output, "output")
+        self._chunks(item.prompt)
+
+    def _chunks(self, text: str) -> list[Chunk]:
+        """The text's chunks (phonemizing is model-free and takes milliseconds: the check runs it too)."""
+        chunks = self.voice.chunks(text)
+        if not chunks:
+            raise nothing_to_say()
+        return chunks
 
     def process(self, item: StageInput) -> StageInput:
         self.check(item)
         params: TTSParams = item.params or TTSParams()
-        chunks = self.voice.chunks(item.prompt)
-        if not chunks:
-            raise nothing_to_say()
+        chunks = self._chunks(item.prompt)
         voice = self.voice
         noise_scale = voice.noise_scale if params.noise_scale is None else params.noise_scale
         noise_w = voice.noise_w if params.noise_w is None else params.noise_w

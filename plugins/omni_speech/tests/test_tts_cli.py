@@ -37,11 +37,23 @@ BAD = [
 ]
 
 
+@pytest.fixture(scope="module")
+def voice_without_weights(tiny_voice, tmp_path_factory):
+    """The tiny voice's config and voice file, no weights: a request that reached model work would fail otherwise."""
+    import shutil
+
+    path = tmp_path_factory.mktemp("no_weights")
+    for name in ("config.json", "omni_voice.json"):
+        shutil.copy(tiny_voice / name, path / name)
+    return path
+
+
 @pytest.mark.parametrize("args,expected", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
-def test_bad_input_is_one_line_exit_2_and_no_file(tiny_voice, tmp_path, args, expected):
+def test_bad_input_is_one_line_exit_2_before_model_work_and_no_file(voice_without_weights, tmp_path, args, expected):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    result = _run(tiny_voice, *args, "--output", str(tmp_path / "out.wav")) if "--output" not in args else \
-        _run(tiny_voice, *args)
+    if "--output" not in args:
+        args += ["--output", str(tmp_path / "out.wav")]
+    result = _run(voice_without_weights, *args)
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.output
