@@ -28,11 +28,18 @@ AUDIO_OUTPUT_SYNCHRONOUS = 0x02
 CHARS_AUTO = 0
 PHONEMES_IPA = 0x02
 ENCODING_UTF_8 = 19  # espeak_ng_ENCODING: the fallback for bytes that are not UTF-8 (a Python str never has any)
-# Clause terminators as espeak-ng's ReadClause returns them (pause | intonation | type), and what Piper writes
-CLAUSE_TYPE_SENTENCE = 0x00080000
-TERMINATORS = {40 | 0x00000 | CLAUSE_TYPE_SENTENCE: ".", 40 | 0x2000 | CLAUSE_TYPE_SENTENCE: "?",
-               45 | 0x3000 | CLAUSE_TYPE_SENTENCE: "!", 20 | 0x1000 | 0x40000: ",", 30 | 0x0000 | 0x40000: ":",
-               30 | 0x1000 | 0x40000: ";"}
+# Clause terminators as espeak-ng's ReadClause returns them (pause | intonation | type, readclause.h), masked with
+# TERMINATOR_MASK as Piper masks them, and what Piper writes for each; any other value (the end of the text, a
+# paragraph, a clause cut for length, an ellipsis) writes nothing.
+TERMINATOR_MASK = 0x000FFFFF
+INTONATION_FULL_STOP, INTONATION_COMMA, INTONATION_QUESTION, INTONATION_EXCLAMATION = 0x0000, 0x1000, 0x2000, 0x3000
+CLAUSE_TYPE_CLAUSE, CLAUSE_TYPE_SENTENCE = 0x00040000, 0x00080000
+TERMINATORS = {40 | INTONATION_FULL_STOP | CLAUSE_TYPE_SENTENCE: ".",
+               40 | INTONATION_QUESTION | CLAUSE_TYPE_SENTENCE: "?",
+               45 | INTONATION_EXCLAMATION | CLAUSE_TYPE_SENTENCE: "!",
+               20 | INTONATION_COMMA | CLAUSE_TYPE_CLAUSE: ",",
+               30 | INTONATION_FULL_STOP | CLAUSE_TYPE_CLAUSE: ":",
+               30 | INTONATION_COMMA | CLAUSE_TYPE_CLAUSE: ";"}
 NOT_A_BOUNDARY = (",", ":", ";")  # Piper adds a space after these: the sentence goes on
 _LANGUAGE_SWITCH = re.compile(r"\([^)]+\)")  # "(fr)" around words espeak read in another language
 
@@ -192,7 +199,7 @@ class Espeak:
         self.translate(self.translator.value, None, None, ctypes.byref(terminator))
         following = self.lib.text_decoder_get_buffer(self.decoder.value)
         phonemes = (self.phoneme_string(PHONEMES_IPA) or b"").decode("utf-8")
-        return phonemes, terminator.value & 0x000FFFFF, following
+        return phonemes, terminator.value & TERMINATOR_MASK, following
 
     def _set_voice(self, voice: str) -> None:
         if voice == self.voice:
