@@ -73,7 +73,7 @@ def test_python_api_returns_the_text(asr, recordings):
 
 
 def test_batched_equals_generate_alone(whisper_dir, recordings, long_clip):
-    """The three recordings (without and with timestamps), a prompted one and the 52-second clip (long-form: several
+    """The three recordings, one with timestamps, a prompted one and the 52-second clip (long-form: several
     windows, transformers' seek) decoded together: each request's tokens are generate's on it alone (fp32)."""
     stages = ASRStages()
     settings = stages.engine_settings(None, ASRConfig(asr_model=str(whisper_dir), asr_device="cpu"), None)
@@ -81,8 +81,8 @@ def test_batched_equals_generate_alone(whisper_dir, recordings, long_clip):
     assets = stages.asset(settings)
     inputs = ASRInputs(assets)
     model = stages.models.acquire(settings.model).model
-    cases = {f"{name}{'+t' if ts else ''}": (path, ts, "") for name, (path, _) in recordings.items()
-             for ts in (False, True)}
+    cases = {name: (path, False, "") for name, (path, _) in recordings.items()}
+    cases["timestamps"] = (recordings["quick_brown_fox"][0], True, "")
     cases["prompted"] = (recordings["counting"][0], False, "One, two, three, four.")
     cases["long"] = (long_clip, False, "")
     for rid, (path, timestamps, prompt) in cases.items():
@@ -108,21 +108,19 @@ def _run(whisper_dir, *args):
     return CliRunner().invoke(main, ["run", "--pipeline", "asr", "--asr-model", str(whisper_dir), *args])
 
 
-def test_cli_prints_the_transcript_and_segments(whisper_dir, recordings, long_clip):
+def test_cli_prints_the_transcript_and_segments(whisper_dir, recordings):
     path, said = recordings["hello_world"]
     result = _run(whisper_dir, "--audio", str(path))
     assert result.exit_code == 0, result.output
     assert squash(result.stdout.strip().splitlines()[0]) == squash(said)
-    result = _run(whisper_dir, "--audio", str(long_clip), "--json")
+    path, said = recordings["counting"]
+    result = _run(whisper_dir, "--audio", str(path), "--json", "--timestamps")
     assert result.exit_code == 0, result.output
     body = json.loads(result.stdout)
+    assert squash(body["output"]["text"]) == squash(said) and body["trace"]["asr.timestamps"] is True
     segments = body["output"]["segments"]
-    assert len(segments) >= 4 and body["trace"]["asr.windows"] >= 2 and body["trace"]["asr.timestamps"] is True
-    assert all(a["end"] <= b["start"] + 0.01 for a, b in zip(segments, segments[1:]))
-    seconds = decode(long_clip).seconds
-    assert seconds - 3 < segments[-1]["end"] <= seconds + 0.01
-    assert squash(body["output"]["text"]) == squash(" ".join(s["text"] for s in segments))
-    assert squash(body["output"]["text"]).count("quickbrownfox") == 4
+    assert segments and 0 <= segments[0]["start"] < segments[-1]["end"] <= decode(path).seconds + 0.01
+    assert squash(" ".join(s["text"] for s in segments)) == squash(said)
 
 
 def test_cli_refuses_bad_input_before_loading(whisper_dir, recordings, tmp_path, monkeypatch):
@@ -143,3 +141,24 @@ def test_cli_refuses_bad_input_before_loading(whisper_dir, recordings, tmp_path,
         result = _run(whisper_dir, *args)
         lines = result.output.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1 and expected in lines[0], (args, result.output)
+
+
+def test_streamed_text_is_the_final_text(asr, recordings, long_clip):
+    """Text deltas arrive as tokens decode (with timestamps: up to the last complete segment) and add up to the final
+    text exactly, with and without timestamps (one segment: its text comes whole, when its window ends). The long
+    clip's segments follow one another over its whole length."""
+    for audio, params, least in ((recordings["quick_brown_fox"][0], {}, 5),
+                                 (recordings["counting"][0], {"timestamps": True}, 1), (long_clip, {}, 2)):
+        deltas, result = [], None
+        for event in asr.generate_stream(audio=str(audio), **params):
+            if type(event).__name__ == "TokenDelta":
+                deltas.append(event.text)
+            elif type(event).__name__ == "RequestFinished":
+                result = event.result
+        assert len(deltas) >= least and "".join(deltas) == result.text, deltas
+    segments, seconds = result.output.data[SEGMENTS], decode(long_clip).seconds
+    assert len(segments) >= 4 and result.trace["asr.windows"] >= 2 and result.trace["asr.timestamps"] is True
+    assert all(a.end <= b.start + 0.01 for a, b in zip(segments, segments[1:]))
+    assert seconds - 3 < segments[-1].end <= seconds + 0.01
+    assert squash(result.text) == squash(" ".join(s.text for s in segments))
+    assert squash(result.text).count("quickbrownfox") == 4
