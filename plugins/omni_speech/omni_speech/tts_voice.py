@@ -21,10 +21,10 @@ from omni_kernel.core.errors import InputError, ModelError
 
 from . import phonemes
 from .phonemes import Clause
+from .piper_onnx import VOICE_FILE
 
 log = logging.getLogger("omni")
 
-VOICE_FILE = "omni_voice.json"  # piper_onnx.VOICE_FILE: written beside config.json by the conversion
 # The chunking rule (`Voice.chunks`), in phonemes (IPA code points; about 12-15 a second of speech):
 FIRST_CHUNK_SPLIT = 100  # a first sentence longer than this is split at its first clause boundary past...
 FIRST_CHUNK_MIN = 20  # ...this many phonemes, so the first audio comes early

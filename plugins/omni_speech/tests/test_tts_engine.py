@@ -134,3 +134,21 @@ def test_the_audio_streams_encoded_as_it_comes(omni):
     assert blocks[0].startswith(b"RIFF") and len(blocks) >= 3  # the header with the first sentence, then one each
     pcm = omni.generate(TEXT, seed=2).output.data[AUDIO].pcm
     assert b"".join(blocks)[44:] == pcm
+
+
+def test_a_vits_directory_without_a_voice_file_speaks_through_its_own_tokenizer(tmp_path):
+    """An MMS-TTS-like directory: its VitsTokenizer makes the ids; its voice is named after the directory."""
+    import json
+
+    from transformers import VitsTokenizer
+
+    from omni_kernel import Omni
+
+    path = make_tiny_voice(tmp_path / "mms_like")
+    (path / "omni_voice.json").unlink()
+    (tmp_path / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate("_ abcdefghijklmnopqrstuvwxyz'.,?!")}))
+    VitsTokenizer(str(tmp_path / "vocab.json"), pad_token="_", add_blank=True, phonemize=False).save_pretrained(path)
+    with Omni("tts", tts_model=str(path)) as omni:
+        events = list(omni.generate_stream("Hello world. Second one!", seed=1, voice="mms_like"))
+    assert [e.text for e in events if isinstance(e, AudioDelta)] == ["Hello world.", "Second one!"]
+    assert events[-1].result.trace["tts.voice"] == "mms_like"
