@@ -1,10 +1,10 @@
-"""The `tts.vits` stage: input processing (model-free), the engine (a StepScheduler and a runner that synthesizes
-the next chunk of every request in flight in one forward) and the output processing (one AudioDelta per chunk, then
-the whole Audio, the file when one was asked for, the usage and the trace).
+"""The `tts.vits` stage: input processing (model-free), the engine (a step scheduler and a runner that synthesizes
+the next chunk of every request of the step in one forward) and the output processing (one AudioDelta per chunk,
+then the whole Audio, the file when one was asked for, the usage and the trace).
 
-A request's steps are its chunks (tts_voice.Voice.chunks: sentences, a short first one). The scheduler keeps one
-record per request; the runner keeps its batch sizes and step times in the record's `state`, the output processor
-its audio so far in `output`.
+A request's steps are its chunks (tts_voice.Voice.chunks: sentences, a short first one). The scheduler
+(FewestStepsFirst) keeps one record per request; the runner keeps its batch sizes and step times in the record's
+`state`, the output processor its audio so far in `output`.
 
 Trace keys: tts.input_chars, tts.sentences (chunks), tts.voice, tts.seed (drawn when the request gave none),
 tts.audio_seconds, tts.rtf (the seconds of the steps that synthesized the request over the seconds of audio they
@@ -229,6 +229,19 @@ class TTSOutputs:
         return trace
 
 
+@attrs.define
+class FewestStepsFirst(StepScheduler):
+    """A StepScheduler whose step takes the `max_batch` requests with the fewest chunks spoken so far (the earlier
+    arrival first among equals): a request that arrives while others are in flight gets its first chunk in the
+    next step, instead of after every request before it has spoken its whole text. A request is passed over only
+    by requests behind it in their texts, which then catch up with it."""
+
+    def schedule(self) -> SchedulerOutput:
+        ready = [job for job in self.queue if job.pending is None]
+        batch = sorted(ready, key=lambda job: job.step)[:self.max_batch]  # a stable sort: arrival order among equals
+        return self._output(batch)
+
+
 @attrs.frozen
 class TTSEngineSettings:
     """Everything a TTS engine depends on (its share key): the loaded model's key, the batch size and whether the
@@ -240,5 +253,5 @@ class TTSEngineSettings:
 
 
 def build_engine(model, settings: TTSEngineSettings) -> Engine:
-    scheduler = StepScheduler(max_batch=settings.max_batch, num_steps=lambda item: len(item.processed.chunks))
+    scheduler = FewestStepsFirst(max_batch=settings.max_batch, num_steps=lambda item: len(item.processed.chunks))
     return Engine(scheduler, TTSRunner(model, settings.batch_decoder))

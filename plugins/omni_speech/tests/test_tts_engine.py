@@ -152,3 +152,14 @@ def test_a_vits_directory_without_a_voice_file_speaks_through_its_own_tokenizer(
         events = list(omni.generate_stream("Hello world. Second one!", seed=1, voice="mms_like"))
     assert [e.text for e in events if isinstance(e, AudioDelta)] == ["Hello world.", "Second one!"]
     assert events[-1].result.trace["tts.voice"] == "mms_like"
+
+
+def test_a_request_that_arrives_later_speaks_its_first_sentence_before_the_others_go_on(tiny_voice):
+    from omni_kernel import Omni
+
+    with Omni("tts", tts_model=str(tiny_voice), tts_max_batch=2) as omni:
+        requests = [omni.request("One. Two. Three.", seed=i) for i in range(3)]
+        order = [(e.request_id, e.text) for e in omni.run(requests) if isinstance(e, AudioDelta)]
+    late = requests[2].request_id
+    assert order.index((late, "One.")) < order.index((requests[0].request_id, "Two."))
+    assert sorted(order) == sorted((r.request_id, t) for r in requests for t in ("One.", "Two.", "Three."))
