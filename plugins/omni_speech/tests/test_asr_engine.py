@@ -11,6 +11,7 @@ from transformers import GenerationConfig, WhisperConfig, WhisperForConditionalG
 from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
 from omni_kernel.core.engine import Engine
+from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.request import StageInput
 from omni_speech.asr_config import ASRParams
 from omni_speech.asr_engine import ASRRunner, ASRScheduler, WindowLimits
@@ -151,3 +152,59 @@ def test_window_rule_equals_transformers(seed):
     assert [(round(s.start, 6), round(s.end, 6)) for s in ours.segments] == [
         (round(float(s["start"]), 6), round(float(s["end"]), 6)) for s in theirs]
     assert ours.advance == (int(offset) if int(offset) > 0 else frames)
+
+
+LANGUAGES = {"<|en|>": 50259, "<|zh|>": 50260, "<|de|>": 50261, "<|es|>": 50262, "<|ru|>": 50263, "<|ko|>": 50264,
+             "<|fr|>": 50265}
+
+
+def multilingual_generation() -> GenerationConfig:
+    values = {**generation_config().to_dict(), "eos_token_id": 50257, "pad_token_id": 50257, "bos_token_id": 50258,
+              "decoder_start_token_id": 50258, "no_timestamps_token_id": 50363, "prev_sot_token_id": 50361,
+              "is_multilingual": True, "lang_to_id": LANGUAGES, "task_to_id": {"translate": 50358, "transcribe": 50359},
+              "begin_suppress_tokens": [220, 50257]}
+    return GenerationConfig(**values)
+
+
+def test_multilingual_language_detected_or_given_as_generate(tmp_path):
+    """A multilingual model: the language detected from the first window when not given (transformers'
+    detect_language), or the one given, then <|transcribe|> (always, as OpenAI's decoding: transformers adds it when
+    told the task); in a batch, tokens equal generate alone."""
+    config = WhisperConfig(vocab_size=51865, num_mel_bins=80, d_model=32, encoder_layers=1, decoder_layers=2,
+                           encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                           decoder_ffn_dim=64, decoder_start_token_id=50258, eos_token_id=50257, pad_token_id=50257,
+                           bos_token_id=50258, init_std=0.3)
+    torch.manual_seed(1)
+    model = WhisperForConditionalGeneration(config).eval()
+    model.generation_config = multilingual_generation()
+    found = WhisperAssets(None, None, multilingual_generation(), 448)
+    assert found.multilingual and found.languages() == ["de", "en", "es", "fr", "ko", "ru", "zh"]
+    assert found.language_id("French") == found.language_id("fr") == 50265
+    with pytest.raises(InvalidParameter, match="'xx' is not a language of the model; valid: de, en, es"):
+        found.language_id("xx")
+    engine = Engine(ASRScheduler(WindowLimits.of(found), 4), ASRRunner(WhisperForward(model, 4), found))
+    cases = {"detect": (clip(30, 3000), None), "fr": (clip(31, 3000), "fr"), "detect2": (clip(32, 3000), None)}
+    for rid, (features, language) in cases.items():
+        processed = ASRInput(features, 3000, 30.0, False, (), found.language_id(language), 0.0, None)
+        engine.add_request(StageInput(rid, "", params=ASRParams(), processed=processed))
+    got = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            if out.finished:
+                got[out.request_id] = ([t for s in out.record.segments for t in s.tokens], out.record.decoder_prompt)
+    for rid, (features, language) in cases.items():
+        out = model.generate(torch.from_numpy(features)[None], generation_config=multilingual_generation(),
+                             language=language, task="transcribe", return_dict_in_generate=True)
+        expected = [t for t in out.sequences[0].tolist() if t != 50257]
+        tokens, prompt = got[rid]
+        assert tokens == expected[len(prompt):], rid
+        assert list(prompt) == expected[: len(prompt)], rid
+
+
+def test_english_only_model_takes_english_only():
+    found = assets()
+    assert not found.multilingual and found.languages() == ["en"]
+    assert found.language_id("en") is None and found.language_id("English") is None
+    with pytest.raises(InvalidParameter, match="'fr' is not a language of an English-only model; valid: en"):
+        found.language_id("fr")
