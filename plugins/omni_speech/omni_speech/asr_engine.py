@@ -171,11 +171,12 @@ class ASRScheduler:
 @attrs.define(eq=False)
 class RowState:
     """The runner's part of a request: its KV pool slot (from its first step), its sampler, and its open window's
-    logits processors."""
+    first generated position and timestamp rule (None: decoded without timestamps)."""
 
     slot: int | None
     generator: Any = None
-    processors: list = attrs.Factory(list)
+    begin: int = 0
+    timestamps: Any = None
 
 
 class ASRRunner:
@@ -184,6 +185,7 @@ class ASRRunner:
     def __init__(self, forward, assets: WhisperAssets):
         self.forward = forward
         self.assets = assets
+        self.suppress, self.begin_suppress = suppression(assets, forward.model.config.vocab_size)
 
     def add_request(self, record: ASRJob) -> None:
         import torch
@@ -211,9 +213,9 @@ class ASRRunner:
             logits = self.forward.step([job.tokens[-1] for job in going],
                                        [len(job.decoder_prompt) + len(job.tokens) - 1 for job in going],
                                        [job.state.slot for job in going])
-            for job, row in zip(going, logits):
-                results[job.request_id] = Decoded(self._choose(job, job.decoder_prompt + tuple(job.tokens), row),
-                                                  step_batch=size)
+            chosen = self._choose(going, [job.decoder_prompt + tuple(job.tokens) for job in going], logits)
+            for job, token in zip(going, chosen):
+                results[job.request_id] = Decoded(token, step_batch=size)
         if opening:
             for job in opening:  # a slot from its first step on (the scheduler runs at most the pool's size)
                 if job.state.slot is None:
@@ -223,8 +225,8 @@ class ASRRunner:
             self.forward.encode(features, slots)
             prompts = [self._open(job, slots) for job in opening]
             logits = self.forward.prefill(prompts, slots)
-            for job, prompt, row in zip(opening, prompts, logits):
-                results[job.request_id] = Decoded(self._choose(job, prompt, row), prompt, size, len(opening))
+            for job, prompt, token in zip(opening, prompts, self._choose(opening, prompts, logits)):
+                results[job.request_id] = Decoded(token, prompt, size, len(opening))
         return results
 
     def _window(self, job: ASRJob):
@@ -236,13 +238,15 @@ class ASRRunner:
         return np.ascontiguousarray(features)
 
     def _open(self, job: ASRJob, slots: list[int]) -> tuple[int, ...]:
-        """The window's decoder prompt (the previous-text prompt, then the init tokens) and its logits processors."""
+        """The window's decoder prompt (the previous-text prompt, then the init tokens); its logits rules start
+        after it."""
         processed = job.processed
         language = processed.language_id
         if language is None and self.assets.multilingual:
             language = self._detect(job)
         prompt = processed.prompt + self.assets.decoder_prompt(language, processed.timestamps)
-        job.state.processors = processors(self.assets, len(prompt), processed.timestamps)
+        job.state.begin = len(prompt)
+        job.state.timestamps = timestamp_rule(self.assets, len(prompt)) if processed.timestamps else None
         return prompt
 
     def _detect(self, job: ASRJob) -> int:
@@ -253,34 +257,44 @@ class ASRRunner:
         logits = self.forward.prefill([(self.assets.generation.decoder_start_token_id,)], [job.state.slot])[0]
         return int(ids[logits[ids].argmax()])
 
-    def _choose(self, job: ASRJob, sequence: tuple[int, ...], logits) -> int:
+    def _choose(self, jobs: list[ASRJob], sequences: list[tuple[int, ...]], logits) -> list[int]:
+        """Each row's next token under generate's logits rules, in its order: the begin tokens suppressed at a
+        window's first position, the suppressed tokens always, then the timestamp rule; greedy, or sampled with the
+        request's own generator."""
         import torch
 
-        ids = torch.tensor([sequence], dtype=torch.long)
-        scores = logits[None].float()
-        for processor in job.state.processors:
-            scores = processor(ids, scores)
-        if job.state.generator is None:
-            return int(scores[0].argmax())
-        probs = torch.softmax(scores[0] / job.processed.temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=job.state.generator))
+        with torch.inference_mode():
+            scores = logits.float().clone()
+            scores[:, self.suppress] = -float("inf")
+            for row, (job, sequence) in enumerate(zip(jobs, sequences)):
+                if len(sequence) == job.state.begin:
+                    scores[row, self.begin_suppress] = -float("inf")
+                if job.state.timestamps is not None:
+                    scores[row: row + 1] = job.state.timestamps(torch.tensor([sequence]), scores[row: row + 1])
+            chosen = scores.argmax(dim=-1).tolist()
+            for row, job in enumerate(jobs):
+                if job.state.generator is not None:
+                    probs = torch.softmax(scores[row] / job.processed.temperature, dim=-1)
+                    chosen[row] = int(torch.multinomial(probs, 1, generator=job.state.generator))
+        return chosen
 
 
-def processors(assets: WhisperAssets, begin_index: int, timestamps: bool) -> list:
-    """transformers' Whisper logits processors for one window, in generate's order: suppress the begin tokens at
-    the first position, suppress the suppressed tokens, keep timestamps well formed."""
-    from transformers.generation.logits_process import (
-        SuppressTokensAtBeginLogitsProcessor,
-        SuppressTokensLogitsProcessor,
-        WhisperTimeStampLogitsProcessor,
-    )
+def suppression(assets: WhisperAssets, vocab_size: int):
+    """The generation config's suppressed tokens and the tokens suppressed at a window's first position, as masks
+    over the vocabulary (what transformers' SuppressTokens and SuppressTokensAtBegin processors set to -inf)."""
+    import torch
 
-    generation = assets.generation
-    out = []
-    if getattr(generation, "begin_suppress_tokens", None):
-        out.append(SuppressTokensAtBeginLogitsProcessor(generation.begin_suppress_tokens, begin_index))
-    if getattr(generation, "suppress_tokens", None):
-        out.append(SuppressTokensLogitsProcessor(generation.suppress_tokens))
-    if timestamps:
-        out.append(WhisperTimeStampLogitsProcessor(generation, begin_index))
-    return out
+    masks = []
+    for name in ("suppress_tokens", "begin_suppress_tokens"):
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        ids = [i for i in getattr(assets.generation, name, None) or () if 0 <= i < vocab_size]
+        mask[ids] = True
+        masks.append(mask)
+    return masks[0], masks[1]
+
+
+def timestamp_rule(assets: WhisperAssets, begin_index: int):
+    """transformers' WhisperTimeStampLogitsProcessor for a window whose generated tokens start at begin_index."""
+    from transformers.generation.logits_process import WhisperTimeStampLogitsProcessor
+
+    return WhisperTimeStampLogitsProcessor(assets.generation, begin_index)
