@@ -77,7 +77,9 @@ class WhisperAssets:
         return self.generation.lang_to_id[f"<|{code}|>"] if self.multilingual else None
 
     def decoder_prompt(self, language_id: int | None, timestamps: bool) -> tuple[int, ...]:
-        """A window's first decoder tokens (without the previous-text prompt): transformers' init tokens."""
+        """A window's first decoder tokens (without the previous-text prompt): <|startoftranscript|>, on a
+        multilingual model the language and <|transcribe|> (always, as OpenAI's decoding), and <|notimestamps|>
+        when decoded without timestamps."""
         tokens = [self.generation.decoder_start_token_id]
         if self.multilingual:
             tokens += [language_id, self.generation.task_to_id["transcribe"]]
