@@ -25,7 +25,7 @@ $(PY):
 # One pip call for everything. torch pinned in it: a plain `torch` requirement would pull a multi-GB CUDA build.
 # --no-build-isolation: the editable installs build with the venv's setuptools instead of a fresh build env each;
 # --no-compile: each module is byte-compiled when first imported instead of all 17,853 now (35 s instead of 77 s
-# on 2 cores, README "Tests").
+# on 2 cores, docs/testing.md).
 # PYTHONWARNINGS: without it setuptools prints a ten-line note for each editable install.
 INSTALL := PYTHONWARNINGS="ignore:Editable installation" $(PIP) install -q --no-compile --no-build-isolation -c constraints.txt
 $(STAMP): $(PY) pyproject.toml constraints.txt $(addsuffix /pyproject.toml,$(PLUGINS))
@@ -116,7 +116,7 @@ test-setup: lint download-smollm2 download-speech browser fixtures test-kernel-o
 
 # The developer loop: every suite (kernel, plugins, example plugin) without the tiers that start something or need
 # real weights (markers in pyproject.toml). Needs neither `make models` nor `make fixtures`. Two pytest-xdist
-# workers: 35 s for 700 tests on 2 cores (README, "Tests"); FAST_WORKERS=0 runs it in one process.
+# workers: under a minute on 2 cores (docs/testing.md); FAST_WORKERS=0 runs it in one process.
 FAST_TIERS := not process and not server and not cli_subprocess and not real_model and not browser and not wheels
 FAST_WORKERS ?= 2
 test-fast: $(STAMP)
