@@ -41,6 +41,7 @@ import time
 import wave
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -393,9 +394,10 @@ def fastest(fn, repeats: int) -> float:
 
 def tts_bound(omni: OmniTTS, onnx: Path, voice_dir: Path, threads: int, repeats: int) -> dict:
     """Per sentence (ms), at `threads` and at 1 thread: one VITS forward of the first sentences of 8 texts, those
-    sentences one forward each (omni's tts_model.synthesize), and onnxruntime on each; and the audio seconds per
-    second of each. On a loaded machine a thread that loses its core holds up every one of the forward's few
-    hundred small parallel ops, which is why the 1-thread figures are here."""
+    sentences one forward each (omni's tts_model.synthesize), the batch with its decoder run row by row (no
+    padded frames), 8 rows of one length batched and alone (no padding at all), and onnxruntime on each; and the
+    audio seconds per second of each. On a loaded machine a thread that loses its core holds up every one of the
+    forward's few hundred small parallel ops, which is why the 1-thread figures are here."""
     import torch
 
     out = {}
@@ -415,10 +417,18 @@ def _tts_bound_at(model, piper: PiperTTS, repeats: int) -> dict:
     audio = sum(len(w) for w in synthesize(model, rows)) / voice.sample_rate
     batched = fastest(lambda: synthesize(model, rows), repeats)
     alone = fastest(lambda: [synthesize(model, [row]) for row in rows], repeats)
+    rowwise = fastest(lambda: synthesize(model, rows, batch_decoder=False), repeats)
+    # No padding: 8 rows of one sentence, noise_w 0 so that their durations (frames) are equal too.
+    same = [attrs.evolve(rows[1], noise_w=0.0, seed=i) for i in range(len(rows))]
+    same_batched = fastest(lambda: synthesize(model, same), repeats)
+    same_alone = fastest(lambda: [synthesize(model, [row]) for row in same], repeats)
     ort = fastest(lambda: [piper.speak(c.ids) for c in chunks], repeats)
     return {"sentences": len(rows), "audio_s": round(audio, 2),
             "omni_batched_ms_per_sentence": round(batched / len(rows) * 1000, 1),
+            "omni_batched_decoder_row_by_row_ms_per_sentence": round(rowwise / len(rows) * 1000, 1),
             "omni_alone_ms_per_sentence": round(alone / len(rows) * 1000, 1),
+            "omni_one_length_batched_ms_per_sentence": round(same_batched / len(same) * 1000, 1),
+            "omni_one_length_alone_ms_per_sentence": round(same_alone / len(same) * 1000, 1),
             "onnxruntime_ms_per_sentence": round(ort / len(rows) * 1000, 1),
             "omni_batched_audio_s_per_s": round(audio / batched, 2),
             "omni_alone_audio_s_per_s": round(audio / alone, 2), "onnxruntime_audio_s_per_s": round(audio / ort, 2)}
@@ -426,7 +436,9 @@ def _tts_bound_at(model, piper: PiperTTS, repeats: int) -> dict:
 
 def asr_bound(omni: OmniASR, faster: FasterWhisperASR, clips: list[Clip], repeats: int) -> dict:
     """Per 30-second window (ms): Whisper's encoder over 8 windows at once and one at a time (torch fp32, the
-    model omni's asr engine runs), and CTranslate2 int8's encoder (faster-whisper's) one at a time."""
+    model omni's asr engine runs), and CTranslate2 int8's encoder (faster-whisper's) one at a time. Every clip, of
+    any length up to 30 s, is one padded window: encoder_only_rtfx is the RTFx of a run that did nothing but
+    omni's encoder (the mean clip's seconds over one window's encoder time)."""
     import ctranslate2
     import torch
     from transformers import WhisperFeatureExtractor
@@ -444,7 +456,10 @@ def asr_bound(omni: OmniASR, faster: FasterWhisperASR, clips: list[Clip], repeat
     ct2 = faster.model.model
     views = [ctranslate2.StorageView.from_array(np.ascontiguousarray(f)) for f in features]
     int8 = fastest(lambda: [ct2.encode(v, to_cpu=True) for v in views], repeats)
-    return {"windows": len(batch), "torch_fp32_encoder_batched_ms_per_window": round(batched / len(batch) * 1000, 1),
+    mean_clip = statistics.mean(c.seconds for c in clips)
+    return {"windows": len(batch), "mean_clip_s": round(mean_clip, 2),
+            "encoder_only_rtfx": round(mean_clip / (min(batched, alone) / len(batch)), 2),
+            "torch_fp32_encoder_batched_ms_per_window": round(batched / len(batch) * 1000, 1),
             "torch_fp32_encoder_alone_ms_per_window": round(alone / len(batch) * 1000, 1),
             "ct2_int8_encoder_ms_per_window": round(int8 / len(batch) * 1000, 1)}
 
