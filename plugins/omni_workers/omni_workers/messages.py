@@ -7,11 +7,11 @@ worker hosts every stage of one share key). `Fds` precedes a message whose array
 (shared.py), in either direction. `Add` only passes between the threads of a worker.
 
 Each side has one dispatcher, a `match` on these classes: `worker.EngineLoop.handle` in a worker process,
-`StageActor.handle` in a Ray actor, `WorkerProcess.receive` in the front (a Ray stage reads its actor's replies
-and events directly). What a message carries is plain data; an event and a reply's value are pickled on their
-own (`Sealed`, `Reply.data`: transport.py), so one that cannot be pickled or unpickled fails its own request or
-call and the message around it always crosses; for the same reason the front seals the input it sends a Ray
-actor.
+`StageActor._dispatch` in a Ray actor (its remote `handle` only chooses now or queued), `WorkerProcess.receive` in
+the front (a Ray stage reads its actor's replies and events directly). What a message carries is plain data; an
+event and a reply's value are pickled on their own (`Sealed`, `Reply.data`: transport.py), so one that cannot be
+pickled or unpickled fails its own request or call and the message around it always crosses; for the same reason
+the front seals the input it sends a Ray actor.
 """
 
 from __future__ import annotations
