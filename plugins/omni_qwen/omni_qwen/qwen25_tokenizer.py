@@ -26,8 +26,7 @@ from pathlib import Path
 import attrs
 
 from omni_kernel.util.files import cache_dir
-
-from .registry_model import sha256_of  # one way of hashing a pinned download
+from omni_kernel.util.registry_wheels import sha256_of  # one way of hashing a pinned download
 
 LAST_ID = 151664  # <|file_sep|>, Qwen2.5's last added token; Qwen3 adds <tool_response> ... </think> after it
 SIZE = LAST_ID + 1

