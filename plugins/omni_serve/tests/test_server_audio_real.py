@@ -13,23 +13,16 @@ import subprocess
 import imageio_ffmpeg
 import pytest
 
-from omni_kernel.util.files import cache_dir
-
-from serving import running
+from serving import running, speech_weights
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
 weights = pytest.importorskip("omni_speech.weights", reason="omni-speech is not installed")
-# Read at import, before a session's omni_cache points OMNI_CACHE_DIR at a temporary directory (as
-# plugins/omni_speech/tests/conftest.py does).
-USER_CACHE = cache_dir()
 SENTENCE = "The quick brown fox jumps over the lazy dog. It was a bright cold day in April."
 
 
 def converted(model):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
-        path = weights.fetched(model)
+    path = speech_weights(weights, model)
     if path is None:
         pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it (make test does)")
     return path
