@@ -6,6 +6,7 @@ Screenshots go to build/test-artifacts/browser/."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 import math
 import re
@@ -149,6 +150,15 @@ def test_a_file_that_is_not_audio_shows_the_apis_message(page, tmp_path):
 SENTENCE = "The quick brown fox jumps over the lazy dog."
 
 
+def words(text: str) -> list[str]:
+    return re.sub(r"[^a-z0-9']+", " ", text.lower()).split()
+
+
+def words_matched(said: list[str], heard: list[str]) -> int:
+    """How many of the said words the heard ones hold in order (the best alignment over any pass of the loop)."""
+    return sum(block.size for block in difflib.SequenceMatcher(None, said, heard, autojunk=False).get_matching_blocks())
+
+
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
     weights = pytest.importorskip("omni_speech.weights", reason="omni-speech is not installed")
@@ -191,6 +201,10 @@ def test_the_real_voice_plays_and_whisper_transcribes_it_through_the_microphone(
         page.wait_for_timeout(int(2 * seconds * 1000))  # a whole pass of the sentence, wherever the loop began
         page.get_by_role("button", name="Stop", exact=True).click()
         transcript = page.get_by_role("log", name="Transcript")
-        expect(transcript).to_contain_text(re.compile("quick brown fox", re.I), timeout=60_000)
+        expect(transcript).to_contain_text(re.compile("lazy dog", re.I), timeout=60_000)
         expect(transcript).to_have_attribute("aria-busy", "false", timeout=60_000)
+        heard = words(transcript.text_content())
+        assert words_matched(words(SENTENCE), heard) >= len(words(SENTENCE)) - 1, (
+            f"Whisper heard {' '.join(heard)!r} for {SENTENCE!r} (one word in nine may go astray on the way "
+            "through the browser's recorder: tiny.en heard 'quit' for 'quick' on one CPU)")
         expect(page.get_by_role("alert")).to_have_text("")

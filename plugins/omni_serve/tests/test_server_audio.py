@@ -361,7 +361,7 @@ def encoders_of(pid: int) -> list[str]:
 
 
 def test_a_client_that_leaves_mid_speech_aborts_it_and_its_encoder(http, server):
-    text = "Quick. " + "This sentence is spoken slowly. " * 8
+    text = "Quick. " + "This sentence is spoken slowly. " * 40  # 12 s: it is still being spoken when the client leaves
     with http.stream("POST", "/v1/audio/speech", json={"model": "fake_tts", "voice": "ana", "input": text,
                                                         "response_format": "mp3"}) as r:
         next(r.iter_raw())

@@ -315,7 +315,11 @@ async function record(card) {
   showError(null);
   let stream;
   try {
-    stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+    // The sound as the microphone hears it: a call's noise suppression and gain control reshape speech that
+    // Whisper was trained to hear raw.
+    stream = await navigator.mediaDevices.getUserMedia({
+      audio: { noiseSuppression: false, autoGainControl: false },
+    });
   } catch (error) {
     showError(new ApiError(0, `the microphone is not available (${error.message})`));
     return;
