@@ -171,6 +171,15 @@ class ARParams:
                                    converter=lambda v: (v,) if isinstance(v, str) else tuple(v))
     max_tokens: int | None = option(None, help="most new tokens", type=int, flag="--max-tokens",
                                     validator=integer(1))
+    presence_penalty: float = option(0.0, help="subtracted from the logit of each token already generated (-2..2, "
+                                          "OpenAI's)", type=float, validator=number(-2, 2))
+    frequency_penalty: float = option(0.0, help="subtracted from a token's logit once per time it was generated "
+                                           "(-2..2, OpenAI's)", type=float, validator=number(-2, 2))
+    repetition_penalty: float = option(1.0, help="divides the positive and multiplies the negative logits of the "
+                                            "prompt's and generated tokens (1: off)", type=float,
+                                       validator=number(above=0))
+    min_p: float = option(0.0, help="drop tokens less likely than min_p times the most likely one (0: off)",
+                          type=float, validator=number(0, 1))
     ignore_eos: bool = option(False, help="keep generating past EOS (benchmarks)", type=bool, validator=boolean)
     stream: bool = option(False, help="print text as it is generated", type=bool, flag="--stream",
                           validator=boolean)
@@ -184,3 +193,8 @@ class ARParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty reads the request's tokens (the sampler keeps their counts only then)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -58,7 +58,8 @@ class ARModelRunner:
     def add_request(self, seq: ARSequence) -> None:
         params = seq.item.params if seq.item.params is not None else ARParams()
         constrained = self.grammars.constrain(seq.item) if self.grammars is not None else None
-        seq.state = ARRunnerState(Sampling.of(params), constrained, logprobs.wanted(params))
+        seq.state = ARRunnerState(Sampling.of(params, seq.token_ids, seq.num_prompt), constrained,
+                                   logprobs.wanted(params))
 
     def run(self, batch: ARSchedulerOutput) -> dict[str, int | Exception]:
         for seq in batch.preempted:  # they recompute from their first token later
