@@ -15,8 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 # Request parameters a client never sets: the server owns where files go and how text is delivered.
 SERVER_OWNED = frozenset({"output", "stream", "return_frames", "profile", "messages", "prompt"})
 # OpenAI fields accepted at their neutral value (and refused otherwise, naming the field).
-NEUTRAL = {"n": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-           "user": None, "logit_bias": (None, {}),
+NEUTRAL = {"n": (None, 1), "user": None, "logit_bias": (None, {}),
            "parallel_tool_calls": None, "service_tier": None, "store": None, "metadata": None}
 
 KIND_STATUS = {"invalid_parameter": 400, "bad_input": 400, "user": 400, "model": 422, "runtime": 500,
@@ -83,6 +82,12 @@ class SamplingFields(_Open):
     stream_options: StreamOptions | None = None
     n: int | None = None
     ignore_eos: bool | None = Field(None, description="extension: keep generating past EOS")
+    presence_penalty: float | None = Field(None, description="-2..2, over the tokens generated so far")
+    frequency_penalty: float | None = Field(None, description="-2..2, times each token's count in the output so far")
+    repetition_penalty: float | None = Field(None, description="extension (vLLM's): > 0, over the prompt's and "
+                                                               "output's tokens (1: off)")
+    min_p: float | None = Field(None, description="extension (vLLM's): 0..1, drop tokens less likely than min_p "
+                                                  "times the most likely one")
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -20,7 +20,9 @@ def sampling(body: SamplingFields) -> dict[str, Any]:
         raise APIError(400, "invalid max_tokens: max_tokens and max_completion_tokens disagree", "max_tokens")
     params = {"max_tokens": body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": body.seed,
-              "stop": body.stop, "ignore_eos": body.ignore_eos}
+              "stop": body.stop, "ignore_eos": body.ignore_eos, "presence_penalty": body.presence_penalty,
+              "frequency_penalty": body.frequency_penalty, "repetition_penalty": body.repetition_penalty,
+              "min_p": body.min_p}
     params = {k: v for k, v in params.items() if v is not None}
     params.update(structured_params(body.model_extra or {}))
     for key, value in (body.model_extra or {}).items():

@@ -96,6 +96,34 @@ def test_stop_string_ends_with_finish_reason_stop(client):
     assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
 
 
+def test_penalties_and_min_p_are_taken_and_applied_on_both_routes(http, client):
+    """`vllm bench serve`'s body (repetition_penalty 1.0 in every request, streamed, logprobs null) completes and
+    gives the text of the same request without it; a penalty changes greedy text, on completions and chats (the
+    demo model rarely repeats a token, so the penalties here reward repeating)."""
+    prompt, messages = "tell me a story", [{"role": "user", "content": "tell me a story"}]
+    bench = {"model": "ar_text", "prompt": prompt, "repetition_penalty": 1.0, "max_tokens": 16, "logprobs": None,
+             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    with http.stream("POST", "/v1/completions", json=bench) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert events[-1]["usage"]["completion_tokens"] == 16
+    kwargs = dict(model="ar_text", prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    assert streamed == plain
+    penalized = client.completions.create(frequency_penalty=-2.0, **kwargs).choices[0].text
+    assert penalized != plain
+    repeated = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "repetition_penalty": 0.3}})
+    assert repeated.choices[0].text != plain
+    chat = dict(model="ar_text", messages=messages, max_tokens=16, temperature=0)
+    plain_chat = client.chat.completions.create(**chat).choices[0].message.content
+    assert client.chat.completions.create(presence_penalty=-2.0, **chat).choices[0].message.content != plain_chat
+    sampled = client.chat.completions.create(**{**chat, "temperature": 0.8}, seed=3, presence_penalty=0.5,
+                                             frequency_penalty=-0.5, extra_body={"min_p": 0.1})
+    assert sampled.choices[0].finish_reason in ("length", "stop")
+
+
 def test_async_client_chat_and_completions(server):
     async def main():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -137,6 +165,13 @@ def test_sse_framing(http):
     ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
     ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
     ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, 400,
+     "presence_penalty"),
+    ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": "lots"}, 400,
+     "frequency_penalty"),
+    ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, 400,
+     "repetition_penalty"),
+    ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, 400, "min_p"),
     ({"model": "ar_text", "messages": [{"role": "user", "content": "x"}], "output": "/etc/x.mp4"}, 400, "output"),
     ({"model": "ar_text", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
     ({"model": "ar_text", "messages": []}, 400, "messages"),

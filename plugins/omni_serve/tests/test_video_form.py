@@ -19,8 +19,9 @@ def test_fields_are_converted_by_their_declared_type_and_lists_collected():
 
 
 @pytest.mark.parametrize("field, error, says", [
-    ("steps", APIError, ("no field 'steps'; valid fields: ignore_eos, input_reference, max_tokens, model, prompt, "
-                         "seed, size, stop, temperature, top_k, top_p$")),
+    ("steps", APIError, ("no field 'steps'; valid fields: frequency_penalty, ignore_eos, input_reference, max_tokens, "
+                         "min_p, model, presence_penalty, prompt, repetition_penalty, seed, size, stop, temperature, "
+                         "top_k, top_p$")),
     ("output", APIError, "set by the server"), ("max_tokens", InvalidParameter, "'x' is not a valid int")])
 def test_a_field_no_node_declares_or_a_bad_value_is_refused_by_name(field, error, says):
     with pytest.raises(error, match=says) as info:
