@@ -6,8 +6,9 @@ import attrs
 
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.errors import InvalidParameter
+from omni_kernel.core.graph import Join
 from omni_kernel.core.registry import NodeType, Registry
-from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.request import Piece, StageInput, StageOutput
 from omni_kernel.core.scheduler import StepScheduler
 from omni_kernel.core.stage import Outputs, Stage
 from omni_kernel.events import StageFinished, TokenDelta
@@ -103,13 +104,23 @@ def fake_engine(node_id: str, log: list, max_batch: int = 2, steps=default_steps
     return Engine(scheduler, runner)
 
 
-def fake_node_type(name: str, kind: str, log: list, **options) -> NodeType:
+def fake_node_type(name: str, kind: str, log: list, join: Join | None = None, **options) -> NodeType:
     """A node type whose stages run `fake_engine(node id, log, **options)`, one engine per node."""
-    return NodeType(name, kind, inputs={"image"},
+    return NodeType(name, kind, inputs={"image"}, join=join,
                     engine_settings=lambda node, config, policy: FakeEngineSettings(node.id, log, options),
                     engine=lambda s: fake_engine(s.node_id, s.log, **s.options),
                     stage=lambda node, config, policy, settings, engine: Stage(
                         node, kind, None, engine, ScriptedOutputs(node.id, log)))
+
+
+def merge_text(inputs: dict[str, StageInput], request) -> StageInput:
+    """A join's merge step: its inputs' prompts, by name, in one prompt."""
+    return StageInput(request.request_id, "join[" + "|".join(f"{name}={inputs[name].prompt}"
+                                                             for name in sorted(inputs)) + "]")
+
+
+def text_join(*inputs: str) -> Join:
+    return Join(inputs, merge_text)
 
 
 def holds(stage: Stage, request_id: str) -> bool:
@@ -133,11 +144,41 @@ class TagConnector:
                           trace={f"connector.{output.node_id}.{self.name}": True})
 
 
-def registry_with(node_kinds: dict[str, str], connectors, log: list, **stage_kwargs) -> Registry:
-    """A registry of fake node types (name -> kind) and the given connectors."""
+@attrs.frozen
+class StreamTagConnector(TagConnector):
+    """A TagConnector that can stream: each streamed TokenDelta's text is one piece."""
+
+    def splitter(self, request) -> WordSplitter:
+        return WordSplitter()
+
+
+class WordSplitter:
+    """Cuts a source's streamed text after each space; the rest at its end."""
+
+    def __init__(self):
+        self.buffer = ""
+
+    def feed(self, event) -> list[Piece]:
+        if not isinstance(event, TokenDelta):
+            return []
+        self.buffer += event.text
+        cut = self.buffer.rfind(" ") + 1
+        pieces = [Piece(word + " ") for word in self.buffer[:cut].split(" ")[:-1]]
+        self.buffer = self.buffer[cut:]
+        return pieces
+
+    def end(self, output) -> list[Piece]:
+        rest, self.buffer = self.buffer, ""
+        return [Piece(rest)] if rest else []
+
+
+def registry_with(node_kinds: dict[str, str], connectors, log: list, joins=None, **stage_kwargs) -> Registry:
+    """A registry of fake node types (name -> kind; `joins`: name -> the inputs it joins) and the given
+    connectors."""
     registry = Registry()
     for name, kind in node_kinds.items():
-        registry.add_node_type(fake_node_type(name, kind, log, **stage_kwargs), "tests")
+        join = text_join(*joins[name]) if joins and name in joins else None
+        registry.add_node_type(fake_node_type(name, kind, log, join=join, **stage_kwargs), "tests")
     for connector in connectors:
         registry.add_connector(connector, "tests")
     return registry

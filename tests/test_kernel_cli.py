@@ -288,7 +288,7 @@ def test_the_progress_bar_draws_one_line_per_phase(monkeypatch):
 
     class Fake:
         class graph:
-            final = "wan"
+            finals = ["wan"]
 
         @staticmethod
         def generate_stream(request):
@@ -299,7 +299,7 @@ def test_the_progress_bar_draws_one_line_per_phase(monkeypatch):
 
     err = _TTY()
     monkeypatch.setattr(sys, "stderr", err)
-    assert cli_run._drive(Fake, None, stream=False) == ("done", False)
+    assert cli_run._drive(Fake, None, stream=False) == ("done", set())
     lines = [line.split("\r")[-1] for line in err.getvalue().split("\n")[:-1]]  # each line as last drawn
     assert [line.split(" ")[:2] for line in lines] == [["wan", "denoise"], ["wan", "decode"]], lines
     assert " 3/3 [" in lines[0] and " 1/1 [" in lines[1], lines

@@ -24,8 +24,11 @@ IMPLEMENTATIONS = [
     ("InputProcessor", "omni_kernel.builtin.echo:EchoInputs"),
     ("OutputProcessor", "omni_kernel.core.stage:Outputs"),
     ("OutputProcessor", "omni_kernel.builtin.echo:EchoOutputs"),
+    ("StreamStage", "omni_kernel.core.stage:Stage"),
+    ("StreamInputs", "omni_kernel.core.stage:Inputs"),
+    ("StreamScheduler", "omni_kernel.core.scheduler:StepScheduler"),
 ]
-PLUGIN_ONLY = {"Connector"}  # the kernel has no implementation; plugins bring them
+PLUGIN_ONLY = {"Connector", "StreamConnector", "Splitter"}  # the kernel has no implementation; plugins bring them
 
 
 def load(path: str) -> type:

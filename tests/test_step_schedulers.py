@@ -129,3 +129,50 @@ def test_a_failed_background_step_fails_its_request():
     background.set_exception(OSError("disk full"))
     (out,) = scheduler.collect()
     assert isinstance(out.error, OSError) and out.finished is None and not scheduler.has_unfinished()
+
+
+# ---- open requests: an input that streams in (StageInput.stream, StepScheduler.extend) ----------------------
+
+def more(steps: int):
+    """What a stage's input processor does with a chunk, here: the request's input with `steps` steps."""
+    return lambda item: StageInput(item.request_id, item.prompt, processed=steps, stream=True)
+
+
+def test_an_open_request_runs_the_steps_it_has_then_waits_for_its_next_chunk():
+    scheduler = StepScheduler(max_batch=4, num_steps=lambda i: i.processed)
+    scheduler.add(StageInput("s", "", processed=0, stream=True))
+    scheduler.add(item("plain", 3))
+    assert advance(scheduler)[0].request_ids == ("plain",)  # "s" has nothing to run yet
+    scheduler.extend("s", more(1), last=False)
+    batch, done = advance(scheduler)
+    assert batch.request_ids == ("s", "plain") and done == [("s", None), ("plain", None)]
+    batch, done = advance(scheduler)
+    assert batch.request_ids == ("plain",) and done == [("plain", "done")]  # "s" waits, unfinished
+    assert scheduler.has_unfinished() and not scheduler.wait(0) and not scheduler.schedule()
+    scheduler.extend("s", more(2), last=True)
+    assert scheduler.wait(0)
+    batch, done = advance(scheduler)
+    assert batch.steps == (1,) and done == [("s", "done")]
+    assert not scheduler.has_unfinished()
+
+
+def test_a_last_chunk_that_adds_no_step_finishes_the_request_at_the_next_collect():
+    scheduler = StepScheduler(num_steps=lambda i: i.processed)
+    scheduler.add(StageInput("s", "", processed=1, stream=True))
+    assert advance(scheduler)[1] == [("s", None)]
+    scheduler.extend("s", more(1), last=True)
+    assert scheduler.wait(0) and not scheduler.schedule()
+    assert [(o.request_id, o.result, o.finished) for o in scheduler.collect()] == [("s", None, "done")]
+    assert not scheduler.has_unfinished()
+
+
+def test_extend_refuses_what_it_cannot_take_and_ignores_a_request_it_does_not_hold():
+    scheduler = StepScheduler(num_steps=lambda i: i.processed)
+    assert scheduler.extend("gone", more(1), last=True) is None
+    scheduler.add(item("closed", 1))
+    with pytest.raises(ValueError, match="takes no more input"):
+        scheduler.extend("closed", more(2), last=False)
+    scheduler.add(StageInput("s", "", processed=2, stream=True))
+    with pytest.raises(ValueError, match="took back steps"):
+        scheduler.extend("s", more(1), last=False)
+    assert scheduler.abort("s") is not None and scheduler.extend("s", more(3), last=True) is None

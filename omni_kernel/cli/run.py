@@ -126,10 +126,11 @@ def _run(ctx, pipeline: str, prompt: str | None, inputs: dict, chosen: dict[Flag
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
-    if result.path is not None:
-        click.echo(f"wrote {result.path}")
-    elif not streamed and result.text is not None:
-        click.echo(result.text)
+    for node_id, output in result.final_outputs.items():  # each of the pipeline's outputs: a file, or its text
+        if output.path is not None:
+            click.echo(f"wrote {output.path}")
+        elif node_id not in streamed and output.text is not None:
+            click.echo(output.text)
     click.echo(format_trace(result.trace), err=True)
 
 
@@ -188,7 +189,7 @@ def _signals_interrupt():
 
 
 def _drive(omni: Omni, request, stream: bool):
-    """Run the request; return its result and whether the final node's text was streamed to stdout."""
+    """Run the request; return its result and the final nodes whose text was streamed to stdout."""
     progress = _Progress() if sys.stderr.isatty() else None
     try:
         return _events(omni, request, stream, progress)
@@ -198,25 +199,26 @@ def _drive(omni: Omni, request, stream: bool):
 
 
 def _events(omni: Omni, request, stream: bool, progress):
-    final = omni.graph.final
+    finals = set(omni.graph.finals)
     streamed: set[str] = set()
+    open_lines: set[str] = set()  # the nodes whose streamed text's line has not ended yet
     for event in omni.generate_stream(request):
         if isinstance(event, TokenDelta) and stream:
-            # stdout carries the final node's text only; upstream stages stream to stderr as they go
-            upstream = event.node_id != final
+            # stdout carries the final nodes' text only; upstream stages stream to stderr as they go
+            upstream = event.node_id not in finals
             click.echo(event.text, nl=False, err=upstream)
             (sys.stderr if upstream else sys.stdout).flush()
             streamed.add(event.node_id)
-        elif isinstance(event, StageFinished) and event.node_id in streamed and event.node_id != final:
-            click.echo(err=True)
+            open_lines.add(event.node_id)
+        elif isinstance(event, StageFinished) and event.node_id in open_lines:
+            click.echo(err=event.node_id not in finals)
+            open_lines.discard(event.node_id)
         elif isinstance(event, StageProgress) and progress is not None:
             progress.show(event)
         elif isinstance(event, RequestFinished):
-            if final in streamed:
-                click.echo()
-            return event.result, final in streamed
+            return event.result, streamed & finals
         elif isinstance(event, RequestFailed):
-            if final in streamed:
+            if open_lines & finals:
                 click.echo()
             raise event.exception()
     raise OmniError("the request ended without a result")

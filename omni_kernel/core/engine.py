@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from omni_kernel.core.errors import EngineDead
@@ -48,6 +49,19 @@ class Engine:
                 self.failed.append(RequestOutput(item.request_id, error=exc))
                 return None
             return record
+
+    def extend(self, request_id: str, extend: Callable[[StageInput], StageInput], last: bool) -> None:
+        """Give a request whose input streams in its next chunk: `extend(item)` is its processed input with the chunk
+        (the stage's input processor), the scheduler counts its steps again (`Scheduler.extend`). A failure fails
+        that request alone (reported by the next step); a request the engine no longer holds takes nothing."""
+        with self.lock:
+            if self.dead is not None:
+                return  # its requests were failed when it died
+            try:
+                self.scheduler.extend(request_id, extend, last)
+            except Exception as exc:  # noqa: BLE001 - a bad chunk fails its request alone
+                self._free(self.scheduler.abort(request_id))
+                self.failed.append(RequestOutput(request_id, error=exc))
 
     def step(self) -> list[RequestOutput]:
         """schedule -> run -> update: one step's outputs, the add-time failures first."""

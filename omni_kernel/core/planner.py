@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from omni_kernel.core.engine import Engine
-from omni_kernel.core.errors import GraphError, InvalidParameter, PluginError, UnknownPipeline
+from omni_kernel.core.errors import GraphError, InvalidParameter, PluginError, UnknownPipeline, UserError
 from omni_kernel.core.graph import NodeSpec, PipelinePlan, StageGraph, validate_plan
 from omni_kernel.core.params import make, options_of, resolve, split
 from omni_kernel.core.placement import INPROC, RunSettings, check_placements
@@ -92,7 +92,8 @@ class GraphBuilder:
 
     def validate(self, plan: PipelinePlan) -> list[str]:
         """The graph rules, the connectors' contracts and the node policies; the node ids in order."""
-        order = validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items())
+        order = validate_plan(plan, self.registry.node_kinds(), self.registry.connector_items(),
+                              self.registry.node_joins(), self.registry.stream_inputs())
         types = self.registry.node_types_of(plan)
         policies = {node.id: node_policy(node, types[node.id]) for node in plan.nodes}
         for e in plan.edges:
@@ -119,6 +120,7 @@ class GraphBuilder:
         settings = (settings or RunSettings()).complete(self.placements())
         settings.check()
         check_placements(settings, plan, self.placements())
+        self._check_stream_placements(plan, settings)
         configs = self.configs(plan, config)
         types = self.registry.node_types_of(plan)
         builds = []
@@ -129,6 +131,17 @@ class GraphBuilder:
             builds.append(NodeBuild(node, node_type, configs[node_id], policy, key))
         return builds
 
+    def _check_stream_placements(self, plan: PipelinePlan, settings: RunSettings) -> None:
+        """A streaming edge's target runs where chunks can reach it: in this process, or under a placement that
+        declares `streams` (it carries StreamChunks to its stages)."""
+        placements = self.placements()
+        for edge in plan.edges:
+            name = settings.placement_of(plan.node(edge.target)) if edge.stream else INPROC
+            if name != INPROC and not getattr(placements.get(name), "streams", False):
+                raise UserError(f"pipeline {plan.name!r} streams {edge.source} -> {edge.target}, and placement "
+                                f"{name!r} cannot carry streamed chunks to node {edge.target!r} yet; place it "
+                                f"inproc (--placement {edge.target}=inproc)")
+
     def check_request(self, plan: PipelinePlan, builds: list[NodeBuild], request: Request) -> None:
         """A request's parameters and inputs, against what the nodes declare and their own checks
         (`NodeType.check`), before any model loads."""
@@ -136,9 +149,9 @@ class GraphBuilder:
         for build in builds:
             if build.node_type.check is None:
                 continue
-            item = StageInput(request.request_id, request.prompt, image=request.image, audio=request.audio,
-                              params=params[build.node.id])
+            item = request_input(plan, build.node.id, request, params[build.node.id])
             build.node_type.check(build.node, build.config, build.policy, build.settings, item)
+
 
     def placements(self) -> dict[str, Any]:
         return {name: r.item for name, r in self.registry.placements.items()}
@@ -201,3 +214,11 @@ class GraphBuilder:
             engine = build.node_type.engine(build.settings)
             self.engines[build.key] = engine
         return engine
+
+
+def request_input(plan: PipelinePlan, node_id: str, request: Request, params: Any) -> StageInput:
+    """What a node is checked with at submit (and an entry node is given): the request's prompt and inputs, or,
+    for a node whose input streams in, the opening of that stream (no prompt; its text comes in chunks)."""
+    streamed = any(e.stream and e.target == node_id for e in plan.edges)
+    return StageInput(request.request_id, "" if streamed else request.prompt, image=request.image,
+                      audio=request.audio, params=params, stream=streamed, arrival_time=request.arrival_time)

@@ -3,14 +3,18 @@
 A stage is the kernel's `Stage` (stage.py), assembled from a plugin's three parts: an InputProcessor, an Engine
 over the plugin's Scheduler (or one of the kernel's) and ModelRunner, and an OutputProcessor. The proxies of
 stage workers (omni_workers) implement the same Stage contract over a pipe.
+
+A streaming edge (docs/architecture.md, "Streaming edges") adds three: its connector's Splitter cuts the source's
+streamed events into pieces, the target stage takes each as a StreamChunk (StreamStage), its input processor
+adds it to the request's input (StreamInputs) and its scheduler counts the steps it adds (StreamScheduler).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from omni_kernel.core.request import Request, StageInput, StageOutput, StageStats
+from omni_kernel.core.request import Piece, Request, StageInput, StageOutput, StageStats, StreamChunk
 
 
 @runtime_checkable
@@ -107,3 +111,46 @@ class Connector(Protocol):
     target_kind: str
 
     def convert(self, output: StageOutput, request: Request) -> StageInput: ...
+
+
+@runtime_checkable
+class StreamStage(Protocol):
+    """A stage that takes a streamed input: after a hand-off whose StageInput has `stream` set, each chunk of that
+    request's input, in order, the last with `last` set. A failure comes back as the request's StageFailed."""
+
+    def append(self, chunk: StreamChunk) -> None: ...
+
+
+@runtime_checkable
+class StreamInputs(Protocol):
+    """An input processor that takes a streamed input: the request's processed input with the next chunk added
+    (model-free, as `process`); raises for a chunk it cannot take (the request fails)."""
+
+    def extend(self, item: StageInput, chunk: StreamChunk) -> StageInput: ...
+
+
+@runtime_checkable
+class StreamScheduler(Protocol):
+    """A scheduler whose requests may be open (their input streams in): `extend(item)` gives one its input with the
+    next chunk; it counts its steps again and, after the `last`, finishes it once they are done. Returns the
+    record, or None for a request it does not hold."""
+
+    def extend(self, request_id: str, extend: Callable[[StageInput], StageInput], last: bool) -> Any: ...
+
+
+@runtime_checkable
+class Splitter(Protocol):
+    """One request's cutter of a streaming edge (its connector's `splitter(request)`): `feed` gets each event the
+    source stage streams for the request (its own kinds: token deltas, audio, ...), `end` the source's finished
+    output; each returns the pieces now complete, in order."""
+
+    def feed(self, event: Any) -> list[Piece]: ...
+    def end(self, output: StageOutput) -> list[Piece]: ...
+
+
+@runtime_checkable
+class StreamConnector(Connector, Protocol):
+    """A connector that can stream: a Splitter per request decides the chunk boundaries (`convert` still serves the
+    edge where it does not stream)."""
+
+    def splitter(self, request: Request) -> Splitter: ...

@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 
 from omni_kernel.core.errors import DuplicateRegistration, PluginError
-from omni_kernel.core.graph import PipelinePlan
+from omni_kernel.core.graph import Join, PipelinePlan
 from omni_kernel.core.models import FetchableModel
 
 OLD_FORM = ("NodeType(factory=...) is the old form: a node type now gives engine_settings=, engine= and stage= "
@@ -47,7 +47,10 @@ class NodeType:
     first; a voice model's voices), kept on the built graph (StageGraph.choices) for what shows them (omni serve's
     /v1/audio/voices); the node's check still refuses any other. `output_contract` names what its StageOutput
     holds for a connector that declares a `source_contract` (or the node's policy does, where its class declares an
-    `output_contract` and the plan sets it: planner.output_contract).
+    `output_contract` and the plan sets it: planner.output_contract). `join` (graph.Join), where given, declares the
+    named inputs the node waits for and the merge step that makes its one input of them (docs/architecture.md,
+    "Joins"); `stream_input` says its stage takes a streamed input (`Stage.append`: its input processor's `extend`,
+    its scheduler's `extend`), so a streaming edge may end at it.
     """
 
     name: str
@@ -65,6 +68,8 @@ class NodeType:
     choices: Callable[..., Mapping[str, tuple[str, ...]]] | None = attrs.field(default=None, kw_only=True)
     description: str = attrs.field(default="", kw_only=True)
     output_contract: str | None = attrs.field(default=None, kw_only=True)
+    join: Join | None = attrs.field(default=None, kw_only=True)
+    stream_input: bool = attrs.field(default=False, kw_only=True)
     share_key: Any = attrs.field(default=None, kw_only=True, validator=_refuse_old_form, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -127,6 +132,14 @@ class Registry:
 
     def node_kinds(self) -> Mapping[str, str]:
         return {name: r.item.kind for name, r in self.node_types.items()}
+
+    def node_joins(self) -> Mapping[str, tuple[str, ...]]:
+        """Each node type that joins -> the inputs it declares."""
+        return {name: r.item.join.inputs for name, r in self.node_types.items() if r.item.join is not None}
+
+    def stream_inputs(self) -> set[str]:
+        """The node types whose stages take a streamed input."""
+        return {name for name, r in self.node_types.items() if r.item.stream_input}
 
     def connector_items(self) -> Mapping[str, Any]:
         return {name: r.item for name, r in self.connectors.items()}

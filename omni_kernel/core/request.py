@@ -74,6 +74,34 @@ class StageInput:
     params: Any = None
     trace: Mapping[str, Any] = attrs.field(factory=dict, converter=_as_dict)
     processed: Any = attrs.field(default=None, eq=False, repr=False)
+    # The input comes in chunks (a streaming edge's: StreamChunk, Stage.append) after this opening, whose prompt is
+    # "" and not the text the stage works on.
+    stream: bool = False
+    arrival_time: float | None = None  # the Request's (time.time()), which the StageScheduler fills in
+
+
+@attrs.frozen
+class Piece:
+    """What a streaming edge's connector cut from its source's stream (its splitter's `feed` and `end`): text, or
+    data of the connector's own; the StageScheduler sends it on as the next StreamChunk."""
+
+    text: str = ""
+    data: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen
+class StreamChunk:
+    """One chunk of a streaming edge's input for one request, as the edge's connector cut it from what its source
+    stage streamed: the `index`-th (0, 1, ...) for the stage `node_id`; `last` says the source finished and no chunk
+    follows (its text may be ""). A plain value (what `data` holds is the connector's, picklable), so it can cross
+    a process boundary as it is."""
+
+    request_id: str
+    node_id: str
+    index: int
+    text: str = ""
+    data: Any = attrs.field(default=None, eq=False, repr=False)
+    last: bool = False
 
 
 @attrs.frozen
@@ -167,13 +195,22 @@ class StageOutput:
 
 @attrs.frozen
 class RequestResult:
-    """A finished request: the final node's output, every node's output, and the merged trace."""
+    """A finished request: the final node's output, every node's output, and the merged trace. A pipeline that
+    names several outputs (several final nodes, `finals`, in plan order) has the first as `output`; `final_outputs`
+    holds each of them."""
 
     request_id: str
     pipeline: str
     output: StageOutput
     outputs: Mapping[str, StageOutput]
     trace: Mapping[str, Any]
+    finals: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+    @property
+    def final_outputs(self) -> dict[str, StageOutput]:
+        """Each output of the pipeline by its node id (the one `output` where it names one)."""
+        finals = self.finals or (self.output.node_id,)
+        return {node_id: self.outputs.get(node_id, self.output) for node_id in finals}
 
     @property
     def text(self) -> str | None:
@@ -186,15 +223,22 @@ class RequestResult:
     def to_json(self) -> dict[str, Any]:
         from omni_kernel.core.trace import jsonable
 
-        output = {"path": self.output.path} if self.output.path is not None else {"text": self.output.text}
-        data = self.output.data if isinstance(self.output.data, Mapping) else {}
-        if SEGMENTS in data:  # a transcript's times: what `omni run --json` adds for speech to text
-            output["segments"] = [attrs.asdict(segment) for segment in data[SEGMENTS]]
-        body: dict[str, Any] = {"request_id": self.request_id, "pipeline": self.pipeline, "output": output}
+        body: dict[str, Any] = {"request_id": self.request_id, "pipeline": self.pipeline,
+                                "output": _output_json(self.output)}
+        if len(self.finals) > 1:  # several outputs: each by its node, the first also as `output`
+            body["outputs"] = {node_id: _output_json(out) for node_id, out in self.final_outputs.items()}
         if self.output.stop_reason is not None:
             body["stop_reason"] = self.output.stop_reason
         body["trace"] = jsonable(dict(self.trace))
         return body
+
+
+def _output_json(output: StageOutput) -> dict[str, Any]:
+    body: dict[str, Any] = {"path": output.path} if output.path is not None else {"text": output.text}
+    data = output.data if isinstance(output.data, Mapping) else {}
+    if SEGMENTS in data:  # a transcript's times: what `omni run --json` adds for speech to text
+        body["segments"] = [attrs.asdict(segment) for segment in data[SEGMENTS]]
+    return body
 
 
 @attrs.frozen

@@ -15,6 +15,10 @@ A step's result for a request may be a `concurrent.futures.Future` (work the run
 e.g. writing a file): the request is held, not scheduled again, until the Future is done (`collect`); then it
 goes on with its next step, or, after its last step, finishes. The ARScheduler (ar_scheduler.py) is the
 token-level one.
+
+A request whose input streams in (`StageInput.stream`, a streaming edge's target) is `open`: `extend` gives it each
+chunk's input as it comes and counts its steps again; it waits, unscheduled, with every step so far done, until
+the next chunk, and finishes after its last chunk's steps (at once, in `collect`, when the last adds none).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class StepJob:
     output: Any = None
     pending: Future | None = None
     phases: tuple[str, ...] = ()
+    open: bool = False  # its input streams in: more steps may come (StepScheduler.extend)
 
     @property
     def request_id(self) -> str:
@@ -99,17 +104,43 @@ class StepScheduler:
 
     def add(self, item: StageInput) -> StepJob:
         job = self._new_job(item)
+        job.open = item.stream
         self.queue.append(job)
         return job
 
     def _new_job(self, item: StageInput) -> StepJob:
+        return StepJob(item, self._count(item), cost=self.cost(item))
+
+    def _count(self, item: StageInput) -> int:
         total = self.num_steps(item)
-        if not isinstance(total, int) or total < 1:
+        if not isinstance(total, int) or total < (0 if item.stream else 1):
             raise ValueError(f"a request needs at least one step, not {total!r}")
-        return StepJob(item, total, cost=self.cost(item))
+        return total
+
+    def extend(self, request_id: str, extend: Callable[[StageInput], StageInput], last: bool) -> StepJob | None:
+        """Give an open request its input with the next chunk (`extend(item)`) and count its steps again; after the
+        `last` chunk it finishes once those are done. None: no such request (aborted or failed since)."""
+        job = next((j for j in self.queue if j.request_id == request_id), None)
+        if job is None:
+            return None
+        if not job.open:
+            raise ValueError(f"request {request_id!r} takes no more input")
+        item = extend(job.item)
+        total = self._count(item)
+        if total < job.total:
+            raise ValueError(f"request {request_id!r}: a chunk took back steps ({job.total} -> {total})")
+        job.item, job.total, job.open = item, total, not last
+        if last and job.step >= job.total and job.pending is None:
+            job.pending = Future()  # nothing left to run: it finishes at the next collect
+            job.pending.set_result(None)
+        return job
+
+    def _ready(self) -> list[StepJob]:
+        """The requests a step may run: not held by background work, nor waiting for their input's next chunk."""
+        return [j for j in self.queue if j.pending is None and j.step < j.total]
 
     def schedule(self) -> SchedulerOutput:
-        ready = [j for j in self.queue if j.pending is None]
+        ready = self._ready()
         if not ready:
             return SchedulerOutput(())
         key = self._key(self._front(ready))
@@ -139,7 +170,7 @@ class StepScheduler:
             result = results[rid]
             if isinstance(result, Future):
                 job.pending = result
-            elif job.step >= job.total:
+            elif job.step >= job.total and not job.open:
                 self.queue.remove(job)
                 outputs.append(RequestOutput(rid, result, "done", record=job))
             else:
@@ -160,16 +191,18 @@ class StepScheduler:
         if error is not None:
             self.queue.remove(job)
             return RequestOutput(job.request_id, error=error, record=job)
-        if job.step >= job.total:
+        if job.step >= job.total and not job.open:
             self.queue.remove(job)
             return RequestOutput(job.request_id, pending.result(), "done", record=job)
         return RequestOutput(job.request_id, pending.result(), record=job)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a step would make progress: at once with work to schedule, else until background work ends."""
+        if self._ready():
+            return True
         pending = [j.pending for j in self.queue if j.pending is not None]
-        if len(pending) < len(self.queue) or not pending:
-            return bool(self.queue)
+        if not pending:
+            return False  # empty, or open requests waiting for their next chunk
         done, _ = concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         return bool(done)
 
@@ -186,7 +219,7 @@ class StepScheduler:
         return {j.request_id for j in self.queue}
 
     def stats(self) -> StageStats:
-        ready = sum(j.pending is None for j in self.queue)
+        ready = len(self._ready())
         running = min(ready, self.max_batch) + len(self.queue) - ready
         return StageStats(running=running, waiting=len(self.queue) - running, model=self.model_stats())
 

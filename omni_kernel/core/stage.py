@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 
+import attrs
+
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.events import StageFailed, StageFinished
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.protocols import InputProcessor, OutputProcessor
-from omni_kernel.core.request import StageInput, StageOutput, StageStats
+from omni_kernel.core.request import StageInput, StageOutput, StageStats, StreamChunk
 from omni_kernel.core.scheduler import RequestOutput
 
 log = logging.getLogger("omni")
@@ -26,6 +28,10 @@ class Inputs:
 
     def process(self, item: StageInput) -> StageInput:
         return item
+
+    def extend(self, item: StageInput, chunk: StreamChunk) -> StageInput:
+        """A streamed input's next chunk: its text goes on the end of the prompt."""
+        return attrs.evolve(item, prompt=item.prompt + chunk.text)
 
 
 class Outputs:
@@ -99,6 +105,12 @@ class Stage:
     def hand_off(self, item: StageInput) -> None:
         """As `submit`: in this process, the StageScheduler makes a processing error the request's StageFailed."""
         self.add_request(self.process(item))
+
+    def append(self, chunk: StreamChunk) -> None:
+        """The next chunk of a request's streamed input (it was handed off with `stream` set): its input processor's
+        `extend` adds it to the request's processed input, its engine's scheduler counts the steps it adds. A
+        failure comes back as the request's StageFailed event."""
+        self.engine.extend(chunk.request_id, lambda item: self.inputs.extend(item, chunk), chunk.last)
 
     def events_for(self, outputs: list[RequestOutput]) -> list:
         """The events of this stage's requests' outputs from one engine step; the requests the output processor

@@ -5,6 +5,12 @@ each output to the stage of its request's node (stepping.py: the rule a stage wo
 stage outputs through connectors to downstream stages and emits events. The request's record (`InFlight`) says
 which node of which graph it is at on which engine. It knows nothing of tokens, KV caches or denoise steps, nor
 where a stage runs: a placed stage keeps the same Stage contract (protocols.py).
+
+Along a streaming edge it hands each event the source streams to the edge's splitter (the connector's: it alone
+reads them) and sends each piece it cuts to the target as the next StreamChunk, opening the target's request at
+the first; the source's finish sends the last. A join's inputs wait in the record until all are there, then its
+node type's merge step makes its one input. A request is finished when every node is, so when each of its
+outputs is; each output's StageFinished reaches the caller as its node makes it.
 """
 
 from __future__ import annotations
@@ -18,12 +24,23 @@ import attrs
 
 from omni_kernel.core.errors import InvalidParameter, RequestError
 from omni_kernel.core.events import RequestFailed, RequestFinished, StageFailed, StageFinished
-from omni_kernel.core.graph import StageGraph
+from omni_kernel.core.graph import EdgeSpec, StageGraph
 from omni_kernel.core.params import resolve
-from omni_kernel.core.request import Request, RequestResult, StageInput, StageOutput
+from omni_kernel.core.planner import request_input
+from omni_kernel.core.request import Piece, Request, RequestResult, StageInput, StageOutput, StreamChunk
 from omni_kernel.core.stepping import step_engine
 
 log = logging.getLogger("omni")
+
+
+@attrs.define(eq=False)
+class EdgeStream:
+    """One request's stream along one streaming edge: the connector's splitter, the chunks sent, and when the first
+    went (ms from the request's submit)."""
+
+    splitter: Any
+    sent: int = 0
+    first_chunk_ms: float | None = None
 
 
 @attrs.define(eq=False)
@@ -38,6 +55,8 @@ class InFlight:
     outputs: dict[str, StageOutput] = attrs.Factory(dict)
     trace: dict[str, Any] = attrs.Factory(dict)
     start: float = attrs.Factory(time.perf_counter)
+    streams: dict[tuple[str, str], EdgeStream] = attrs.Factory(dict)  # (source, target) of a streaming edge
+    joined: dict[str, dict[str, StageInput]] = attrs.Factory(dict)  # a join -> its inputs there so far, by name
 
     @property
     def request_id(self) -> str:
@@ -64,9 +83,12 @@ class StageScheduler:
         entries = graph.entries()
         flight = InFlight(request, graph, params, set(graph.order))
         try:
+            for edge in graph.plan.edges:
+                if edge.stream:
+                    splitter = graph.connectors[(edge.source, edge.target)].splitter(request)
+                    flight.streams[(edge.source, edge.target)] = EdgeStream(splitter)
             for node_id in graph.order:
-                item = StageInput(request.request_id, request.prompt, image=request.image, audio=request.audio,
-                                  params=params[node_id])
+                item = request_input(graph.plan, node_id, request, params[node_id])
                 stage = graph.stages[node_id]
                 if node_id in entries:
                     self._place(flight, node_id, stage)
@@ -172,8 +194,19 @@ class StageScheduler:
         if isinstance(event, StageFailed):
             return self._fail(flight, event)
         if not isinstance(event, StageFinished):
-            return [(flight.graph, event)]
+            return [(flight.graph, event), *self._pass_on(flight, node_id, event)]
         return self._finish_node(flight, node_id, event)
+
+    def _pass_on(self, flight: InFlight, node_id: str, event) -> list[tuple[StageGraph, Any]]:
+        """A streamed event of `node_id` to the splitter of each streaming edge from it, and what they cut on."""
+        for edge in flight.graph.edges_from(node_id):
+            if not edge.stream:
+                continue
+            try:
+                self._send(flight, edge, flight.streams[(edge.source, edge.target)].splitter.feed(event), last=False)
+            except Exception as exc:  # noqa: BLE001 - a failed chunk fails this request only
+                return self._fail(flight, StageFailed.of(flight.request_id, edge.target, exc))
+        return []
 
     def _finish_node(self, flight: InFlight, node_id: str, event: StageFinished) -> list[tuple[StageGraph, Any]]:
         graph = flight.graph
@@ -181,27 +214,65 @@ class StageScheduler:
         flight.remaining.discard(node_id)
         flight.at = {k: n for k, n in flight.at.items() if n != node_id}
         routed: list = [(graph, event)]
-        for child in graph.children(node_id):
+        for edge in graph.edges_from(node_id):
             try:
-                self._hand_off(flight, node_id, child, event.output)
+                if edge.stream:
+                    pieces = flight.streams[(edge.source, edge.target)].splitter.end(event.output)
+                    self._send(flight, edge, pieces, last=True)
+                else:
+                    self._hand_off(flight, edge, event.output)
             except Exception as exc:  # noqa: BLE001 - a failed hand-off fails this request only
-                return routed + self._fail(flight, StageFailed.of(flight.request_id, child, exc))
+                return routed + self._fail(flight, StageFailed.of(flight.request_id, edge.target, exc))
         if not flight.remaining:
             routed.append((graph, RequestFinished(flight.request_id, self._result(flight))))
             del self.in_flight[flight.request_id]
         return routed
 
-    def _hand_off(self, flight: InFlight, node_id: str, child: str, output: StageOutput) -> None:
+    def _hand_off(self, flight: InFlight, edge: EdgeSpec, output: StageOutput) -> None:
+        """The edge's connector's input to its target; into a join, once every input it waits for is there."""
+        connector = flight.graph.connectors[(edge.source, edge.target)]
+        item = self._filled(flight, edge.target, connector.convert(output, flight.request))
+        flight.trace.update(item.trace)
+        join = getattr(flight.graph.node_types.get(edge.target), "join", None)
+        if join is not None:
+            waiting = flight.joined.setdefault(edge.target, {})
+            waiting[edge.input] = item
+            if len(waiting) < len(join.inputs):
+                return
+            del flight.joined[edge.target]
+            item = self._filled(flight, edge.target, join.merge(waiting, flight.request))
+        self._start(flight, edge.target, item)
+
+    def _filled(self, flight: InFlight, node_id: str, item: StageInput) -> StageInput:
+        """A connector's (or a merge's) input with what the StageScheduler knows: the node's params, the arrival."""
+        if item.params is None:
+            item = attrs.evolve(item, params=flight.params[node_id])
+        if item.arrival_time is None:
+            item = attrs.evolve(item, arrival_time=flight.request.arrival_time)
+        return item
+
+    def _start(self, flight: InFlight, node_id: str, item: StageInput) -> None:
         # One call: a stage worker's proxy processes and adds in one message, so the front does not wait for the
         # worker's current step; its processing error comes back as that request's StageFailed.
-        connector = flight.graph.connectors[(node_id, child)]
-        item = connector.convert(output, flight.request)
-        if item.params is None:
-            item = attrs.evolve(item, params=flight.params[child])
-        flight.trace.update(item.trace)
-        stage = flight.graph.stages[child]
-        self._place(flight, child, stage)
+        stage = flight.graph.stages[node_id]
+        self._place(flight, node_id, stage)
         stage.hand_off(item)
+
+    def _send(self, flight: InFlight, edge: EdgeSpec, pieces: list[Piece], last: bool) -> None:
+        """Each piece as the edge's next StreamChunk, the target's request opened at the first; with `last`, the
+        source finished: the last piece (or, with none left, an empty chunk) says so."""
+        stream = flight.streams[(edge.source, edge.target)]
+        if last and not pieces:
+            pieces = [Piece()]
+        stage = flight.graph.stages[edge.target]
+        for i, piece in enumerate(pieces):
+            if stream.sent == 0:
+                self._start(flight, edge.target, request_input(flight.graph.plan, edge.target, flight.request,
+                                                               flight.params[edge.target]))
+                stream.first_chunk_ms = round((time.perf_counter() - flight.start) * 1000, 3)
+            stage.append(StreamChunk(flight.request_id, edge.target, stream.sent, piece.text, piece.data,
+                                     last=last and i == len(pieces) - 1))
+            stream.sent += 1
 
     def _fail(self, flight: InFlight, failed: StageFailed) -> list[tuple[StageGraph, Any]]:
         del self.in_flight[flight.request_id]
@@ -220,9 +291,12 @@ class StageScheduler:
         for node_id in graph.order:
             trace.update(flight.outputs[node_id].trace)
         trace.update(flight.trace)
+        for (source, target), stream in flight.streams.items():
+            trace[f"stream.{source}.{target}.first_chunk_ms"] = stream.first_chunk_ms
+            trace[f"stream.{source}.{target}.chunks"] = stream.sent
         trace["request.elapsed_ms"] = round((time.perf_counter() - flight.start) * 1000, 3)
         return RequestResult(request_id=flight.request_id, pipeline=graph.name, output=flight.outputs[graph.final],
-                             outputs=dict(flight.outputs), trace=trace)
+                             outputs=dict(flight.outputs), trace=trace, finals=graph.finals)
 
     # Requests out.
 
