@@ -145,11 +145,13 @@ class GraphBuilder:
     def check_request(self, plan: PipelinePlan, builds: list[NodeBuild], request: Request) -> None:
         """A request's parameters and inputs, against what the nodes declare and their own checks
         (`NodeType.check`), before any model loads."""
-        params = resolve(plan.name, {b.node.id: b.node_type for b in builds}, request)
+        params = resolve(plan.name, {b.node.id: b.node_type for b in builds}, request, plan.nodes)
+        items = self.registry.connector_items()
+        connectors = {(e.source, e.target): items.get(e.connector) for e in plan.edges}
         for build in builds:
             if build.node_type.check is None:
                 continue
-            item = request_input(plan, build.node.id, request, params[build.node.id])
+            item = request_input(plan, build.node.id, request, params[build.node.id], connectors)
             build.node_type.check(build.node, build.config, build.policy, build.settings, item)
 
 
@@ -216,9 +218,16 @@ class GraphBuilder:
         return engine
 
 
-def request_input(plan: PipelinePlan, node_id: str, request: Request, params: Any) -> StageInput:
+def request_input(plan: PipelinePlan, node_id: str, request: Request, params: Any,
+                  connectors: Mapping[tuple[str, str], Any] | None = None) -> StageInput:
     """What a node is checked with at submit (and an entry node is given): the request's prompt and inputs, or,
-    for a node whose input streams in, the opening of that stream (no prompt; its text comes in chunks)."""
+    for a node whose input streams in, the opening of that stream (no prompt; its text comes in chunks). Where the
+    connector of a node's input edge declares `stand_in` (its text is made from the source's output, which does
+    not exist at submit: a transcript), the node is checked with the connector's stand-in for that input."""
     streamed = any(e.stream and e.target == node_id for e in plan.edges)
-    return StageInput(request.request_id, "" if streamed else request.prompt, image=request.image,
+    item = StageInput(request.request_id, "" if streamed else request.prompt, image=request.image,
                       audio=request.audio, params=params, stream=streamed, arrival_time=request.arrival_time)
+    edge = next((e for e in plan.edges if e.target == node_id and not e.stream), None)
+    connector = None if edge is None else (connectors or {}).get((edge.source, edge.target))
+    stand_in = getattr(connector, "stand_in", None)
+    return item if stand_in is None else stand_in(item)

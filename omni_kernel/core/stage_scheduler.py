@@ -79,7 +79,7 @@ class StageScheduler:
             raise InvalidParameter("pipeline", f"this graph runs {graph.name!r}, not {request.pipeline!r}")
         if request.request_id in self.in_flight:
             raise InvalidParameter("request_id", f"{request.request_id!r} is already in flight")
-        params = resolve(graph.name, graph.node_types, request)
+        params = resolve(graph.name, graph.node_types, request, graph.plan.nodes)
         entries = graph.entries()
         flight = InFlight(request, graph, params, set(graph.order))
         try:
@@ -88,7 +88,7 @@ class StageScheduler:
                     splitter = graph.connectors[(edge.source, edge.target)].splitter(request)
                     flight.streams[(edge.source, edge.target)] = EdgeStream(splitter)
             for node_id in graph.order:
-                item = request_input(graph.plan, node_id, request, params[node_id])
+                item = request_input(graph.plan, node_id, request, params[node_id], graph.connectors)
                 stage = graph.stages[node_id]
                 if node_id in entries:
                     self._place(flight, node_id, stage)
@@ -108,6 +108,7 @@ class StageScheduler:
             raise RequestError(f"nodes {flight.at[key]!r} and {node_id!r} of pipeline {flight.graph.name!r} share "
                                "one engine and would run this request on it at once")
         flight.at[key] = node_id
+        flight.trace[f"node.{node_id}.start_ms"] = self._since(flight)
 
     # Stepping.
 
@@ -211,6 +212,7 @@ class StageScheduler:
     def _finish_node(self, flight: InFlight, node_id: str, event: StageFinished) -> list[tuple[StageGraph, Any]]:
         graph = flight.graph
         flight.outputs[node_id] = event.output
+        flight.trace[f"node.{node_id}.end_ms"] = self._since(flight)
         flight.remaining.discard(node_id)
         flight.at = {k: n for k, n in flight.at.items() if n != node_id}
         routed: list = [(graph, event)]
@@ -284,6 +286,19 @@ class StageScheduler:
         for node_id in flight.at.values():
             flight.graph.stages[node_id].abort(flight.request_id)
         flight.at.clear()
+        for node_id, waiting in flight.joined.items():  # a join's inputs that will never be merged
+            release = flight.graph.node_types[node_id].join.release
+            try:
+                if release is not None:
+                    release(waiting, flight.request)
+            except Exception:  # noqa: BLE001 - the request has already failed; the next join's inputs still go
+                log.exception("join %s could not release request %s's inputs", node_id, flight.request_id)
+        flight.joined.clear()
+
+    @staticmethod
+    def _since(flight: InFlight) -> float:
+        """Milliseconds from the request's submit."""
+        return round((time.perf_counter() - flight.start) * 1000, 3)
 
     def _result(self, flight: InFlight) -> RequestResult:
         graph = flight.graph
