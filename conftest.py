@@ -112,9 +112,14 @@ def _rank(item) -> int:
 @pytest.fixture(scope="session", autouse=True)
 def _omni_cache(omni_cache):
     """Plus OMNI_AR_DEFAULT=tiny: a run without ar_model uses the tiny random-weight model, fast and always
-    there; tests of the real default model (SmolLM2, omni_qwen/default_model.py) pass it explicitly."""
+    there; tests of the real default model (SmolLM2, omni_qwen/default_model.py) pass it explicitly. And
+    OMNI_AR_COMPILE=false: an AR engine built without ar_compile runs its decode steps eager, as `-c
+    ar_compile=false` does, where by default it would compile them (seconds to a minute an engine, and the suite
+    builds hundreds, in servers and workers too); the tests of the compiled default remove it (omni_qwen's
+    `compiled_default` fixture)."""
     patch = pytest.MonkeyPatch()
     patch.setenv("OMNI_AR_DEFAULT", "tiny")
+    patch.setenv("OMNI_AR_COMPILE", "false")
     yield omni_cache
     patch.undo()
 

@@ -14,7 +14,7 @@ import click
 from tqdm import tqdm
 
 from omni_kernel.api import Omni
-from omni_kernel.cli.flags import Flag, collect, values
+from omni_kernel.cli.flags import Flag, collect, declared, values
 from omni_kernel.cli.options import placement_options, run_setting_names
 from omni_kernel.core.errors import InvalidParameter, OmniError, UserError
 from omni_kernel.core.events import RequestFailed, RequestFinished, StageFinished, StageProgress, TokenDelta
@@ -103,6 +103,7 @@ def _run(ctx, pipeline: str, prompt: str | None, inputs: dict, chosen: dict[Flag
         plan = Planner(host.registry).plan(pipeline)
         prompt = _prompt_or_missing(ctx, host.registry, plan, prompt, inputs)
         given = values(host.registry, plan, chosen, {"params": request_pairs, "config": config_pairs})
+        _one_request_defaults(host.registry, plan, given["config"])
         settings = {k: v for k, v in (settings or {}).items() if v is not None}
         _check_before_loading(host, plan, given, dict(settings), Request(plan.name, prompt, **inputs,
                                                                          params=given["params"]))
@@ -132,6 +133,13 @@ def _run(ctx, pipeline: str, prompt: str | None, inputs: dict, chosen: dict[Flag
         elif node_id not in streamed and output.text is not None:
             click.echo(output.text)
     click.echo(format_trace(result.trace), err=True)
+
+
+def _one_request_defaults(registry, plan, config: dict) -> None:
+    """The config values a node type declares for one request (`option(run_default=...)`), where none is given."""
+    for name, info in declared(registry, plan, "config").items():
+        if info.run_default is not None:
+            config.setdefault(name, info.run_default)
 
 
 def _prompt_or_missing(ctx, registry, plan, prompt: str | None, inputs: dict) -> str:

@@ -30,14 +30,18 @@ class OptionInfo:
     minimum: float | None = None
     maximum: float | None = None
     above: float | None = None  # a strict lower bound
+    # What `omni run` (one request, then exit) uses where none is given, if not the field's default: for a setting
+    # that pays for itself only over many requests (a compile at load)
+    run_default: Any = None
 
 
 def option(default: Any = None, *, help: str, type: type = str, flag: str | None = None,
            choices: tuple[str, ...] | None = None, multiple: bool = False,
-           validator: Callable | None = None, converter: Callable | None = None, metavar: str | None = None) -> Any:
+           validator: Callable | None = None, converter: Callable | None = None, metavar: str | None = None,
+           run_default: Any = None) -> Any:
     """An attrs field with the metadata the CLI, the Python API and the HTTP server read."""
     info = OptionInfo(help, type, flag, tuple(choices) if choices else None, multiple, metavar,
-                      **getattr(validator, "bounds", {}))
+                      **getattr(validator, "bounds", {}), run_default=run_default)
     validators = [v for v in (_choice(info.choices) if info.choices else None, validator) if v]
     return attrs.field(default=default, validator=validators or None, converter=converter,
                        metadata={"omni": info}, kw_only=True)
@@ -87,13 +91,20 @@ def split(pipeline: str, what: str, classes: Mapping[str, type | None], values: 
 REQUEST_INPUTS = ("image", "audio")  # a Request's inputs besides the prompt, as NodeType.inputs names them
 
 
-def resolve(pipeline: str, node_types: Mapping[str, Any], request) -> dict[str, Any]:
+def resolve(pipeline: str, node_types: Mapping[str, Any], request, nodes=()) -> dict[str, Any]:
     """Each node's params for a request (node id -> its params instance); refuses parameters no node of the
-    pipeline declares and an input (image, audio) when no node reads one."""
+    pipeline declares and an input (image, audio) when no node reads one. A node (NodeSpec, of `nodes`) that routes
+    its parameters (`NodeSpec.params`) gets the ones its route gives."""
     for name in REQUEST_INPUTS:
         if getattr(request, name) is not None and not any(name in t.inputs for t in node_types.values()):
             raise InvalidParameter(name, f"pipeline {pipeline!r} takes no input {name}")
-    return split(pipeline, "request parameter", {n: t.params for n, t in node_types.items()}, request.params)
+    params = split(pipeline, "request parameter", {n: t.params for n, t in node_types.items()}, request.params)
+    for node in nodes:
+        cls = node_types[node.id].params
+        if node.params is not None and cls is not None:
+            routed = node.params(dict(request.params), request)
+            params[node.id] = make(cls, {k: v for k, v in routed.items() if v is not None and k in options_of(cls)})
+    return params
 
 
 def check_prompt(prompt: str) -> None:

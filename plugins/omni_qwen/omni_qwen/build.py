@@ -57,20 +57,39 @@ def kv_bytes_per_token(config, element_size: int) -> int:
     return text.num_hidden_layers * 2 * kv_heads * head_dim * element_size
 
 
-def compile_decode(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
-    """The decode step compiled now (ar_compile), or a one-line ModelError saying why it could not be."""
+def compile_decode(paged: PagedDecoder, pool: KVPool, required: bool) -> DecodeGraph | None:
+    """The decode step compiled now, through omni's compile cache (compile_cache.py). Where it cannot be: with
+    `ar_compile=true` (required) a one-line ModelError saying why; by default one log line saying why, and None
+    (the eager step)."""
+    try:
+        return _compiled(paged, pool)
+    except ModelError as exc:
+        if required:
+            raise ModelError(f"ar_compile: {exc}; run without ar_compile") from exc
+        log.info("decode steps eager: the compiled step cannot run here: %s (-c ar_compile=false skips the "
+                 "attempt)", exc)
+        return None
+
+
+def _compiled(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
+    from . import compile_cache
+
+    where = compile_cache.use()
+    hits, misses = compile_cache.graph_counts()
     try:
         graph = DecodeGraph(paged)
         seconds = graph.warm_up(pool)
     except KernelBuildError as exc:
-        raise ModelError(f"ar_compile: {exc}; run without ar_compile") from exc
+        raise ModelError(str(exc)) from exc
     except Exception as exc:  # noqa: BLE001 - inductor's failures (no C++ compiler, ...) have no common type
         cause = getattr(exc, "inner_exception", None) or exc  # dynamo wraps the backend's error
         text = str(cause).strip()
         first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
-        raise ModelError(f"ar_compile: torch.compile could not compile the decode step ({first}); "
-                         "run without ar_compile") from exc
-    log.info("decode steps compiled with torch.compile (inductor) in %.1fs", seconds)
+        raise ModelError(f"torch.compile could not compile the decode step ({first})") from exc
+    hit, missed = (now - before for now, before in zip(compile_cache.graph_counts(), (hits, misses)))
+    cached = (f"compile cache hit ({hit} graphs from {where})" if hit and not missed else
+              f"compile cache miss: {missed} graphs stored in {where} for the next load")
+    log.info("decode steps compiled with torch.compile (inductor) in %.1fs; %s", seconds, cached)
     return graph
 
 
@@ -87,13 +106,14 @@ def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_mode
     if num_blocks < 1:
         raise InvalidParameter("ar_kv_memory", f"{memory} bytes hold no block of {BLOCK_SIZE} tokens "
                                                f"({per_token * BLOCK_SIZE} bytes for this model)")
-    if config.ar_compile and backend_name != "paged":
+    if config.compile_mode() and backend_name != "paged":
         raise InvalidParameter("ar_compile", f"compiles the paged backend's decode step; this engine runs "
                                              f"{backend_name}")
     if backend_name == "paged":
         paged = paged_model()
         pool = KVPool.for_model(paged, num_blocks, BLOCK_SIZE)
-        backend = PagedBackend(paged, pool, compile_decode(paged, pool) if config.ar_compile else None)
+        mode = config.compile_mode()
+        backend = PagedBackend(paged, pool, None if mode is False else compile_decode(paged, pool, mode is True))
     else:
         backend = DynamicCacheBackend(lm)
     caching = config.ar_prefix_caching and backend_name == "paged"  # a DynamicCache cannot share blocks

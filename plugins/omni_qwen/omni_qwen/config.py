@@ -17,13 +17,14 @@ import attrs
 from omni_hf import DTYPE_NAMES
 
 from omni_kernel.core.errors import InvalidParameter
-from omni_kernel.core.params import ARParams, boolean, integer, option, text
+from omni_kernel.core.params import FALSE, TRUE, ARParams, boolean, integer, option, text
 
 from . import structured
 
 KV_BACKENDS = ("paged", "dynamic_cache")
 DEFAULT_KV_TOKENS = 32768
 DEFAULT_MAX_NUM_SEQS = 64
+COMPILE_ENV = "OMNI_AR_COMPILE"  # ar_compile's default where none is given (docs/qwen.md)
 BLOCK_SIZE = 16
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs; OpenAI's chat allows 20, its completions 5
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -73,9 +74,23 @@ class QwenConfig:
                                             type=int, validator=integer(1))
     ar_prefix_caching: bool = option(True, help="reuse the K/V of shared prompt prefixes (paged backend only)",
                                      type=bool, validator=boolean)
-    ar_compile: bool = option(False, help="compile the decode step with torch.compile, and on a CPU build its C++ "
-                                          "attention kernel (paged backend; needs a C++ compiler on a CPU; tens of "
-                                          "seconds at load)", type=bool, validator=boolean)
+    ar_compile: bool | None = option(
+        None, help="compile the decode step with torch.compile, and on a CPU build its C++ attention kernel (paged "
+                   "backend; needs a C++ compiler on a CPU; a minute or more at the first load, less once cached); "
+                   "default: where the machine can, else eager, saying why (omni run: eager; $OMNI_AR_COMPILE)",
+        type=bool, validator=boolean, run_default=False)
+
+    def compile_mode(self) -> bool | None:
+        """ar_compile as given, else OMNI_AR_COMPILE's (a test session sets false), else None: compiled where the
+        machine can."""
+        if self.ar_compile is not None:
+            return self.ar_compile
+        text = os.environ.get(COMPILE_ENV, "").strip().lower()
+        if text in ("", "auto"):
+            return None
+        if text not in TRUE | FALSE:
+            raise InvalidParameter(COMPILE_ENV, f"{text!r} is not true, false or auto")
+        return text in TRUE
 
     def kv_memory_for(self, bytes_per_token: int, context_window: int) -> int:
         return self.ar_kv_memory or bytes_per_token * max(context_window, DEFAULT_KV_TOKENS)

@@ -65,6 +65,15 @@ def smollm2_dir() -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def compiled_default():
+    """ar_compile's own default for the engines a module builds: the compiled decode step where the machine can
+    (the session sets OMNI_AR_COMPILE=false, root conftest.py, so that the other tests' engines stay eager)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("OMNI_AR_COMPILE", raising=False)
+        yield
+
+
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     from omni_qwen.demo import train_tokenizer

@@ -1,8 +1,10 @@
 """Real trained weights (SmolLM2-135M-Instruct, a LlamaForCausalLM) on the paged engine: greedy output through
 the ar_text stage equals transformers' `generate` for the same prompt alone, token for token (fp32), whether
 each request runs alone, 16 arrive staggered while others decode, a small KV pool forces preemption, or a
-shared system prompt is served from the prefix cache; and with ar_compile, the suite's one compiled run of real
-weights (the wheels tier runs the installed model once, eager, and builds the kernel without compiling a model).
+shared system prompt is served from the prefix cache. Every engine here runs the default path, the compiled decode
+step (`compiled_default`: the session's OMNI_AR_COMPILE=false removed): the suite's compiled runs of real weights
+(the wheels tier runs the installed model once, eager, and builds the kernel without compiling a model). The
+first engine compiles into the session's compile cache; the others (other pool sizes and token budgets) find it.
 Skipped, with the command that fetches the model, when the model is not in omni's cache (`make test` fetches it)."""
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def make_omni(host, smollm2_dir):
+def make_omni(host, smollm2_dir, compiled_default):
     def make(blocks=512, budget=256):
         return Omni("ar_text", host=host, ar_model=str(smollm2_dir), ar_device="cpu", ar_dtype="fp32",
                     ar_kv_memory=blocks * BLOCK_BYTES, ar_max_num_batched_tokens=budget)
@@ -122,6 +124,7 @@ def test_each_prompt_alone_equals_generate(make_omni, reference, tokenizer):
         out = drain(omni, [(f"a{i}", user(prompt))])[f"a{i}"]
         assert out.data["token_ids"] == reference(user(prompt)), prompt
         assert out.trace["ar.kv_cache_backend"] == "paged" and out.trace["ar.dtype"] == "fp32"
+        assert out.trace["ar.decode_compiled"] is True  # the default (a lone fp32 decode runs eager: graph.py)
         assert out.trace["ar.input_tokens"] == len(chat_ids(tokenizer, user(prompt)))
         assert scheduler.blocks.num_used == 0 or scheduler.blocks.caching  # only cached blocks stay
 
@@ -164,12 +167,11 @@ def test_shared_system_prompt_hits_the_prefix_cache(make_omni, reference, tokeni
         assert out.trace["ar.prefill_tokens"] == out.trace["ar.input_tokens"] - hits
 
 
-def test_compiled_decode_steps_equal_generate(host, smollm2_dir, reference):
-    """ar_compile: the decode-only steps run the torch.compile'd graph (paged/graph.py), the steps with prefill
+def test_compiled_decode_steps_equal_generate(make_omni, reference):
+    """The default: the decode-only steps run the torch.compile'd graph (paged/graph.py), the steps with prefill
     chunks run eager, and greedy output still equals `generate` token for token (fp32), with staggered arrivals so
-    both kinds of step and batches of changing size and context run. Compiles once at load (tens of seconds)."""
-    omni = Omni("ar_text", host=host, ar_model=str(smollm2_dir), ar_device="cpu", ar_dtype="fp32",
-                ar_kv_memory=512 * BLOCK_BYTES, ar_max_num_batched_tokens=32, ar_compile=True)
+    both kinds of step and batches of changing size and context run (the engine of the staggered test)."""
+    omni = make_omni(budget=32)
     backend = omni.graph.stages["generate"].engine.runner.backend
     compiled = backend.graph.forward
     calls = []
