@@ -32,6 +32,10 @@ class NodeSpec:
     resources: Mapping[str, float] | None = attrs.field(default=None,
                                                         converter=lambda r: None if r is None else dict(r))
     ranks: RankLauncher | None = attrs.field(default=None, eq=False, repr=False)
+    # The node's request parameters from the request's, `params(values, request) -> values` (default: all it
+    # declares, as given): where nodes of one plan declare one name for different things (omni_bridge's narrated
+    # pipelines: `output` is the mux's file; the Wan node writes its video beside it, the voice writes none).
+    params: Callable[..., Mapping[str, Any]] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -55,6 +59,9 @@ class Join:
 
     inputs: tuple[str, ...] = attrs.field(converter=tuple)
     merge: Callable[..., Any] = attrs.field(eq=False, repr=False)
+    # `release(inputs, request)`: the inputs there so far of a request that failed or was aborted before the merge
+    # (e.g. a file one of them names is removed)
+    release: Callable[..., None] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen

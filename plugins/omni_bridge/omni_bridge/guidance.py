@@ -32,6 +32,20 @@ GUIDANCE_SCHEMA = {"type": "object", "properties": {GUIDANCE_FIELD: {"type": "st
                                                                       "maxLength": GUIDANCE_MAX_CHARS}},
                    "required": [GUIDANCE_FIELD], "additionalProperties": False}
 
+# The narrated pipelines extend the contract with a second required field, the narration the voice speaks: the same
+# answer prefix opens the guidance, the model then writes `", "narration": "` and the narration (grammar-constrained
+# to this schema). Bounded as the guidance is, so the budget always fits both: one token per character at least,
+# plus the separator between them.
+NARRATION_FIELD = "narration"
+NARRATION_MAX_CHARS = 200  # two or three short spoken sentences: about ten to fifteen seconds of speech
+_SEPARATOR_CHARS = len('", ' + json.dumps(NARRATION_FIELD) + ': "')
+NARRATED_MAX_TOKENS = GUIDANCE_MAX_TOKENS + _SEPARATOR_CHARS + NARRATION_MAX_CHARS
+NARRATED_SCHEMA = {"type": "object",
+                   "properties": {GUIDANCE_FIELD: GUIDANCE_SCHEMA["properties"][GUIDANCE_FIELD],
+                                  NARRATION_FIELD: {"type": "string", "minLength": 1,
+                                                    "maxLength": NARRATION_MAX_CHARS}},
+                   "required": [GUIDANCE_FIELD, NARRATION_FIELD], "additionalProperties": False}
+
 # The closed set of reasons a bridge falls back to the user's prompt alone, in the order they are checked.
 FALLBACK_REASONS = ("contract_mismatch", "empty", "truncated", "invalid_json", "missing_fields")
 

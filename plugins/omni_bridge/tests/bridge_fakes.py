@@ -8,6 +8,8 @@ return one result per request, and output processors that turn RequestOutputs in
 own node.
 """
 
+import json
+
 import attrs
 
 from omni_bridge.plugin import BridgePlugin
@@ -25,6 +27,24 @@ REPLIES = {
     "a fox in snow": ('Here you go: {"guidance": "slow dolly-in, soft light"}', "eos"),
     "a cat on a roof": ('{"guidance": "wide shot, dusk, gentle camera', "max_tokens"),
     "a boat at sea": ("I cannot help with JSON today.", "eos"),
+}
+
+
+def narrated(guidance: str, narration: str) -> tuple[str, str]:
+    """A narrated answer as the constrained AR stage writes it (the narrated contract's object, stopped)."""
+    return json.dumps({"guidance": guidance, "narration": narration}), "stop"
+
+
+# What the fake AR stage writes for the narrated pipelines' prompts (apart from REPLIES, which tests submit whole).
+NARRATED_REPLIES = {
+    "a red fox in fresh snow": narrated("slow dolly-in, soft morning light",
+                                        "A red fox trots through the fresh snow. The forest is quiet and cold."),
+    "a short clip": narrated("static shot", "Snow."),
+    "a quiet lake": narrated("wide shot, mist", "The lake is calm and the birds are singing in the morning sun."),
+    "a long story": narrated("slow pan", "The old man walks along the shore and tells a long stumble of a story."),
+    "a BREAK scene": narrated("handheld", "The video stage breaks on this one, whatever the voice says."),
+    "nothing to say": narrated("static shot", "..."),
+    "a cut answer": ('{"guidance": "slow pan", "narration": "The sun ri', "max_tokens"),
 }
 
 
@@ -83,7 +103,8 @@ class FakeARRunner:
         pass
 
     def run(self, batch):
-        return {job.request_id: REPLIES[job.item.prompt] for job in batch.records}
+        return {job.request_id: REPLIES.get(job.item.prompt) or NARRATED_REPLIES[job.item.prompt]
+                for job in batch.records}
 
     def free(self, record):
         pass

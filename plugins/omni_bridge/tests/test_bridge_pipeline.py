@@ -9,12 +9,13 @@ from omni_kernel.plugins import PluginHost
 from bridge_fakes import REPLIES, FakeModels, make_host
 
 
-def test_bridge_registers_the_connector_and_the_pipeline_only():
+def test_bridge_registers_its_connectors_pipelines_and_the_mux():
     host = PluginHost()
     host.register(BridgePlugin(), "omni_bridge")
     assert host.registry.by_plugin("omni_bridge") == {
-        "node types": [], "connectors": ["ar_to_diffusion"], "pipelines": ["qwen_to_wan_i2v", "qwen_to_wan_t2v"],
-        "commands": []}
+        "node types": ["mux.av_mp4"], "connectors": ["ar_to_diffusion", "guidance_to_speech", "speech_to_mux",
+                                                     "video_to_mux"],
+        "pipelines": ["narrated_i2v", "narrated_t2v", "qwen_to_wan_i2v", "qwen_to_wan_t2v"], "commands": []}
     for name, image in (("qwen_to_wan_i2v", None), ("qwen_to_wan_t2v", "none")):
         plan = host.registry.pipelines[name].item
         assert [(n.id, n.type, n.final, n.plugin_hint) for n in plan.nodes] == [
