@@ -1,6 +1,6 @@
 """Every message between the front and a stage's worker (a worker process, or a Ray actor), as attrs classes.
 
-The front sends `Build`, `Submit`, `Check`, `HandOff`, `Abort`, `Drop` and `Stop`; the worker answers a call
+The front sends `Build`, `Submit`, `Check`, `HandOff`, `Append`, `Abort`, `Drop` and `Stop`; the worker answers a call
 (`Submit`, `Check`) with a `Reply` of the same `call_id` and sends `Ready` or `Failed` for each stage it builds and
 `Events` after each step that made events or changed its stage's stats. `tag` names one stage of the worker (a
 worker hosts every stage of one share key). `Fds` precedes a message whose arrays cross in shared memory
@@ -57,6 +57,16 @@ class HandOff:
 
     tag: int
     item: Any  # StageInput (a Ray actor's: Sealed)
+
+
+@attrs.frozen
+class Append:
+    """The next chunk of a request's streamed input (a streaming edge's StreamChunk), for the request a stream
+    hand-off opened; the worker's stage takes it (`Stage.append`). A failure comes back as the request's
+    StageFailed event. Sent as the source's events arrive in the front, each on its own, never waited for."""
+
+    tag: int
+    chunk: Any  # StreamChunk (a Ray actor's: Sealed)
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ class Placement:
 
     name: str
     settings: type = WorkersSettings
+    streams = True  # its stages take a streaming edge's chunks as they come (Stage.append: messages.Append)
     shared: dict = attrs.field(factory=dict, eq=False, repr=False)  # (share key, settings) -> WorkerProcess
 
     def check(self, settings: WorkersSettings, plan, placement_of) -> None:

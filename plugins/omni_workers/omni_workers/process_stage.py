@@ -1,12 +1,12 @@
 """Placement `process`: a stage in a worker process of its own (or of its share key), behind a `ProcessStage`.
 
-Contract: a ProcessStage keeps the Stage contract (omni_kernel/core/protocols.py), so the StageScheduler knows
-nothing of processes. Its worker (worker.py; worker_process.py is the front's handle on it, spawn.py starts it)
-builds its stage and steps its engine; stages of one share key are hosted by one worker, each behind its own
-ProcessStage. `check` and `submit` are calls answered by the worker (a user error raises in the caller);
-`hand_off` and `abort` are one message each, never waited for. The front blocks on every worker's pipe at once in
-`wait` (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF), and its engine's step returns the
-events received so far. What crosses the pipe, and how: messages.py, transport.py.
+Contract: a ProcessStage keeps the Stage contract (omni_kernel/core/protocols.py), so the StageScheduler knows nothing
+of processes. Its worker (worker.py; worker_process.py is the front's handle on it, spawn.py starts it) builds its stage
+and steps its engine; stages of one share key are hosted by one worker, each behind its own ProcessStage. `check` and
+`submit` are calls answered by the worker (a user error raises in the caller); `hand_off`, `append` (a streamed input's
+next chunk) and `abort` are one message each, never waited for. The front blocks on every worker's pipe at once in
+`wait` (`multiprocessing.connection.wait`; a dead worker's pipe reads EOF), and its engine's step returns the events
+received so far. What crosses the pipe, and how: messages.py, transport.py.
 
 Faults: a worker that dies fails each request it held with one error naming the stage (kind runtime) and is
 restarted, `max_restarts` times; after that the stage is dead and refuses requests (engine_dead). While a restarted
@@ -23,10 +23,10 @@ import logging
 import time
 
 from omni_kernel.core.errors import RequestError
-from omni_kernel.core.request import StageInput
+from omni_kernel.core.request import StageInput, StreamChunk
 
 from . import shared
-from .messages import Abort, Check, HandOff, Submit
+from .messages import Abort, Append, Check, HandOff, Submit
 from .proxy import StageProxy, WorkerDied, WorkerGroup
 from .stage_host import WorkerSpec
 from .worker_process import WorkerProcess
@@ -158,6 +158,9 @@ class ProcessStage(StageProxy):
 
     def _send_hand_off(self, item: StageInput) -> None:
         self._send(HandOff(self.spec.tag, item))
+
+    def _send_append(self, chunk: StreamChunk) -> None:
+        self._send(Append(self.spec.tag, chunk))
 
     def _send_abort(self, request_id: str) -> None:
         if self.conn is not None:

@@ -16,7 +16,7 @@ import attrs
 
 from omni_kernel.core.errors import EngineDead, PluginError, RequestError, StageUnavailable, rebuild
 from omni_kernel.core.graph import NodeSpec
-from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.request import StageInput, StageStats, StreamChunk
 from omni_kernel.events import StageFailed, StageFinished
 
 from .messages import Check, Submit
@@ -120,9 +120,9 @@ class StageProxy:
     call then waits for the build, or raises StageUnavailable at once where the group fails fast
     (`WorkerGroup.fail_fast`).
 
-    A subclass provides `wait_ready`, `pump`, `close`, `handles` (what the group's wait blocks on), `_call` (a
-    `Submit` or `Check` answered by its worker; a Submit's request is outstanding once sent), `_running` (its worker
-    is there to take a message), `_send_hand_off` and `_send_abort`. What the worker's messages tell it comes in
+    A subclass provides `wait_ready`, `pump`, `close`, `handles` (what the group's wait blocks on), `_call` (a `Submit`
+    or `Check` answered by its worker; a Submit's request is outstanding once sent), `_running` (its worker is there to
+    take a message), `_send_hand_off`, `_send_append` and `_send_abort`. What the worker's messages tell it comes in
     through `on_ready`, `on_events` and `lost` (from the subclass's receiving side)."""
 
     what = "worker"
@@ -300,6 +300,18 @@ class StageProxy:
         except RequestError as exc:  # its input could not be pickled: that request alone fails
             self.outstanding.discard(item.request_id)
             self.pending.append(StageFailed(item.request_id, self.node.id, str(exc), "runtime"))
+
+    def append(self, chunk: StreamChunk) -> None:
+        """The next chunk of a request's streamed input, opened by its hand-off: one message, sent as it comes and
+        never waited for, which the worker's stage takes after that hand-off. A chunk that cannot be sent fails its
+        request (the StageScheduler's abort then ends it in the worker); a request the worker no longer holds
+        (failed, aborted, lost with a worker) takes nothing."""
+        if chunk.request_id not in self.outstanding or not self._running():
+            return
+        try:
+            self._send_append(chunk)
+        except RequestError as exc:
+            self.pending.append(StageFailed(chunk.request_id, self.node.id, str(exc), "runtime"))
 
     def _refusal(self) -> Exception:
         """Why a call or a hand-off cannot reach the worker now: the stage is dead, or its worker is gone."""

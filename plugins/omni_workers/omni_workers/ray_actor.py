@@ -3,9 +3,9 @@
 needs to make one: Ray itself, imported and connected at first use, and `StageActor` wrapped with `ray.remote`
 (keep the class name: benchmarks/overlap.py finds the actors' processes by it).
 
-Contract: the front sends the messages of messages.py to `handle` (`Submit`, `Check`, `HandOff`, `Abort`; the
-tag is always 0: an actor hosts one stage), whose calls return their `Reply`; `ready()` returns the build's `Ready`
-or `Failed`; `events()` streams `Events` (each event `Sealed`) for the actor's life.
+Contract: the front sends the messages of messages.py to `handle` (`Submit`, `Check`, `HandOff`, `Append`, `Abort`; the
+tag is always 0: an actor hosts one stage), whose calls return their `Reply`; `ready()` returns the build's `Ready` or
+`Failed`; `events()` streams `Events` (each event `Sealed`) for the actor's life.
 """
 
 from __future__ import annotations
@@ -19,14 +19,16 @@ import threading
 import attrs
 
 from omni_kernel.core.errors import PluginError, classify
-from omni_kernel.events import StageFailed
+from omni_kernel.core.request import StageInput, StreamChunk
+from omni_kernel.events import StageFailed, StageFinished
 
-from .messages import Abort, Add, Check, Events, Failed, HandOff, Ready, Reply, Sealed, Submit
+from .messages import Abort, Add, Append, Check, Events, Failed, HandOff, Ready, Reply, Sealed, Submit
 from .ray_groups import RayRankLauncher
 from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker, step_hosts
 from .transport import pack, pack_answer
 
 log = logging.getLogger("omni")
+KEPT = 4096  # the aborts that came before their hand-off, and the ended streams, an actor remembers
 
 
 def import_ray():
@@ -76,6 +78,7 @@ class StageActor:
         self.inbox: collections.deque = collections.deque()  # (message, the _Reply of a Submit or None)
         self.out: list[Events] = []
         self.aborted: dict[str, None] = {}
+        self.order = StreamOrder()  # the engine thread's alone
         self.status: Ready | Failed | None = None
         self.stop = False
         self.ranks: RayRankLauncher | None = None
@@ -122,8 +125,11 @@ class StageActor:
                     return
             events = self._take_inbox()
             events.extend(step_hosts([self.host], WAIT_S).get(self.host, []))
+            for event in events:
+                if isinstance(event, (StageFailed, StageFinished)):
+                    self.order.end(event.request_id)
             stats = self.host.new_stats()  # after each step, and after an add or abort that changed them
-            busy = self.host.has_unfinished()
+            busy = self.host.busy()
             if events or stats is not None:
                 self._emit(pack(Events(0, tuple(events), stats), self.host.node_id))
 
@@ -163,6 +169,8 @@ class StageActor:
                 return None, self.host.add(item)
             case HandOff(item=sealed):
                 return None, self._hand_off(sealed)
+            case Append(chunk=sealed):
+                return None, self._append(sealed)
             case Abort(request_id=request_id):
                 self._abort(request_id)
         return None, []
@@ -170,18 +178,41 @@ class StageActor:
     def _abort(self, request_id: str) -> None:
         if request_id not in self.host.requests:
             self.aborted[request_id] = None
-            while len(self.aborted) > 4096:
+            while len(self.aborted) > KEPT:
                 self.aborted.pop(next(iter(self.aborted)))
+        self.order.end(request_id)
         self.host.abort(request_id)
 
     def _hand_off(self, sealed: Sealed) -> list:
         if self.aborted.pop(sealed.request_id, 0) is None:
             return []
+        item = self._load(sealed)
+        if not isinstance(item, StageInput):
+            return item  # its StageFailed
+        events = self.host.hand_off(item)
+        if item.stream and not events:  # it takes its chunks now, those that came before it first
+            events = self._take_chunks(self.order.open(item.request_id))
+        return events
+
+    def _append(self, sealed: Sealed) -> list:
+        chunk = self._load(sealed)
+        if not isinstance(chunk, StreamChunk):
+            self.order.end(sealed.request_id)
+            return chunk  # its StageFailed
+        return self._take_chunks(self.order.arrive(chunk))
+
+    def _take_chunks(self, chunks: list[StreamChunk]) -> list:
+        events = []
+        for chunk in chunks:
+            events.extend(self.host.append(chunk))
+        return events
+
+    def _load(self, sealed: Sealed):
+        """The front's pickled input, or its request's StageFailed (in a list) where this actor cannot read it."""
         try:
-            item = pickle.loads(sealed.data)
+            return pickle.loads(sealed.data)
         except Exception as exc:  # noqa: BLE001 - e.g. a class only the front has: this request only
             return [StageFailed(sealed.request_id, self.host.node_id, self._unreadable(exc), "runtime")]
-        return self.host.hand_off(item)
 
     def _call(self, call_id: int, function, sealed: Sealed, answer: bool = True) -> tuple[Reply, object]:
         """A call on the front's pickled input: its Reply, with the value pickled here where `answer` (so that an
@@ -235,6 +266,51 @@ class StageActor:
             self.stop = True
             self.work.notify_all()
             self.emitted.notify_all()
+
+
+class StreamOrder:
+    """A Ray actor's streamed inputs, in order. Ray runs a threaded actor's calls in any order, so a chunk can
+    overtake the hand-off that opens its request's input, or the chunk before it: each waits here for its turn (its
+    `StreamChunk.index`). A request's stream ends at its last chunk, its abort or its failure (`end`); a chunk that
+    comes after is dropped (the last KEPT ends are remembered)."""
+
+    def __init__(self):
+        self.next: dict[str, int] = {}  # an open request -> the index of the chunk it takes next
+        self.early: dict[str, dict[int, StreamChunk]] = {}  # chunks that came before their turn, by request
+        self.ended: dict[str, None] = {}
+
+    def open(self, request_id: str) -> list[StreamChunk]:
+        """A request's input opened (its hand-off was added): the chunks due now, those that came before it."""
+        self.ended.pop(request_id, None)
+        self.next[request_id] = 0
+        return self._due(request_id)
+
+    def arrive(self, chunk: StreamChunk) -> list[StreamChunk]:
+        """A chunk came: the chunks due now, in order (none while one before it, or the hand-off, is missing)."""
+        if chunk.request_id in self.ended:
+            return []
+        self.early.setdefault(chunk.request_id, {})[chunk.index] = chunk
+        return self._due(chunk.request_id)
+
+    def end(self, request_id: str) -> None:
+        self.next.pop(request_id, None)
+        self.early.pop(request_id, None)
+        self.ended[request_id] = None
+        while len(self.ended) > KEPT:
+            self.ended.pop(next(iter(self.ended)))
+
+    def _due(self, request_id: str) -> list[StreamChunk]:
+        waiting = self.early.get(request_id, {})
+        due = []
+        while request_id in self.next and self.next[request_id] in waiting:
+            chunk = waiting.pop(self.next[request_id])
+            due.append(chunk)
+            self.next[request_id] += 1
+            if chunk.last:
+                self.end(request_id)
+        if not waiting:
+            self.early.pop(request_id, None)
+        return due
 
 
 class _Reply:

@@ -1,11 +1,11 @@
 """Placement `ray`: a stage in a Ray actor, placed with a placement group (the `omni-workers[ray]` extra).
 
 The same contract as `process_stage.ProcessStage`: the front's proxy sends the messages of messages.py to the
-actor's `handle` (`Submit` and `Check` calls, `HandOff`, `Abort`); the actor (ray_actor.py) runs its stage's engine
-loop on a thread of its own, continuously, and streams its `Events` (`events`, a Ray streaming generator read by a
-thread of the front). Outputs come back as
-stream items through Ray's object store (arrays included); the front relays them to the next stage (a Ray stream
-cannot be handed to another actor). Each actor has a bundle of its node's Ray resources (`ray_resources`, else
+actor's `handle` (`Submit` and `Check` calls, `HandOff`, `Append`, `Abort`); the actor (ray_actor.py) runs its
+stage's engine loop on a thread of its own, continuously, and streams its `Events` (`events`, a Ray streaming
+generator read by a thread of the front). Outputs come back as stream items through Ray's object store (arrays
+included); the front relays them to the next stage (a Ray stream cannot be handed to another actor), a streaming
+edge's chunks as they are cut. Each actor has a bundle of its node's Ray resources (`ray_resources`, else
 `NodeSpec.resources`, else {"CPU": 1}) in a placement group of its stage's (ray_groups.py: PACK for a stage alone,
 SPREAD over a stage's replicas). An actor that dies fails its requests with one error naming the stage, the replica
 and, when its node died, the node; it is restarted `max_restarts` times in its own bundle, which Ray places again
@@ -33,10 +33,10 @@ import uuid
 import attrs
 
 from omni_kernel.core.errors import RequestError, rebuild
-from omni_kernel.core.request import StageInput
+from omni_kernel.core.request import StageInput, StreamChunk
 
 from .cores import SHARED
-from .messages import Abort, Check, Events, Failed, HandOff, Sealed, Submit
+from .messages import Abort, Append, Check, Events, Failed, HandOff, Sealed, Submit
 from .proxy import StageProxy, WorkerDied
 from .ray_actor import actor_class, ensure_ray
 from .ray_groups import GONE_TIMEOUT_S, PLACE_TIMEOUT_S, Reservation, kill_all, node_alive, ray_options
@@ -269,6 +269,10 @@ class RayStage(StageProxy):
         # in order with this caller's other messages where Ray keeps them so; the actor remembers an abort that
         # overtook the hand-off it follows
         self.actor.handle.remote(HandOff(0, Sealed(item.request_id, self._pickle(item))))
+
+    def _send_append(self, chunk: StreamChunk) -> None:
+        # Ray may run it before the hand-off or the chunk it follows: the actor puts them back in order
+        self.actor.handle.remote(Append(0, Sealed(chunk.request_id, self._pickle(chunk))))
 
     def _send_abort(self, request_id: str) -> None:
         if self.actor is not None:

@@ -2,17 +2,18 @@
 
 Each new request (a submit, or a hand-off from an upstream stage) goes to the replica with the least outstanding work
 (the requests it holds or has events of, then the fewest restarts), and stays there: its events come back from that
-replica, and its abort goes there. A replica that dies fails only its own requests (its proxy's fault handling) and is
-restarted as any worker is; while it restarts, or once it is dead, new requests go to the others. The stage is dead only
-when every replica is (its `dead`). Its stats add the replicas' up and list each one's (`StageStats.replicas`, which
-`/metrics` labels by replica). On a machine with GPUs, give the front `CUDA_VISIBLE_DEVICES=0,1`: replica i of a process
-placement then sees the i-th of them only (spawn.py); a Ray replica reserves its own bundle.
+replica, its streamed input's chunks and its abort go there. A replica that dies fails only its own requests (its
+proxy's fault handling) and is restarted as any worker is; while it restarts, or once it is dead, new requests go to
+the others. The stage is dead only when every replica is (its `dead`). Its stats add the replicas' up and list each
+one's (`StageStats.replicas`, which `/metrics` labels by replica). On a machine with GPUs, give the front
+`CUDA_VISIBLE_DEVICES=0,1`: replica i of a process placement then sees the i-th of them only (spawn.py); a Ray
+replica reserves its own bundle.
 """
 
 from __future__ import annotations
 
 from omni_kernel.core.errors import StageUnavailable
-from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.request import StageInput, StageStats, StreamChunk
 from omni_kernel.events import StageFailed, StageFinished
 
 from .proxy import RemoteEngine
@@ -66,6 +67,12 @@ class ReplicaStage:
         replica = self.pick()
         self.owner[item.request_id] = replica
         replica.hand_off(item)
+
+    def append(self, chunk: StreamChunk) -> None:
+        """A streamed input's next chunk, to the replica its hand-off went to."""
+        replica = self.owner.get(chunk.request_id)
+        if replica is not None:
+            replica.append(chunk)
 
     def take_events(self) -> list:
         events = []

@@ -23,7 +23,7 @@ from omni_kernel.core.errors import PluginError
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.planner import NodeBuild, node_policy
 from omni_kernel.core.registry import share_key
-from omni_kernel.core.request import StageInput, StageStats
+from omni_kernel.core.request import StageInput, StageStats, StreamChunk
 from omni_kernel.core.stepping import step_engine
 from omni_kernel.events import StageFailed, StageFinished
 
@@ -101,13 +101,15 @@ def set_torch_threads(threads: int | str | None) -> None:
 class StageHost:
     """One stage of a worker (a kernel Stage, stage.py), as the worker's dispatcher drives it: `check`, `process`
     and `add` (a submit, whose processing may run beside a step where `concurrent_inputs` says so, and whose add
-    always runs between two steps), `hand_off`, `abort`, and the stage's stats, sent to the front whenever they
-    changed. `requests`: the requests added through this stage and not finished, whose outputs it owns."""
+    always runs between two steps), `hand_off`, `append` (a streamed input's next chunk), `abort`, and the stage's
+    stats, sent to the front whenever they changed. `requests`: the requests added through this stage and not
+    finished, whose outputs it owns; `open`: those of them whose input streams in and has not ended."""
 
     def __init__(self, stage, node_id: str):
         self.stage = stage
         self.node_id = node_id
         self.requests: set[str] = set()
+        self.open: set[str] = set()
         self.sent: StageStats | None = None  # the stats last sent to the front
 
     @property
@@ -130,8 +132,26 @@ class StageHost:
         return self._alone(self.stage.add_request, item)
 
     def hand_off(self, item: StageInput) -> list:
-        """A downstream input, processed and added by the stage; a processing error fails that request alone."""
-        return self._alone(self.stage.hand_off, item)
+        """A downstream input, processed and added by the stage; a processing error fails that request alone. One
+        that opens a streamed input (`stream`) takes its chunks next (`append`)."""
+        events = self._alone(self.stage.hand_off, item)
+        if item.stream and not events:
+            self.open.add(item.request_id)
+        return events
+
+    def append(self, chunk: StreamChunk) -> list:
+        """The next chunk of an open request's input, to the stage (its failure comes back from the next step); a
+        request no longer here (failed, aborted) takes nothing."""
+        if chunk.request_id not in self.open:
+            return []
+        if chunk.last:
+            self.open.discard(chunk.request_id)
+        try:
+            self.stage.append(chunk)
+        except Exception as exc:  # noqa: BLE001 - e.g. a stage that takes no chunks: that request fails alone
+            self.abort(chunk.request_id)
+            return [StageFailed.of(chunk.request_id, self.node_id, exc)]
+        return []
 
     def _alone(self, call, item: StageInput) -> list:
         self.requests.add(item.request_id)
@@ -143,12 +163,18 @@ class StageHost:
         return []
 
     def abort(self, request_id: str) -> None:
+        self.open.discard(request_id)
         if request_id in self.requests:
             self.requests.discard(request_id)
             self.stage.abort(request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def busy(self) -> bool:
+        """Whether a step has work now or soon: False when the stage holds nothing, or only open requests whose
+        steps so far are done (they wait for their next chunk, a message: the loop waits on its inbox, not spins)."""
+        return bool(self.requests - self.open) or (bool(self.requests) and self.engine.wait(0))
 
     def events_for(self, outputs: list) -> list:
         """The stage's events for its requests' outputs of one engine step."""
@@ -162,6 +188,7 @@ class StageHost:
                 self.abort(event.request_id)
             elif isinstance(event, StageFinished):
                 self.requests.discard(event.request_id)
+                self.open.discard(event.request_id)
 
     def new_stats(self) -> StageStats | None:
         """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""

@@ -7,12 +7,13 @@ Contract (the messages: messages.py; one dispatcher, `EngineLoop.handle`):
   it answers each `Build` with `Ready` or `Failed`.
 - Its reader thread answers `Check` at once (model-free by the Stage contract), and processes a `Submit` at once
   where the stage's `concurrent_inputs` allows it; everything else, and every add to an engine, is handled by
-  the engine loop between two steps. A `Submit` is answered by a `Reply` once its input is processed (the
+  the engine loop between two steps, in the order it came (a streamed input's `Append`s after the `HandOff` that
+  opened it). A `Submit` is answered by a `Reply` once its input is processed (the
   processing error raises in the front); a failure to add, or to process a `HandOff`, comes back as the
   request's StageFailed in `Events`.
 - The engine loop steps its stages while they hold requests (stage_host.step_hosts) and sends each stage's
   `Events` with its stats when they changed (from a sender thread, so a front slow to read never stalls a step);
-  idle, it blocks on its inbox.
+  idle, or holding only open requests that wait for their next chunk, it blocks on its inbox.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from omni_kernel.core.errors import classify
 
 from . import shared
 from .cores import CoreShare
-from .messages import Abort, Add, Build, Check, Drop, Events, Failed, Fds, HandOff, Ready, Reply, Stop, Submit
+from .messages import Abort, Add, Append, Build, Check, Drop, Events, Failed, Fds, HandOff, Ready, Reply, Stop, Submit
 from .stage_host import (
     WAIT_S,
     StageHost,
@@ -147,7 +148,7 @@ class EngineLoop:
         """Take the queued messages, then step; wait for a message when nothing is in flight."""
         threading.Thread(target=self.read, args=(conn,), name="omni-worker-read", daemon=True).start()
         while True:
-            busy = any(h.has_unfinished() for h in self.hosts.values())
+            busy = any(h.busy() for h in self.hosts.values())
             if self.share is not None and not busy:
                 self.share.idle()
             if not self.take_messages(wait=not busy):
@@ -163,7 +164,7 @@ class EngineLoop:
         while message is not None:
             if isinstance(message, Stop):
                 return False
-            if self.share is not None and isinstance(message, (Submit, HandOff, Build)):
+            if self.share is not None and isinstance(message, (Submit, HandOff, Append, Build)):
                 self.share.before_step()  # input processing is work too (a Wan request encodes its image)
             self.send(self.handle(message))
             try:
@@ -186,7 +187,7 @@ class EngineLoop:
             stats = host.new_stats()  # after each step, and after an add or abort that changed them
             if events.get(host) or stats is not None:
                 self.outbox.put(Events(tag, tuple(events.get(host, ())), stats))
-        still_busy = [host for _, host in hosts if host.has_unfinished()]
+        still_busy = [host for _, host in hosts if host.busy()]
         if share is not None and events and not still_busy:
             share.idle()  # lend the cores before the next messages
         if still_busy and not events:
@@ -212,15 +213,21 @@ class EngineLoop:
                 return self.events(tag, host.add(item))
             case HandOff(tag=tag, item=item):
                 return self.events(tag, host.hand_off(item))
+            case Append(tag=tag, chunk=chunk):
+                return self.events(tag, host.append(chunk))
             case Abort(request_id=request_id):
                 host.abort(request_id)
             case Drop(tag=tag):
-                for request_id in sorted(host.requests):
-                    host.abort(request_id)
-                del self.hosts[tag]
+                self.drop(tag)
             case _:
                 log.warning("unknown message %r", message)
         return None
+
+    def drop(self, tag: int) -> None:
+        """The stage closed in the front: its requests aborted, the stage forgotten."""
+        host = self.hosts.pop(tag)
+        for request_id in sorted(host.requests):
+            host.abort(request_id)
 
     def submit(self, host: StageHost, message: Submit) -> Reply:
         """Process the input (a user error is the Reply's) and queue its add: the engine loop adds it between two

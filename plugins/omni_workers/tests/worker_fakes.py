@@ -16,6 +16,13 @@ memory), and "lost_frames" gives `render`'s output a shared-memory array that ne
 stage's output trace has the thread count its worker set for each of its steps (`words.threads`, `render.threads`;
 shared cores). `fake_listen` is one `listen` node (kind "asr") that reads the request's audio (a path or bytes) and
 answers with its size, its digest and the worker's pid.
+
+Streams and joins (with tests/kernel_fakes.py's connectors and join): `fake_spoken` is `words` -> `say` on a streaming
+edge (each word is a chunk; `say`, kind "say", speaks chunk k at its step k as an AudioDelta and answers with the
+words upper-cased and the sound; both are outputs); `fake_narrated` is `words` -> `render` and `words` -> `say`
+(streamed), joined by `mux` (inputs "video" and "voice"). A `say` chunk with "boom" is refused by its input processor.
+A word "gate=PATH" makes its `words` step create PATH.started, then wait until PATH exists. Each engine's stats count
+the requests its runner holds and the steps it ran (`fake.live`, `fake.steps`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import hashlib
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -34,18 +42,21 @@ import attrs
 from omni_kernel import hookimpl
 from omni_kernel.builtin.echo import KernelPlugin
 from omni_kernel.core.engine import Engine
-from omni_kernel.core.errors import InvalidParameter, ModelError
+from omni_kernel.core.errors import InputError, InvalidParameter, ModelError
 from omni_kernel.core.graph import EdgeSpec, NodeSpec, PipelinePlan
 from omni_kernel.core.params import option
 from omni_kernel.core.registry import NodeType
-from omni_kernel.core.request import StageInput, StageOutput
+from omni_kernel.core.request import StageInput, StageOutput, StreamChunk
 from omni_kernel.core.scheduler import StepScheduler
 from omni_kernel.core.stage import Outputs, Stage
-from omni_kernel.events import StageFinished, TokenDelta
+from omni_kernel.events import AudioDelta, StageFinished, TokenDelta
 from omni_kernel.plugins import PluginHost
 from omni_kernel.testing import wait_until
 from omni_workers import WorkersPlugin, shared
 from omni_workers.cores import step_threads
+
+sys.path.insert(0, str(Path(__file__).parents[3] / "tests"))  # the kernel's fakes; a worker gets the front's path
+from kernel_fakes import StreamTagConnector, TagConnector, fake_node_type, text_join  # noqa: E402
 
 log = logging.getLogger("omni")
 
@@ -83,14 +94,18 @@ class SleepyRunner:
     count at each of its steps (`state`). A prompt with "background" (with `background`) returns its last step as
     a Future done 0.3 s later, as if exported on a thread (Wan's MP4): the scheduler holds it until then."""
 
-    def __init__(self, sleep_s: float, pieces, hold: bool = False, background: bool = False):
+    def __init__(self, sleep_s: float, pieces, hold: bool = False, background: bool = False, gates: bool = False):
         self.sleep_s = sleep_s
         self.pieces = pieces
         self.hold = hold
         self.background = background
+        self.gates = gates  # a piece "gate=PATH" waits for PATH
+        self.live: set[str] = set()  # the requests it holds: its model state
+        self.steps = 0  # request steps run
 
     def add_request(self, record) -> None:
         record.state = []
+        self.live.add(record.request_id)
 
     def run(self, batch) -> dict:
         for job in batch.records:
@@ -99,22 +114,31 @@ class SleepyRunner:
         for job in batch.records if self.hold else ():
             for word in job.item.prompt.split(" "):
                 if word.startswith("hold="):
-                    gate = Path(word[5:])
-                    gate.with_suffix(".started").touch()
-                    wait_until(gate.exists, 120, f"the test to open the gate {gate}")
+                    _wait_for(Path(word[5:]))
         out = {}
         for job, step in zip(batch.records, batch.steps):
             item = job.item
             if "crash" in item.prompt:
                 os.kill(os.getpid(), signal.SIGKILL)
-            out[job.request_id] = self.pieces(item)[step]
+            out[job.request_id] = piece = self.pieces(item)[step]
+            if self.gates and piece.startswith("gate="):
+                _wait_for(Path(piece[5:]))
             if self.background and "background" in item.prompt and step == job.total - 1:
                 out[job.request_id] = future = Future()
                 threading.Timer(0.3, future.set_result, [None]).start()
+        self.steps += len(batch.records)
         return out
 
     def free(self, record) -> None:
-        pass
+        self.live.discard(record.request_id)
+
+    def stats(self) -> dict:
+        return {"fake.live": len(self.live), "fake.steps": self.steps}
+
+
+def _wait_for(gate: Path) -> None:
+    gate.with_suffix(".started").touch()
+    wait_until(gate.exists, 120, f"the test to open the gate {gate}")
 
 
 class WordsScheduler(StepScheduler):
@@ -239,8 +263,8 @@ def build_words_engine(settings: FakeEngineSettings) -> Engine:
     _load(settings.config)
     if settings.config.fake_fail_build:
         raise ModelError("the fake model is missing")
-    runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: item.processed)
-    scheduler = WordsScheduler(max_batch=8, num_steps=lambda item: len(item.processed))
+    runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: item.processed, gates=True)
+    scheduler = WordsScheduler(max_batch=8, num_steps=lambda item: len(item.processed), model_stats=runner.stats)
     return Engine(scheduler, runner)
 
 
@@ -253,7 +277,55 @@ def build_render_engine(settings: FakeEngineSettings) -> Engine:
     _load(settings.config)
     runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: [None] * render_steps(item), hold=True,
                           background=True)
-    return Engine(StepScheduler(max_batch=8, num_steps=render_steps), runner)
+    return Engine(StepScheduler(max_batch=8, num_steps=render_steps, model_stats=runner.stats), runner)
+
+
+class SayInputs:
+    """A streamed input: its processed input is the chunks so far, one step each (a whole input: its words)."""
+
+    concurrent = False
+
+    def check(self, item: StageInput) -> None:
+        pass
+
+    def process(self, item: StageInput) -> StageInput:
+        return attrs.evolve(item, processed=() if item.stream else tuple(w + " " for w in item.prompt.split()))
+
+    def extend(self, item: StageInput, chunk: StreamChunk) -> StageInput:
+        if "boom" in chunk.text:
+            raise InputError(f"cannot say {chunk.text!r}")
+        return attrs.evolve(item, processed=item.processed + ((chunk.text,) if chunk.text else ()))
+
+
+def spoken(piece: str) -> bytes:
+    """A piece's fake sound: its upper-cased text as 16-bit samples."""
+    return b"".join(code.to_bytes(2, "little") for code in piece.upper().encode())
+
+
+class SayOutputs(Outputs):
+    """Each step's piece as an AudioDelta; at the end the pieces upper-cased, and the whole sound in `data`."""
+
+    def process(self, outputs) -> tuple[list, list[str]]:
+        events, _ = super().process([o for o in outputs if o.error is not None])
+        for out in (o for o in outputs if o.error is None):
+            if out.result is not None:
+                events.append(AudioDelta(out.request_id, self.node_id, spoken(out.result), 16000, out.result))
+            if out.finished:
+                text = "".join(out.item.processed)
+                events.append(StageFinished(out.request_id, self.node_id, StageOutput(
+                    out.request_id, self.node_id, text=text.upper(), stop_reason="done", data={"pcm": spoken(text)},
+                    trace={"say.pid": os.getpid(), "say.chunks": len(out.item.processed)})))
+        return events, []
+
+
+def build_say_engine(settings: FakeEngineSettings) -> Engine:
+    runner = SleepyRunner(settings.sleep_ms / 1000, lambda item: item.processed)
+    scheduler = StepScheduler(max_batch=8, num_steps=lambda item: len(item.processed), model_stats=runner.stats)
+    return Engine(scheduler, runner)
+
+
+def build_say(node: NodeSpec, config, policy: FakePolicy, settings, engine: Engine) -> Stage:
+    return Stage(node, "say", SayInputs(), engine, SayOutputs(node.id))
 
 
 def build_words(node: NodeSpec, config, policy: FakePolicy, settings, engine: Engine) -> Stage:
@@ -316,6 +388,20 @@ class WordsToRender:
         return StageInput(request.request_id, output.text, trace=trace)
 
 
+def stream_plans(sleep_ms: float) -> list[PipelinePlan]:
+    """`fake_spoken` and `fake_narrated` (see the module docstring)."""
+    policy = {"sleep_ms": sleep_ms}
+    words = NodeSpec("words", "fake.words", policy=policy)
+    say = NodeSpec("say", "fake.say", policy=policy)
+    to_say = EdgeSpec("words", "say", "fake_words_to_say", stream=True)
+    return [PipelinePlan("fake_spoken", [attrs.evolve(words, final=True), attrs.evolve(say, final=True)], [to_say]),
+            PipelinePlan("fake_narrated", [words, NodeSpec("render", "fake.render", policy=policy), say,
+                                           NodeSpec("mux", "fake.mux", final=True)],
+                         [EdgeSpec("words", "render", "fake_words_to_render"), to_say,
+                          EdgeSpec("render", "mux", "fake_render_to_mux", input="video"),
+                          EdgeSpec("say", "mux", "fake_say_to_mux", input="voice")])]
+
+
 def plan(sleep_ms: float = 0, words_placement: str | None = None) -> PipelinePlan:
     policy = {"sleep_ms": sleep_ms}
     return PipelinePlan("fake_slow", [NodeSpec("words", "fake.words", policy=policy, placement=words_placement),
@@ -365,10 +451,16 @@ class FakePlugin:
                           stage=build_render, config=FakeConfig, params=FakeParams, policy=FakePolicy))
         register(NodeType("fake.listen", "asr", engine_settings=lambda node, config, policy: node.id,
                           engine=build_listen_engine, stage=build_listen, inputs={"audio"}))
+        register(NodeType("fake.say", "say", engine_settings=self.engine_settings, engine=build_say_engine,
+                          stage=build_say, config=FakeConfig, params=FakeParams, policy=FakePolicy, stream_input=True))
+        register(fake_node_type("fake.mux", "mux", [], join=text_join("video", "voice")))
 
     @hookimpl
     def omni_register_connectors(self, register):
         register(WordsToRender())
+        register(StreamTagConnector("fake_words_to_say", "ar", "say"))
+        register(TagConnector("fake_render_to_mux", "video", "mux"))
+        register(TagConnector("fake_say_to_mux", "say", "mux"))
 
     @hookimpl
     def omni_register_pipelines(self, register):
@@ -376,6 +468,8 @@ class FakePlugin:
         policy = {"concurrent_inputs": True, "sleep_ms": self.plan.nodes[0].policy["sleep_ms"]}
         register(PipelinePlan("fake_video", [NodeSpec("render", "fake.render", policy=policy, final=True)]))
         register(PipelinePlan("fake_listen", [NodeSpec("listen", "fake.listen", final=True)]))
+        for streamed in stream_plans(self.plan.nodes[0].policy["sleep_ms"]):
+            register(streamed)
 
 
 def make_host(sleep_ms: float = 0, words_placement: str | None = None, shared: bool = False) -> PluginHost:
