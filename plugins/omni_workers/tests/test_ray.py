@@ -12,10 +12,12 @@ import pytest
 
 from omni_kernel import Omni
 from omni_kernel.core.errors import InvalidParameter, ModelError, StageUnavailable
-from omni_kernel.events import RequestFailed, RequestFinished
-from omni_kernel.testing import drain
+from omni_kernel.events import AudioDelta, RequestFailed, RequestFinished
+from omni_kernel.testing import drain, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_worker_streams import PROMPTS, settled, stats_of  # noqa: E402
+from test_worker_streams import run_all as outcomes  # noqa: E402
 from test_workers import retry, run_all, step_until_held, within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
 
@@ -147,3 +149,27 @@ def test_ray_replicas_split_a_burst_between_two_actors(ray):
         assert len(pids) == 2
         for rid, prompt in zip(ids, prompts):
             assert done[rid].result.text == f"rendered {len(prompt.split())} words", done[rid]
+
+
+def test_ray_streams_and_joins_give_what_one_process_gives(ray, tmp_path):
+    """`fake_narrated` with every stage in an actor (a quarter CPU each: the four fit this Ray's two): the outputs of
+    one process, the streamed edge's chunks crossing to the `say` actor while `words` still writes (held on its
+    gate's step), and an abort mid-stream that ends the request in both actors."""
+    from omni_workers.ray_stage import RayStage
+
+    with Omni("fake_narrated", host=make_host()) as inproc:
+        want = outcomes(inproc, PROMPTS)
+    gate = tmp_path / "gate"
+    with Omni("fake_narrated", host=make_host(), placement="ray", ray_resources="CPU:0.25") as o:
+        assert all(isinstance(s, RayStage) for s in o.graph.stages.values())
+        assert within(lambda: outcomes(o, PROMPTS), timeout=60) == want
+        rid = o.submit(o.request(f"one two gate={gate} three four"))
+        spoken = []
+        within(lambda: wait_until(lambda: spoken.extend(e for e in o.step() if isinstance(e, AudioDelta))
+                                  or len(spoken) == 2, 30, "the first two words spoken"))
+        o.abort(rid)
+        gate.touch()
+        assert [e.kind for e in within(lambda: drain(o)) if isinstance(e, RequestFailed)] == ["aborted"]
+        words, say = o.graph.stages["words"], o.graph.stages["say"]
+        wait_until(lambda: settled(words) and settled(say), 30, "both actors to free the aborted request")
+        assert stats_of(say).model["fake.steps"] == sum(len(p.split()) for p in PROMPTS) + 2
