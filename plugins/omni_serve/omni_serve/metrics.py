@@ -125,6 +125,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.ttfa = Histogram("omni_time_to_first_audio_seconds", "speech: arrival to the first sound's bytes",
                               ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.chat_ttfa = Histogram("omni_chat_time_to_first_audio_seconds", "spoken chats: arrival to the answer's "
+                                   "first audio", ["model"], buckets=LATENCY_BUCKETS, registry=r)
         self.audio = Counter("omni_audio_seconds", "seconds of audio, by route: spoken (speech) or heard "
                              "(transcriptions)", ["model", "route"], registry=r)
         self.e2e = Histogram("omni_e2e_request_latency_seconds", "request latency, arrival to last byte",

@@ -57,10 +57,24 @@ class TextPart(BaseModel):
     text: str
 
 
+class InputAudio(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data: str = Field(description="base64 of the audio file")
+    format: Literal["wav", "mp3"]
+
+
+class AudioPart(BaseModel):
+    """Speech a pipeline that listens hears (omni_serve.chat_audio)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | AudioPart] | None = None
     name: str | None = None
 
 
@@ -90,8 +104,16 @@ class SamplingFields(_Open):
                                                   "times the most likely one")
 
 
+class ChatAudio(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    voice: str | dict[str, str]
+    format: Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] | None = None  # with "audio": a spoken answer (omni_serve.chat_audio)
+    audio: ChatAudio | None = None
     logprobs: StrictBool | None = None  # omni_serve.logprobs
     top_logprobs: StrictInt | None = None
 

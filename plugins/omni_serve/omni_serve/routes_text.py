@@ -12,6 +12,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from omni_kernel.events import RequestFailed
 
+from .chat_audio import answer_spoken, spoken_chat
 from .completions import complete
 from .guards import until_disconnect
 from .handlers import api_error
@@ -50,9 +51,12 @@ def chat_prompt(body: ChatCompletionRequest, served: Served, name: str) -> tuple
 async def answer_chat(request: Request, served: Served, body: ChatCompletionRequest):
     arrival = time.perf_counter()
     name = served.resolve(body.model, "text")
+    spoken = spoken_chat(body, served, name)  # chat_audio: a chat that hears or speaks (None: neither)
     params = sampling(body)
-    prompt, extra = chat_prompt(body, served, name)
+    prompt, extra = ("", {}) if spoken is not None and spoken.heard is not None else chat_prompt(body, served, name)
     params.update(extra, **chat_params(body))
+    if spoken is not None:
+        return await answer_spoken(request, served, body, spoken, (name, prompt, params), arrival)
     rid = "chatcmpl-" + uuid.uuid4().hex[:24]
     try:
         stream = await served.async_omni.open(name, prompt, request_id=rid, **params)

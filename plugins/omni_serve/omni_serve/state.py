@@ -63,12 +63,14 @@ class Served:
 
 def _kind(async_omni: AsyncOmni, name: str) -> str:
     """"video" when the final node is a diffusion node told the path of the file it writes (`output`); "speech"
-    when the final node speaks (kind "tts"); "transcription" when the entry node listens (kind "asr")."""
+    when the final node speaks (kind "tts"); "transcription" when the entry node listens (kind "asr") and the final
+    node is no AR stage (`voice_chat` hears, and answers as a chat: "text")."""
     graph = async_omni.omnis[name].graph
     node_type = graph.node_types.get(graph.final)
     if getattr(node_type, "kind", None) == "tts":
         return "speech"
-    if any(getattr(graph.node_types.get(n), "kind", None) == "asr" for n in graph.entries()):
+    listens = any(getattr(graph.node_types.get(n), "kind", None) == "asr" for n in graph.entries())
+    if listens and getattr(node_type, "kind", None) != "ar":
         return "transcription"
     writes = "output" in options_of(getattr(node_type, "params", None))
     return "video" if writes and getattr(node_type, "kind", None) == "diffusion" else "text"
