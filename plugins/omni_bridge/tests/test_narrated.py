@@ -10,11 +10,26 @@ from pathlib import Path
 
 import pytest
 
-from omni_bridge.guidance import (ANSWER_PREFIX, CONTRACT, GUIDANCE_MAX_CHARS, NARRATED_MAX_TOKENS, NARRATED_SCHEMA,
-                                  NARRATION_MAX_CHARS, parse_guidance)
+from omni_bridge.guidance import (
+    ANSWER_PREFIX,
+    CONTRACT,
+    GUIDANCE_MAX_CHARS,
+    NARRATED_MAX_TOKENS,
+    NARRATED_SCHEMA,
+    NARRATION_MAX_CHARS,
+    parse_guidance,
+)
 from omni_bridge.mux import Sources, VideoPart, loops_for, write_mp4
-from omni_bridge.narrated import (GUIDANCE_TO_SPEECH, NARRATED_I2V, NARRATED_POLICY, NARRATED_T2V, STAND_IN,
-                                  video_file, video_params, voice_params)
+from omni_bridge.narrated import (
+    GUIDANCE_TO_SPEECH,
+    NARRATED_I2V,
+    NARRATED_POLICY,
+    NARRATED_T2V,
+    STAND_IN,
+    video_file,
+    video_params,
+    voice_params,
+)
 from omni_bridge.plugin import BridgePlugin
 from omni_kernel import InvalidParameter, Omni, Request, StageInput, StageOutput
 from omni_kernel.core.request import Audio, VideoInfo
@@ -74,8 +89,10 @@ def test_the_plugin_registers_the_mux_and_the_narrated_pipelines():
         assert plan.nodes[0].policy == NARRATED_POLICY and plan.nodes[1].policy == {"image": image}
         # two edges out of the AR node, neither streaming; the mux joins the branches by name
         assert [(e.source, e.target, e.connector, e.stream, e.input) for e in plan.edges] == [
-            ("bridge", "video", "ar_to_diffusion", False, None), ("bridge", "speak", "guidance_to_speech", False, None),
-            ("video", "narrated", "video_to_mux", False, "video"), ("speak", "narrated", "speech_to_mux", False, "audio")]
+            ("bridge", "video", "ar_to_diffusion", False, None),
+            ("bridge", "speak", "guidance_to_speech", False, None),
+            ("video", "narrated", "video_to_mux", False, "video"),
+            ("speak", "narrated", "speech_to_mux", False, "audio")]
 
 
 def test_the_output_is_the_muxs_the_video_goes_beside_it_the_voice_writes_none(tmp_path):
@@ -160,7 +177,8 @@ def test_both_branches_run_at_once_and_the_mux_joins_them(fake, tmp_path):
     assert trace["mux.narration_seconds"] == pytest.approx(words * WORD_SECONDS)
     assert trace["mux.loops"] == math.ceil(words * WORD_SECONDS / VIDEO_INFO.seconds)
     assert trace["narration.text"] == narration and trace["mux.length_policy"] == "loop"
-    assert trace["diffusion.prompt"] == "a red fox in fresh snow\n\nSupplemental guidance: slow dolly-in, soft morning light"
+    guidance = "slow dolly-in, soft morning light"
+    assert trace["diffusion.prompt"] == f"a red fox in fresh snow\n\nSupplemental guidance: {guidance}"
     # the video and the voice both start when the AR stage ends, and each starts before the other ends
     times = {k: v for k, v in trace.items() if k.startswith("node.")}
     assert times["node.bridge.end_ms"] <= times["node.video.start_ms"] < times["node.speak.end_ms"]
