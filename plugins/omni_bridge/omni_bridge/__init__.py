@@ -1,4 +1,4 @@
-"""omni_bridge plugin: the AR->diffusion connector and the qwen_to_wan_i2v pipeline."""
+"""omni_bridge plugin: the AR->diffusion connector, the qwen_to_wan and narrated pipelines and the audio/video mux."""
 
 __version__ = "0.1.0"
 
