@@ -176,6 +176,31 @@ async def sse_many(streams, final: str, recorders: list[LatencyRecorder], rid: s
                    echoes: list[Echo]) -> AsyncIterator[str]:
     """The prompts' deltas as `text_completion` chunks as they come, each with its prompt's `index`; the
     usage chunk (summed) after the last prompt finished."""
+    chunks = CompletionChunks(rid, model, final, recorders, echoes)
+    events = merged(streams)
+    try:
+        async for i, event in events:
+            if isinstance(event, RequestFailed):
+                yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
+                break
+            for line in chunks.of(i, event):
+                yield line
+        else:
+            if include_usage and chunks.usage is not None:
+                yield chunks.chunk([], chunks.usage)
+    finally:
+        await events.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def merged(streams) -> AsyncIterator[tuple[int, object]]:
+    """(index of its prompt, event) of every stream's events as they come; leaving early closes (aborts) the
+    streams still open. One stream is read directly (no task and queue between it and the caller)."""
+    if len(streams) == 1:
+        async with streams[0] as stream:
+            async for event in stream:
+                yield 0, event
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream) -> None:
@@ -186,7 +211,6 @@ async def sse_many(streams, final: str, recorders: list[LatencyRecorder], rid: s
         finally:
             await queue.put((i, None))
 
-    chunks = CompletionChunks(rid, model, final, recorders, echoes)
     tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     open_ = len(streams)
     try:
@@ -194,17 +218,9 @@ async def sse_many(streams, final: str, recorders: list[LatencyRecorder], rid: s
             i, event = await queue.get()
             if event is None:
                 open_ -= 1
-            elif isinstance(event, RequestFailed):
-                yield "data: " + json.dumps(APIError.of_failure(event.kind, event.error, event.field).body()) + "\n\n"
-                break
             else:
-                for line in chunks.of(i, event):
-                    yield line
-        else:
-            if include_usage and chunks.usage is not None:
-                yield chunks.chunk([], chunks.usage)
+                yield i, event
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    yield "data: [DONE]\n\n"
