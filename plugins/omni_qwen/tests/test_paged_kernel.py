@@ -36,7 +36,10 @@ def _step(num_decodes: int, max_position: int, generator: torch.Generator):
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 32)])
-def test_kernel_writes_and_attends_as_sdpa(dtype, atol, num_heads, num_kv_heads, head_dim):
+@pytest.mark.parametrize("views", [False, True])
+def test_kernel_writes_and_attends_as_sdpa(dtype, atol, num_heads, num_kv_heads, head_dim, views):
+    """views: q, k and v are views of one wider row per decode, as the compiled step passes them (read in
+    place)."""
     kernel.load()
     generator = torch.Generator().manual_seed(head_dim)
     kv = torch.randn(NUM_LAYERS, 2, NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_dim, generator=generator).to(dtype)
@@ -45,6 +48,9 @@ def test_kernel_writes_and_attends_as_sdpa(dtype, atol, num_heads, num_kv_heads,
     positions, blocks, slots = _step(num_decodes, 40, generator)
     q, k, v = (torch.randn(num_decodes, heads, head_dim, generator=generator).to(dtype)
                for heads in (num_heads, num_kv_heads, num_kv_heads))
+    if views:
+        q, k, v = torch.cat((q, k, v), dim=1).split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+        assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
 
     out = torch.ops.omni_qwen_cpu.decode_attention(q, k, v, kv, layer, slots, blocks, positions)
 

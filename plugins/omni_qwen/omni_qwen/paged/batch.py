@@ -64,12 +64,14 @@ def build_step(chunks: tuple[ScheduledChunk, ...], block_size: int, dtype: torch
         positions.extend(range(chunk.start, chunk.context_len))
         slots.extend(_slots(chunk.block_table, chunk.start, chunk.num_tokens, block_size))
     max_blocks = max((-(-c.context_len // block_size) for c in decodes), default=0)
-    gather = [0] * (len(decodes) * max_blocks)
-    bias = torch.full((len(decodes), 1, 1, max_blocks * block_size), float("-inf"), dtype=dtype)
-    for i, chunk in enumerate(decodes):
+    gather = []
+    for chunk in decodes:
         used = -(-chunk.context_len // block_size)
-        gather[i * max_blocks:i * max_blocks + used] = chunk.block_table[:used]
-        bias[i, 0, 0, :chunk.context_len] = 0
+        gather.extend(chunk.block_table[:used])
+        gather.extend([0] * (max_blocks - used))
+    lengths = torch.tensor([c.context_len for c in decodes], dtype=torch.long)
+    beyond = torch.arange(max_blocks * block_size) >= lengths[:, None, None, None]  # a decode's padding
+    bias = torch.zeros(beyond.shape, dtype=dtype).masked_fill_(beyond, float("-inf"))
     prefills, row = [], len(decodes)
     for chunk in longer:
         used = -(-chunk.context_len // block_size)

@@ -46,6 +46,7 @@ inline void prefetch(const void* start, int64_t bytes) {
 
 struct Shape {
   int64_t num_decodes, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_row, k_row, v_row;  // elements from one decode's q (k, v) to the next's: they may be views of a wider row
 };
 
 // kHeadDim > 0: head_dim known when compiling, so the loops over it unroll.
@@ -66,7 +67,7 @@ void attend(const T* q, const T* pool_k, const T* pool_v, const int64_t* blocks,
       const int64_t length = positions[b] + 1;
       const int64_t used = (length + block_size - 1) / block_size;
       const int64_t* table = blocks + b * shape.max_blocks;
-      to_float(q + b * num_heads * head_dim, queries.data(), num_heads * head_dim);
+      to_float(q + b * shape.q_row, queries.data(), num_heads * head_dim);
       for (auto& x : queries) x *= scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       // No infinities: the kernel is built with -ffast-math, which assumes none.
@@ -146,10 +147,11 @@ void attend_any(const T* q, const T* pool_k, const T* pool_v, const int64_t* blo
 
 // The step's K/V (decodes, kv_heads, head_dim) into their slots of one layer's pool.
 template <typename T>
-void write(const T* k, const T* v, T* pool_k, T* pool_v, const int64_t* slots, int64_t num_decodes, int64_t width) {
-  for (int64_t b = 0; b < num_decodes; ++b) {
-    std::memcpy(pool_k + slots[b] * width, k + b * width, width * sizeof(T));
-    std::memcpy(pool_v + slots[b] * width, v + b * width, width * sizeof(T));
+void write(const T* k, const T* v, T* pool_k, T* pool_v, const int64_t* slots, const Shape& shape) {
+  const int64_t width = shape.num_kv_heads * shape.head_dim;
+  for (int64_t b = 0; b < shape.num_decodes; ++b) {
+    std::memcpy(pool_k + slots[b] * width, k + b * shape.k_row, width * sizeof(T));
+    std::memcpy(pool_v + slots[b] * width, v + b * shape.v_row, width * sizeof(T));
   }
 }
 
@@ -160,10 +162,16 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tens
          at::Tensor& out, const Shape& shape) {
   T* pool_k = kv.data_ptr<T>() + start;
   T* pool_v = pool_k + layer_elems;
-  write(k.data_ptr<T>(), v.data_ptr<T>(), pool_k, pool_v, slots.data_ptr<int64_t>(), shape.num_decodes,
-        shape.num_kv_heads * shape.head_dim);
+  write(k.data_ptr<T>(), v.data_ptr<T>(), pool_k, pool_v, slots.data_ptr<int64_t>(), shape);
   attend_any(q.data_ptr<T>(), pool_k, pool_v, blocks.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
              out.data_ptr<T>(), shape);
+}
+
+// `t` itself when each row's (heads, head_dim) values are contiguous (rows may be a wider stride apart), else a
+// contiguous copy.
+at::Tensor rows_in_place(const at::Tensor& t) {
+  if (t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2) && t.stride(0) >= t.size(1) * t.size(2)) return t;
+  return t.contiguous();
 }
 
 // q (decodes, heads, head_dim), k and v (decodes, kv_heads, head_dim); kv the whole pool (layers, 2, blocks,
@@ -177,13 +185,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   v.scalar_type() == kv.scalar_type(), "decode_attention: q, k, v and kv must share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && blocks.scalar_type() == at::kLong &&
                   positions.scalar_type() == at::kLong, "decode_attention: slots, blocks, positions must be int64");
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  // The compiled step passes q and k as views of rope's (decodes, heads + kv_heads, head_dim) output and v of the
+  // q/k/v matmul's: each decode's heads are contiguous, the decodes a wider row apart. Read in place (no copy);
+  // any other layout is made contiguous first.
+  const at::Tensor qc = rows_in_place(q), kc = rows_in_place(k), vc = rows_in_place(v);
   const at::Tensor slots_c = slots.contiguous(), blocks_c = blocks.contiguous(), positions_c = positions.contiguous();
-  Shape shape{qc.size(0), qc.size(1), kv.size(4), kv.size(5), kv.size(3), 0};
+  Shape shape{qc.size(0), qc.size(1), kv.size(4), kv.size(5), kv.size(3), 0, qc.stride(0), kc.stride(0), vc.stride(0)};
   shape.max_blocks = shape.num_decodes ? blocks_c.numel() / shape.num_decodes : 0;
   TORCH_CHECK(shape.num_heads % shape.num_kv_heads == 0, "decode_attention: heads must be a multiple of kv heads");
   // What the loops index with: every position within its padded table, every block and slot within the pool.
   TORCH_CHECK(layer >= 0 && layer < kv.size(0), "decode_attention: no layer ", layer);
+  TORCH_CHECK(qc.dim() == 3 && kc.dim() == 3 && vc.dim() == 3 && qc.size(2) == shape.head_dim &&
+                  kc.size(1) == shape.num_kv_heads && kc.size(2) == shape.head_dim &&
+                  vc.size(1) == shape.num_kv_heads && vc.size(2) == shape.head_dim,
+              "decode_attention: q, k and v must be (decodes, heads, head_dim) with the pool's K/V heads and head_dim");
   TORCH_CHECK(kc.size(0) == shape.num_decodes && vc.size(0) == shape.num_decodes && slots_c.numel() ==
                   shape.num_decodes && positions_c.numel() == shape.num_decodes,
               "decode_attention: q, k, v, slots and positions must have one row per decode");
