@@ -17,6 +17,10 @@ prepacked weights; same threads, in this process; the fastest of its runs after 
 CPU's bf16/AMX flags and the load average.
 
     .venv/bin/python benchmarks/vs_vllm_cpu.py [--vllm .venv-vllm] [--rounds 3] [--batches 1 8 32] [--dtypes bf16 fp32]
+        [--eager | --compile]
+
+omni runs its default path (`ar_compile`'s default) unless `--eager` (ar_compile=false) or `--compile`
+(ar_compile=true) says otherwise; each row records whether its decode step was compiled.
 
 The last line printed is one JSON object.
 """
@@ -95,13 +99,20 @@ class VLLMWorker:
 
 
 class OmniSide:
-    def __init__(self, model: str, dtype: str, compile: bool):
+    def __init__(self, model: str, dtype: str, compile: bool | None):
+        """compile: ar_compile's value; None leaves omni's default."""
         from omni_kernel import Omni
         from omni_kernel.plugins import load_host
 
+        config = {} if compile is None else {"ar_compile": compile}
         self.omni = Omni("ar_text", host=load_host(), ar_model=model, ar_dtype=dtype, ar_device="cpu",
-                         ar_max_num_seqs=32, ar_compile=compile)
+                         ar_max_num_seqs=32, **config)
         self.num = 0
+
+    @property
+    def compiled(self) -> bool:
+        """Whether omni decodes with the compiled step (ar_compile), as it loaded."""
+        return self.omni.graph.stages["generate"].engine.runner.backend.kv_trace.get("decode_compiled", False)
 
     def run(self, batch: int) -> float:
         from omni_kernel import RequestFailed, RequestFinished, testing
@@ -161,7 +172,7 @@ def compare(args, model: str, dtype: str) -> list[dict]:
                          "matmul_bound_tok_s": round(bound, 1), "omni_of_bound": round(omni_tok_s / bound, 3),
                          "vllm_of_bound": round(vllm_tok_s / bound, 3), "pairs": [[round(a, 1), round(b, 1)]
                                                                                  for a, b in pairs],
-                         "machine": machine()})
+                         "omni_compiled": ours.compiled, "machine": machine()})
     finally:
         theirs.close()
     return rows
@@ -169,11 +180,11 @@ def compare(args, model: str, dtype: str) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| dtype | batch | omni tok/s | vLLM CPU tok/s | omni / vLLM | matmul bound tok/s | omni, vLLM of bound | "
-             "load |", "|---|---|---|---|---|---|---|---|"]
+             "omni compiled | load |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['dtype']} | {r['batch']} | {r['omni_tok_s']} | {r['vllm_tok_s']} | {r['omni_over_vllm']}x "
                      f"| {r['matmul_bound_tok_s']} | {r['omni_of_bound']}, {r['vllm_of_bound']} | "
-                     f"{r['machine']['load_average'][0]} |")
+                     f"{r['omni_compiled']} | {r['machine']['load_average'][0]} |")
     return "\n".join(lines)
 
 
@@ -187,8 +198,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(TORCH_DTYPES))
     parser.add_argument("--rounds", type=int, default=3, help="A B pairs per figure")
-    parser.add_argument("--compile", action="store_true", help="omni with ar_compile (its decode step compiled by "
-                        "torch.compile, as vLLM compiles its model)")
+    path = parser.add_mutually_exclusive_group()
+    path.add_argument("--eager", dest="compile", action="store_const", const=False, default=None,
+                      help="omni with ar_compile=false (its eager decode step), for comparison; default: omni's "
+                      "default path")
+    path.add_argument("--compile", dest="compile", action="store_const", const=True,
+                      help="omni with ar_compile=true whatever its default")
     args = parser.parse_args()
     if not (args.vllm / "bin" / "python").is_file():
         raise SystemExit(f"no vLLM CPU venv at {args.vllm}; install it (about 2.6 GB) with:\n    {INSTALL}")
@@ -200,7 +215,7 @@ def main() -> None:
         raise SystemExit(f"SmolLM2-135M-Instruct is not in omni's cache: `make models` or `{FETCH_COMMAND}`")
     rows = [row for dtype in args.dtypes for row in compare(args, str(model), dtype)]
     say(f"{machine()}\n{table(rows)}")
-    print(json.dumps({"benchmark": "vs_vllm_cpu", "model": str(model), "threads": THREADS, "omni_compile": args.compile,
+    print(json.dumps({"benchmark": "vs_vllm_cpu", "model": str(model), "threads": THREADS, "ar_compile": args.compile,
                       "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "rows": rows}))
 
 
