@@ -61,8 +61,12 @@ class Served:
         return {k: info for t in graph.node_types.values() for k, info in options_of(t.params).items()}
 
 
+VIDEO_KINDS = ("diffusion", "mux")  # the node kinds whose file is a video
+
+
 def _kind(async_omni: AsyncOmni, name: str) -> str:
-    """"video" when the final node is a diffusion node told the path of the file it writes (`output`); "speech"
+    """"video" when the final node is a diffusion node, or a mux (omni_bridge's narrated pipelines), told the path
+    of the file it writes (`output`); "speech"
     when the final node speaks (kind "tts"); "transcription" when the entry node listens (kind "asr") and the final
     node is no AR stage (`voice_chat` hears, and answers as a chat: "text")."""
     graph = async_omni.omnis[name].graph
@@ -73,7 +77,7 @@ def _kind(async_omni: AsyncOmni, name: str) -> str:
     if listens and getattr(node_type, "kind", None) != "ar":
         return "transcription"
     writes = "output" in options_of(getattr(node_type, "params", None))
-    return "video" if writes and getattr(node_type, "kind", None) == "diffusion" else "text"
+    return "video" if writes and getattr(node_type, "kind", None) in VIDEO_KINDS else "text"
 
 
 def served(request: Request) -> Served:

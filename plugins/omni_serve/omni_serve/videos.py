@@ -43,6 +43,13 @@ def scrub(message: str, upload: Path) -> str:
     return message
 
 
+def video_node(graph) -> str:
+    """The node whose steps are a job's progress: its diffusion node (before the mux of a narrated pipeline), else
+    the final node."""
+    kinds = {n: getattr(graph.node_types.get(n), "kind", None) for n in graph.order}
+    return next((n for n in graph.order if kinds[n] == "diffusion"), graph.final)
+
+
 def store_error(exc: StoreWriteFailed) -> APIError:
     if exc.full:
         return APIError(507, f"{exc}; nothing was kept: free space on the server and retry", None,
@@ -171,8 +178,8 @@ class VideoJobs:
     # Following a job's events.
 
     async def _follow(self, job: VideoJobRecord, stream) -> None:
-        last = time.perf_counter()  # when the final node's last progress came (a denoise step's time)
-        final = self.async_omni.omnis[job.pipeline].graph.final
+        last = time.perf_counter()  # when the video node's last progress came (a denoise step's time)
+        final = video_node(self.async_omni.omnis[job.pipeline].graph)
         try:
             async with stream:
                 async for event in stream:
