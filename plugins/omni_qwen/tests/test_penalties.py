@@ -6,8 +6,12 @@ real SmolLM2 weights equals HF `generate` with the same processor, token for tok
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import (
     LogitsProcessor,
     LogitsProcessorList,
@@ -18,7 +22,7 @@ from transformers import (
 
 from omni_kernel import ARParams, RequestFailed, RequestFinished
 from omni_kernel.core.errors import InvalidParameter
-from omni_qwen.sampling import Sampler, Sampling, penalize, probabilities
+from omni_qwen.sampling import Sampler, Sampling, TokenCounts, penalize, probabilities
 
 VOCAB = 1000
 
@@ -94,7 +98,7 @@ def test_each_row_of_a_mixed_batch_has_hf_s_distribution(logits, batch):
     penalized = [i for i, row in enumerate(rows) if row.counts is not None]
     assert penalized == [i for i, (params, _, _) in enumerate(batch) if params.penalized] == [0, 2, 3, 5, 7]
     scores = logits.clone()
-    scores[penalized] = penalize(logits[penalized], [rows[i] for i in penalized])
+    scores[penalized] = penalize(logits, penalized, [rows[i] for i in penalized])
     probs = probabilities(scores, [params for params, _, _ in batch])
     for i, (params, prompt, output) in enumerate(batch):
         expected = hf_distribution(logits[i], prompt + output, len(prompt), params)
@@ -126,6 +130,22 @@ def test_the_sampler_draws_each_row_from_its_hf_distribution(logits, batch):
             tokens[i].append(got[i])
 
 
+@settings(max_examples=100, deadline=None)
+@given(prompt=st.lists(st.integers(0, 30), min_size=1, max_size=20),
+       steps=st.lists(st.lists(st.integers(0, 30), max_size=5), max_size=8))
+def test_token_counts_follow_the_growing_list(prompt, steps):
+    """Counted step by step as the list grows (a step may append several tokens, as a recompute does), the counts
+    are those of the whole list counted at once."""
+    tokens = list(prompt)
+    counts = TokenCounts(tokens, len(prompt))
+    for appended in steps:
+        tokens.extend(appended)
+        counts.update()
+        assert sorted(counts.seen_ids.tolist()) == sorted(set(tokens))
+        output = collections.Counter(tokens[len(prompt):])
+        assert dict(zip(counts.output_ids.tolist(), counts.output_counts.tolist())) == output
+
+
 def test_a_neutral_value_changes_nothing_and_costs_no_counts(logits):
     neutral = ARParams(temperature=0.9, seed=3, presence_penalty=0, frequency_penalty=0.0, repetition_penalty=1.0,
                        min_p=0.0)
@@ -152,7 +172,7 @@ def test_extreme_values_stay_finite():
                 Sampling.of(ARParams(repetition_penalty=penalty), list(range(0, 64, 2)), 0)]
         tokens = Sampler().sample(logits, rows)
         assert all(isinstance(t, int) for t in tokens), tokens
-        assert torch.isfinite(penalize(logits, rows)).all()
+        assert torch.isfinite(penalize(logits, [0, 1], rows)).all()
 
 
 @pytest.mark.parametrize("field, value, says", [
