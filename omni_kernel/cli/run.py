@@ -124,10 +124,16 @@ def _run(ctx, pipeline: str, prompt: str | None, inputs: dict, chosen: dict[Flag
     finally:
         if omni is not None:
             omni.close()
+    _print_result(result, streamed, as_json)
+
+
+def _print_result(result, streamed: set[str], as_json: bool) -> None:
+    """The finished request as JSON, or each of the pipeline's outputs (a file's path, or its text where it was not
+    streamed) on stdout and its trace on stderr."""
     if as_json:
         click.echo(json.dumps(result.to_json(), ensure_ascii=False))
         return
-    for node_id, output in result.final_outputs.items():  # each of the pipeline's outputs: a file, or its text
+    for node_id, output in result.final_outputs.items():
         if output.path is not None:
             click.echo(f"wrote {output.path}")
         elif node_id not in streamed and output.text is not None:
