@@ -5,17 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omni_kernel import NodeSpec, NodeType, PipelinePlan, hookimpl
+from omni_kernel import EdgeSpec, NodeSpec, NodeType, PipelinePlan, hookimpl
 from omni_kernel.core.engine import Engine
 from omni_kernel.core.request import StageInput
 from omni_kernel.core.stage import Stage
 
 from .asr_stages import ASR, ASRStages
+from .text_stream import TEXT_TO_SPEECH
 from .tts_config import TTSConfig, TTSParams
 from .tts_engine import TTSEngineSettings, TTSInputs, TTSOutputs, build_engine
+from .voice_chat import TRANSCRIPT_TO_PROMPT, VOICE_CHAT
 
 TTS = PipelinePlan("tts", [NodeSpec("speak", "tts.vits", final=True, plugin_hint="omni-speech")],
                    description="text to speech with a VITS voice (default: the Piper voice joe), sentence by sentence")
+# The AR node is omni_qwen's, named by its type alone (graph validation says to install omni-qwen where it is not).
+AR_SPEECH = PipelinePlan(
+    "ar_speech", [NodeSpec("answer", "ar.text_generation", final=True, plugin_hint="omni-qwen"),
+                  NodeSpec("speak", "tts.vits", final=True, plugin_hint="omni-speech")],
+    [EdgeSpec("answer", "speak", TEXT_TO_SPEECH.name, stream=True)],
+    description="a spoken answer: the AR stage answers and the voice speaks it sentence by sentence while it is "
+                "written; outputs: the text and the audio (--output names the audio file)")
 
 
 class TTSStages:
@@ -98,14 +107,22 @@ class SpeechPlugin:
         tts = self.tts
         register(NodeType("tts.vits", "tts", engine_settings=tts.engine_settings, engine=tts.engine, stage=tts.stage,
                           check=tts.check, choices=tts.choices, config=TTSConfig, params=TTSParams,
+                          stream_input=True,
                           description="speaks the prompt with a VITS voice (a transformers VitsModel directory), "
                                       "sentence by sentence, as 16-bit mono PCM; writes --output in its format"))
         register(self.asr.node_type())
 
     @hookimpl
+    def omni_register_connectors(self, register):
+        register(TEXT_TO_SPEECH)
+        register(TRANSCRIPT_TO_PROMPT)
+
+    @hookimpl
     def omni_register_pipelines(self, register):
         register(TTS)
         register(ASR)
+        register(AR_SPEECH)
+        register(VOICE_CHAT)
 
     @hookimpl
     def omni_register_models(self, register):

@@ -6,11 +6,16 @@ A request's steps are its chunks (tts_voice.Voice.chunks: sentences, a short fir
 (FewestStepsFirst) keeps one record per request; the runner keeps its batch sizes and step times in the record's
 `state`, the output processor its audio so far in `output`.
 
+A streamed input (a streaming edge's target: `ar_speech`'s voice) opens with no text (StageInput.stream); each
+StreamChunk's text adds its chunks (TTSInputs.extend), which the scheduler runs as they come; a request whose
+whole input had nothing to speak fails at its last chunk, as a text with nothing to speak does at once.
+
 Trace keys: tts.input_chars, tts.sentences (chunks), tts.voice, tts.seed (drawn when the request gave none),
 tts.audio_seconds, tts.rtf (the seconds of the steps that synthesized the request over the seconds of audio they
 made; a step shared by several requests counts whole for each), tts.ttfa_ms (from the input's processing to its
-first chunk's audio), tts.batch_max and tts.batch_mean (sentences per step of the steps it was in), and with a
-file, tts.output and tts.format.
+first chunk's audio), tts.first_audio_ms (from the request's arrival, Request.arrival_time, to its first chunk's
+audio: in a pipeline, the stages before the voice included), tts.batch_max and tts.batch_mean (sentences per step
+of the steps it was in), and with a file, tts.output and tts.format.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from omni_kernel.core.engine import Engine
 from omni_kernel.core.errors import InvalidParameter
 from omni_kernel.core.events import AudioDelta, StageFailed, StageFinished
 from omni_kernel.core.params import MAX_SEED, check_prompt
-from omni_kernel.core.request import AUDIO, Audio, StageInput, StageOutput, Usage
+from omni_kernel.core.request import AUDIO, Audio, StageInput, StageOutput, StreamChunk, Usage
 from omni_kernel.core.scheduler import RequestOutput, SchedulerOutput, StepScheduler
 from omni_kernel.core.stage import Inputs
 from omni_kernel.util.files import check_output_path
@@ -54,6 +59,7 @@ class Speech:
     format: str
     input_chars: int
     started: float  # time.perf_counter() when its input was processed: time to first audio counts from here
+    arrival: float | None = None  # the request's arrival (time.time()), where the kernel gave it
 
     def chunk_seed(self, index: int) -> int:
         return (self.seed * SEED_STRIDE + index) % (MAX_SEED + 1)
@@ -82,16 +88,19 @@ class Heard:
 
     pcm: list[bytes] = attrs.Factory(list)
     first_audio: float | None = None
+    first_audio_wall: float | None = None  # time.time() of it, against the request's arrival
 
 
 class TTSInputs(Inputs):
-    """Refuses a bad request before any model work, and splits its text into chunks of phoneme ids."""
+    """Refuses a bad request before any model work, and splits its text into chunks of phoneme ids; a streamed
+    input's text chunk by chunk as it comes (`extend`)."""
 
     def __init__(self, voice: Voice):
         self.voice = voice
 
     def check(self, item: StageInput) -> None:
-        check_text(item.prompt)
+        if not item.stream:  # a stream's text is not there yet: its chunks are checked as they come
+            check_text(item.prompt)
         params: TTSParams = item.params or TTSParams()
         if params.voice is not None and params.voice not in self.voice.names:
             raise InvalidParameter("voice", f"{params.voice!r} is not a voice of this model; its voices: "
@@ -101,7 +110,8 @@ class TTSInputs(Inputs):
             if not params.output.strip():
                 raise InvalidParameter("output", "is empty; name a file such as out.wav, or leave it out")
             check_output_path(params.output, "output")
-        self._chunks(item.prompt)
+        if not item.stream:
+            self._chunks(item.prompt)
 
     def _chunks(self, text: str) -> list[Chunk]:
         """The text's chunks (phonemizing is model-free and takes milliseconds: the check runs it too)."""
@@ -113,14 +123,25 @@ class TTSInputs(Inputs):
     def process(self, item: StageInput) -> StageInput:
         self.check(item)
         params: TTSParams = item.params or TTSParams()
-        chunks = self._chunks(item.prompt)
+        chunks = [] if item.stream else self._chunks(item.prompt)
         voice = self.voice
         noise_scale = voice.noise_scale if params.noise_scale is None else params.noise_scale
         noise_w = voice.noise_w if params.noise_w is None else params.noise_w
         seed = secrets.randbelow(MAX_SEED + 1) if params.seed is None else params.seed
         output = None if params.output is None else check_output_path(params.output, "output")
         speech = Speech(chunks, params.voice or voice.name, noise_scale, noise_w, voice.length_scale / params.speed,
-                        seed, output, output_format(params), len(item.prompt), time.perf_counter())
+                        seed, output, output_format(params), len(item.prompt), time.perf_counter(), item.arrival_time)
+        return attrs.evolve(item, processed=speech)
+
+    def extend(self, item: StageInput, chunk: StreamChunk) -> StageInput:
+        """The request's speech with the chunk's text added as chunks of its own (the first piece with a short first
+        chunk, as a whole text's); after the last, a request with nothing to say fails."""
+        speech: Speech = item.processed
+        added = self.voice.chunks(chunk.text, first=not speech.chunks) if chunk.text.strip() else []
+        if chunk.last and not speech.chunks and not added:
+            raise nothing_to_say()
+        speech = attrs.evolve(speech, chunks=speech.chunks + tuple(added),
+                              input_chars=speech.input_chars + len(chunk.text))
         return attrs.evolve(item, processed=speech)
 
 
@@ -189,11 +210,13 @@ class TTSOutputs:
                 events.append(StageFailed.of(out.request_id, self.node_id, out.error))
                 continue
             heard: Heard = out.record.output
-            chunk: SpokenChunk = out.result
-            heard.pcm.append(chunk.pcm)
-            if heard.first_audio is None:
-                heard.first_audio = time.perf_counter()
-            events.append(AudioDelta(out.request_id, self.node_id, chunk.pcm, self.sample_rate, chunk.text))
+            chunk: SpokenChunk | None = out.result  # None: a streamed input's last chunk added nothing to say
+            if chunk is not None:
+                heard.pcm.append(chunk.pcm)
+                if heard.first_audio is None:
+                    heard.first_audio = time.perf_counter()
+                    heard.first_audio_wall = time.time()
+                events.append(AudioDelta(out.request_id, self.node_id, chunk.pcm, self.sample_rate, chunk.text))
             if out.finished is not None:
                 events.append(self._finished(out))
         return events, []
@@ -222,6 +245,8 @@ class TTSOutputs:
                  "tts.seed": speech.seed, "tts.audio_seconds": round(audio.seconds, 3),
                  "tts.rtf": round(progress.seconds / audio.seconds, 4) if audio.seconds else None,
                  "tts.ttfa_ms": round((out.record.output.first_audio - speech.started) * 1000, 1),
+                 "tts.first_audio_ms": None if speech.arrival is None else
+                 round((out.record.output.first_audio_wall - speech.arrival) * 1000, 1),
                  "tts.batch_max": max(sizes), "tts.batch_mean": round(sum(sizes) / len(sizes), 2)}
         if speech.output is not None:
             trace["tts.output"] = str(speech.output)
@@ -237,7 +262,7 @@ class FewestStepsFirst(StepScheduler):
     by requests behind it in their texts, which then catch up with it."""
 
     def schedule(self) -> SchedulerOutput:
-        ready = [job for job in self.queue if job.pending is None]
+        ready = self._ready()
         batch = sorted(ready, key=lambda job: job.step)[:self.max_batch]  # a stable sort: arrival order among equals
         return self._output(batch)
 

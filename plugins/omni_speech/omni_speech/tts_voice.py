@@ -77,11 +77,12 @@ class Voice:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelError(f"{voice_file} is not omni's voice file ({type(exc).__name__}: {exc})") from None
 
-    def chunks(self, text: str) -> list[Chunk]:
+    def chunks(self, text: str, first: bool = True) -> list[Chunk]:
         """The text's chunks, in order. Each is one sentence as Piper splits them (espeak-ng's sentence ends), with
         two exceptions: a first sentence of more than FIRST_CHUNK_SPLIT phonemes is cut after its first clause
         (comma, colon, semicolon) that ends past FIRST_CHUNK_MIN phonemes, so the first audio comes after a short
-        synthesis; a sentence of more than MAX_CHUNK phonemes is cut at clause boundaries into parts of at most
+        synthesis (`first`: the text is the start of what a request says; a streamed input's later pieces are
+        not); a sentence of more than MAX_CHUNK phonemes is cut at clause boundaries into parts of at most
         MAX_CHUNK (one forward's memory grows with its longest row); a clause longer than that (espeak-ng's own cut
         of a text with no punctuation is about 800 characters) is cut between words first. Sentences with no
         phoneme the voice knows are skipped. A directory without a voice file (its own tokenizer) splits after
@@ -94,7 +95,7 @@ class Voice:
         for sentence in _sentence_indices(clauses):
             for part in _split(sentence, clauses, MAX_CHUNK):
                 groups.append(part)
-        if groups:
+        if groups and first:
             groups[:1] = _split_first(groups[0], clauses)
         out = []
         for group in groups:

@@ -84,3 +84,19 @@ def ct2_whisper_dir(whisper_dir, tmp_path_factory) -> Path:
     vocabulary = f"{Path(WHISPER.members[0]).parent}/vocabulary.txt"  # CTranslate2 reads it; the conversion not
     root = registry_files(WHISPER.archive, (*WHISPER.members, vocabulary), tmp_path_factory.mktemp("ct2"))
     return (root / WHISPER.members[0]).parent
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct (omni_qwen's default AR model), for the spoken answers of `ar_speech`; read-only.
+    Looked up in the user's cache as omni_qwen's own tests do; skips the test when it was never fetched."""
+    from omni_qwen.registry_model import SMOLLM2
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
+        from omni_qwen.registry_model import fetched as qwen_fetched
+
+        path = qwen_fetched(SMOLLM2, DOWNLOADS / SMOLLM2.wheel)
+    if path is None:
+        pytest.skip(f"the real {SMOLLM2.name} is not in omni's cache: `make models` fetches it (make test does)")
+    return path
