@@ -1,7 +1,7 @@
 """The `text_to_speech` connector: an AR stage's answer into the voice, whole (`convert`) or, on a streaming edge,
 piece by piece while it is written (`splitter`), so the voice speaks the first sentence while the rest is generated.
 
-Where a piece ends (SentenceSplitter; docs/speech.md, "Spoken answers"):
+Where a piece ends (SentenceSplitter; docs/spoken-answers.md):
 
 - after a sentence's end: `.`, `!`, `?` or `…` (with any closing quotes or brackets) followed by white space, or
   after a line break;
