@@ -28,6 +28,7 @@ import base64
 import binascii
 import contextlib
 import json
+import struct
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -157,7 +158,8 @@ def about_chat(error: APIError, spoken: SpokenChat) -> APIError:
         error.message = error.message.replace("invalid voice:", "invalid audio.voice:", 1)
     elif spoken.heard is not None and (error.param == "audio" or (error.param is None and "audio" in error.message)):
         error.param = spoken.heard_field
-        error.message = error.message.replace(str(spoken.heard), "the input audio")
+        for shown in (f"the audio file {str(spoken.heard)!r}", repr(str(spoken.heard)), str(spoken.heard)):
+            error.message = error.message.replace(shown, "the input audio")
     error.args = (error.message,)
     return error
 
@@ -199,10 +201,17 @@ async def encode_whole(pcm: bytes, sample_rate: int, encoding: str) -> bytes:
     try:
         await encoder.write(pcm)
         await encoder.end()
-        return await reader
+        data = await reader
     finally:
         reader.cancel()
         await asyncio.shield(encoder.close())
+    return sized_wav(data) if encoding == "wav" else data
+
+
+def sized_wav(data: bytes) -> bytes:
+    """A whole WAV with its sizes in its header (the streamed header says "unknown length", which some decoders
+    refuse: ffmpeg with -xerror, as omni's own speech input reads files)."""
+    return data[:4] + struct.pack("<I", len(data) - 8) + data[8:40] + struct.pack("<I", len(data) - 44) + data[44:]
 
 
 class Answer:
