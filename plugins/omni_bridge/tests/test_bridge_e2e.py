@@ -54,7 +54,8 @@ def read_video(path: Path):
 
 def parse_trace(text: str) -> dict:
     """The `key  value` lines that omni_kernel.core.trace.format_trace prints (values are JSON)."""
-    lines = (re.fullmatch(r"((?:ar|diffusion|request)\.[a-z0-9_.]+) {2,}(.+)", line) for line in text.splitlines())
+    lines = (re.fullmatch(r"((?:ar|diffusion|request|node)\.[a-z0-9_.]+) {2,}(.+)", line)
+             for line in text.splitlines())
     return {m[1]: json.loads(m[2]) for m in lines if m}
 
 
