@@ -70,7 +70,8 @@ TIER_OF_FIXTURE = {
 # Modules that must not run beside themselves on two pytest-xdist workers (`make test` runs `--dist loadgroup`):
 # each starts Ray clusters on this machine's ports and /tmp/ray, or unpacks and drives the one headless Chromium.
 XDIST_GROUPS = {"test_ray.py": "ray", "test_ray_nodes.py": "ray", "test_wan_parallel_ray.py": "ray",
-                "test_page_browser.py": "browser", "test_page_audio_browser.py": "browser"}
+                "test_page_browser.py": "browser", "test_page_audio_browser.py": "browser",
+                "test_page_voice_chat_browser.py": "browser"}
 # Longest first, so that two workers end together instead of one waiting on the other's last slow module.
 TIER_ORDER = ("wheels", "browser", "server", "process", "real_model", "cli_subprocess")
 

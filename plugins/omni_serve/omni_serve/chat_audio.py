@@ -58,6 +58,14 @@ def node_of_kind(graph, kind: str, nodes) -> str | None:
     return next((n for n in nodes if getattr(graph.node_types.get(n), "kind", None) == kind), None)
 
 
+def chat_modalities(graph) -> dict[str, Any]:
+    """What a chat pipeline's model card says of its sound: `modalities` it answers in (["text", "audio"] where a
+    final node speaks) and `input_audio` (whether it hears an input_audio part)."""
+    speaks = node_of_kind(graph, "tts", graph.finals) is not None
+    return {"modalities": ["text", "audio"] if speaks else ["text"],
+            "input_audio": node_of_kind(graph, "asr", graph.entries()) is not None}
+
+
 @attrs.define
 class SpokenChat:
     """What one chat asks of a pipeline's sound: the node whose audio answers and in which encoding (None: a text

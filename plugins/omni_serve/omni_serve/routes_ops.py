@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
+from .chat_audio import chat_modalities
 from .options import image_input, option_cards
 from .protocol import APIError
 from .snapshot import placed_of
@@ -31,6 +32,8 @@ async def retrieve_model(model: str, served: ServedDep):
     card = {**model_card(served, model), "options": option_cards(graph)}
     if served.kinds[name] == "video":
         card["input_reference"] = image_input(graph)
+    if served.kinds[name] == "text":
+        card.update(chat_modalities(graph))
     return card
 
 

@@ -1,14 +1,16 @@
 // The page of `omni serve`: it calls the same public API as any client (/v1/models, /v1/chat/completions,
-// /v1/videos, /v1/audio/speech, /v1/audio/transcriptions, /v1/audio/voices). Everything a request or an answer holds is put in the page as text (textContent), never as HTML.
+// /v1/videos, /v1/audio/speech, /v1/audio/transcriptions, /v1/audio/voices); a chat pipeline that speaks answers
+// aloud (delta.audio, played as it arrives) and one that listens hears the microphone (input_audio). Everything a request or an answer holds is put in the page as text (textContent), never as HTML.
 "use strict";
 
 const POLL_MS = 100; // how often a running job is asked for its progress: shorter than one denoise step
 const KEY_STORE = "omni-api-key"; // sessionStorage: the key stays in this browser tab
 const LIVE = ["queued", "in_progress"];
 const PCM_RATE = 24000; // the API's pcm: 16-bit little-endian mono at 24 kHz
+const HEARD_RATE = 16000; // a recorded question's WAV: what Whisper hears
 const KINDS = { videos: "video", "audio.speech": "speech", "audio.transcriptions": "transcription" };
 const SAYS = { video: "renders a video", speech: "speaks a text", transcription: "transcribes speech",
-  chat: "answers in a chat" };
+  chat: "answers in a chat", spoken: "answers aloud in a chat", voice: "hears you and answers aloud" };
 
 const state = { cards: new Map(), history: [], jobs: new Map(), polling: false, recorder: null };
 const $ = (selector, root = document) => root.querySelector(selector);
@@ -119,12 +121,27 @@ function showPanel() {
     return;
   }
   const kind = kindOf(card);
-  $("#pipeline-kind").textContent = SAYS[kind];
+  $("#pipeline-kind").textContent = SAYS[kind === "chat" ? chatKind(card) : kind];
   panel.replaceChildren($(`#${kind}-panel`).content.cloneNode(true));
   if (kind === "video") buildVideoForm(card);
   else if (kind === "speech") buildSpeechForm(card);
   else if (kind === "transcription") buildTranscriptionForm(card);
-  else $(".chat-form", panel).addEventListener("submit", sendChat);
+  else buildChat(card);
+}
+
+// A chat pipeline's card says whether it answers aloud (`modalities`) and hears the microphone (`input_audio`).
+function chatKind(card) {
+  if (card.input_audio) return "voice";
+  return (card.modalities || []).includes("audio") ? "spoken" : "chat";
+}
+
+function buildChat(card) {
+  $(".chat-form").addEventListener("submit", (event) => sendChat(event, card));
+  if (!card.input_audio) return;
+  $(".chat-form").hidden = true; // it hears one spoken question: no text goes with it
+  $(".voice-row").hidden = false;
+  $(".record").addEventListener("click", () => record((blob) => askAloud(card, blob)));
+  $(".stop").addEventListener("click", () => state.recorder && state.recorder.stop());
 }
 
 // --- chat ------------------------------------------------------------------------------------------------
@@ -137,36 +154,93 @@ function addMessage(role, text) {
   return message;
 }
 
-async function sendChat(event) {
+async function sendChat(event, card) {
   event.preventDefault();
   const prompt = $("#prompt");
-  const log = $(".conversation");
-  const model = $("#pipeline").value;
   const messages = [...state.history, { role: "user", content: prompt.value }];
-  showError(null);
   addMessage("user", prompt.value);
-  const answer = addMessage("assistant", "");
   prompt.value = "";
+  const answer = await chatAnswer(card, messages);
+  if (answer !== null) state.history = [...messages, { role: "assistant", content: answer }];
+}
+
+// The answer streamed into the conversation; a pipeline that speaks also plays each `delta.audio` (pcm16) right
+// after the one before and keeps the whole sound in the "Spoken answer" <audio>. The answer's text, or null.
+async function chatAnswer(card, messages) {
+  const log = $(".conversation");
+  const status = $(".speech-status");
+  const audio = $(".speech-audio");
+  const answer = addMessage("assistant", "");
+  const body = { model: card.id, messages, stream: true };
+  const player = (card.modalities || []).includes("audio") ? new Player() : null;
+  if (player) Object.assign(body, { modalities: ["text", "audio"], audio: { voice: "alloy", format: "pcm16" } });
+  showError(null);
+  audio.hidden = true;
+  if (audio.src) URL.revokeObjectURL(audio.src);
   log.setAttribute("aria-busy", "true");
   try {
     const response = await api("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ model, messages, stream: true }),
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body),
     });
     for await (const data of events(response)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
       if (chunk.error) throw new ApiError(0, chunk.error.message);
-      const delta = chunk.choices.length ? chunk.choices[0].delta.content : null;
-      if (delta) answer.textContent += delta;
+      const delta = chunk.choices.length ? chunk.choices[0].delta : {};
+      if (delta.content) answer.textContent += delta.content;
+      if (player && delta.audio && delta.audio.data) {
+        player.add(base64Bytes(delta.audio.data));
+        status.textContent = `playing: ${(player.samples / PCM_RATE).toFixed(2)} s received`;
+      }
     }
-    state.history = [...messages, { role: "assistant", content: answer.textContent }];
+    if (player) {
+      audio.src = URL.createObjectURL(player.wav());
+      audio.hidden = false;
+      status.textContent = `spoken: ${(player.samples / PCM_RATE).toFixed(2)} s`;
+    }
+    return answer.textContent;
   } catch (error) {
     answer.remove();
+    status.textContent = "";
     showError(error);
+    return null;
   } finally {
     log.setAttribute("aria-busy", "false");
   }
+}
+
+// A recorded question (the recorder's WebM) as a 16 kHz WAV, the one input_audio part of a voice chat.
+async function askAloud(card, blob) {
+  let wav;
+  try {
+    wav = await wavOf(blob);
+  } catch (error) {
+    showError(new ApiError(0, `the recording could not be decoded (${error.message})`));
+    return;
+  }
+  const seconds = (wav.length - 44) / 2 / HEARD_RATE;
+  addMessage("user", `(spoken question, ${seconds.toFixed(1)} s)`);
+  const part = { type: "input_audio", input_audio: { data: bytesBase64(wav), format: "wav" } };
+  await chatAnswer(card, [{ role: "user", content: [part] }]);
+}
+
+async function wavOf(blob) {
+  const context = new AudioContext({ sampleRate: HEARD_RATE });
+  try {
+    const sound = await context.decodeAudioData(await blob.arrayBuffer());
+    const samples = sound.getChannelData(0);
+    const pcm = new DataView(new ArrayBuffer(samples.length * 2));
+    samples.forEach((s, i) => pcm.setInt16(2 * i, Math.round(Math.max(-1, Math.min(1, s)) * 32767), true));
+    return new Uint8Array(await wavFile([new Uint8Array(pcm.buffer)], HEARD_RATE).arrayBuffer());
+  } finally {
+    await context.close();
+  }
+}
+
+function bytesBase64(bytes) {
+  let binary = "";
+  for (let i = 0; i < bytes.length; i += 0x8000) binary += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(binary);
 }
 
 // --- speech: the text spoken, played as it arrives ------------------------------------------------------------
@@ -223,23 +297,28 @@ class Player {
 
   // The whole sound as a WAV file, for the page's <audio> (replay, download).
   wav() {
-    const size = this.parts.reduce((sum, part) => sum + part.length, 0);
-    const header = new DataView(new ArrayBuffer(44));
-    const text = (at, value) => [...value].forEach((c, i) => header.setUint8(at + i, c.charCodeAt(0)));
-    text(0, "RIFF");
-    header.setUint32(4, 36 + size, true);
-    text(8, "WAVEfmt ");
-    header.setUint32(16, 16, true);
-    header.setUint16(20, 1, true);
-    header.setUint16(22, 1, true);
-    header.setUint32(24, PCM_RATE, true);
-    header.setUint32(28, PCM_RATE * 2, true);
-    header.setUint16(32, 2, true);
-    header.setUint16(34, 16, true);
-    text(36, "data");
-    header.setUint32(40, size, true);
-    return new Blob([header, ...this.parts], { type: "audio/wav" });
+    return wavFile(this.parts, PCM_RATE);
   }
+}
+
+// 16-bit mono PCM parts as one WAV file.
+function wavFile(parts, rate) {
+  const size = parts.reduce((sum, part) => sum + part.length, 0);
+  const header = new DataView(new ArrayBuffer(44));
+  const text = (at, value) => [...value].forEach((c, i) => header.setUint8(at + i, c.charCodeAt(0)));
+  text(0, "RIFF");
+  header.setUint32(4, 36 + size, true);
+  text(8, "WAVEfmt ");
+  header.setUint32(16, 16, true);
+  header.setUint16(20, 1, true);
+  header.setUint16(22, 1, true);
+  header.setUint32(24, rate, true);
+  header.setUint32(28, rate * 2, true);
+  header.setUint16(32, 2, true);
+  header.setUint16(34, 16, true);
+  text(36, "data");
+  header.setUint32(40, size, true);
+  return new Blob([header, ...parts], { type: "audio/wav" });
 }
 
 async function speak(event, card) {
@@ -283,7 +362,7 @@ function buildTranscriptionForm(card) {
     if (file) transcribe(card, file, file.name);
     else showError(new ApiError(0, "choose an audio file, or record one"));
   });
-  $(".record").addEventListener("click", () => record(card));
+  $(".record").addEventListener("click", () => record((blob) => transcribe(card, blob, "recording.webm")));
   $(".stop").addEventListener("click", () => state.recorder && state.recorder.stop());
 }
 
@@ -311,7 +390,8 @@ async function transcribe(card, blob, filename) {
   }
 }
 
-async function record(card) {
+// Records the microphone until "Stop"; `recorded(blob)` gets the recording.
+async function record(recorded) {
   showError(null);
   let stream;
   try {
@@ -336,7 +416,7 @@ async function record(card) {
     $(".stop").disabled = true;
     const blob = new Blob(parts, { type: recorder.mimeType || "audio/webm" });
     $(".recording-status").textContent = `recorded ${(blob.size / 1024).toFixed(0)} KB`;
-    transcribe(card, blob, "recording.webm");
+    recorded(blob);
   });
   state.recorder = recorder;
   recorder.start(250);
