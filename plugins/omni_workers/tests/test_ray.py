@@ -12,11 +12,11 @@ import pytest
 
 from omni_kernel import Omni
 from omni_kernel.core.errors import InvalidParameter, ModelError, StageUnavailable
-from omni_kernel.events import AudioDelta, RequestFailed, RequestFinished
+from omni_kernel.events import RequestFailed, RequestFinished
 from omni_kernel.testing import drain, wait_until
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_worker_streams import PROMPTS, settled, stats_of  # noqa: E402
+from test_worker_streams import PROMPTS, held_after_two_words, settled, stats_of  # noqa: E402
 from test_worker_streams import run_all as outcomes  # noqa: E402
 from test_workers import retry, run_all, step_until_held, within  # noqa: E402
 from worker_fakes import make_host  # noqa: E402
@@ -164,12 +164,34 @@ def test_ray_streams_and_joins_give_what_one_process_gives(ray, tmp_path):
         assert all(isinstance(s, RayStage) for s in o.graph.stages.values())
         assert within(lambda: outcomes(o, PROMPTS), timeout=60) == want
         rid = o.submit(o.request(f"one two gate={gate} three four"))
-        spoken = []
-        within(lambda: wait_until(lambda: spoken.extend(e for e in o.step() if isinstance(e, AudioDelta))
-                                  or len(spoken) == 2, 30, "the first two words spoken"))
+        held_after_two_words(o, gate)
         o.abort(rid)
         gate.touch()
         assert [e.kind for e in within(lambda: drain(o)) if isinstance(e, RequestFailed)] == ["aborted"]
         words, say = o.graph.stages["words"], o.graph.stages["say"]
         wait_until(lambda: settled(words) and settled(say), 30, "both actors to free the aborted request")
         assert stats_of(say).model["fake.steps"] == sum(len(p.split()) for p in PROMPTS) + 2
+
+
+def test_ray_ar_speech_answers_and_speaks_what_one_process_does(ray, tmp_path):
+    """`ar_speech` (omni_speech) with both stages in actors, on the tiny weights: the answer token for token and
+    the sound chunk by chunk as in one process (one torch thread on each side: a sum's order follows the threads)."""
+    torch = pytest.importorskip("torch")
+    from test_worker_speech import PARAMS, PROMPT, spoken, tiny_weights
+
+    weights = tiny_weights(tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with Omni("ar_speech", **weights) as inproc:
+            text, tokens, chunks, _ = spoken(list(inproc.generate_stream(PROMPT, **PARAMS)))
+    finally:
+        torch.set_num_threads(threads)
+    with Omni("ar_speech", placement="ray", worker_threads=1, ray_resources="CPU:0.5", **weights) as o:
+        got = within(lambda: spoken(list(o.generate_stream(PROMPT, **PARAMS))), timeout=300)
+    assert not isinstance(got, Exception), got
+    got_text, got_tokens, got_chunks, trace = got
+    assert (got_text, got_tokens) == (text, tokens) and trace["stream.answer.speak.chunks"] >= 2
+    assert [t for t, _ in got_chunks] == [t for t, _ in chunks] and len(chunks) >= 2
+    for (_, got), (_, want) in zip(got_chunks, chunks):
+        assert got.shape == want.shape and abs(got - want).max() <= 1  # one 16-bit step

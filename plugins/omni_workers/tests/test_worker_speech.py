@@ -27,12 +27,16 @@ PROMPT = "Tell me about the sea."
 PARAMS = {"max_tokens": 160, "ignore_eos": True, "seed": 7}  # the tiny model's noise: cut at MAX_CHARS, twice
 
 
-@pytest.fixture(scope="module")
-def weights(tmp_path_factory) -> dict:
+def tiny_weights(voice_dir: Path) -> dict:
+    """The run settings of `ar_speech` on the tiny weights (the voice made in `voice_dir`)."""
     from omni_qwen.demo import ensure_demo_checkpoint
 
-    voice = make_tiny_voice(tmp_path_factory.mktemp("tiny_voice"))
-    return {"ar_model": str(ensure_demo_checkpoint()), "tts_model": str(voice)}
+    return {"ar_model": str(ensure_demo_checkpoint()), "tts_model": str(make_tiny_voice(voice_dir))}
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> dict:
+    return tiny_weights(tmp_path_factory.mktemp("tiny_voice"))
 
 
 def spoken(events) -> tuple:

@@ -63,6 +63,19 @@ def settled(stage, running: int = 0) -> bool:
     return stats.running == running and stats.waiting == 0 and stats.model.get("fake.live") == running
 
 
+def held_after_two_words(o: Omni, gate: Path) -> list:
+    """Step until `say` has spoken two words and `words` is held on its gate's step: the events so far."""
+    events: list = []
+
+    def held() -> bool:
+        events.extend(o.step())
+        spoken = [e for e in events if isinstance(e, AudioDelta)]
+        return len(spoken) == 2 and gate.with_suffix(".started").exists()
+
+    wait_until(held, 30, "the first two words spoken and the words stage held on the gate")
+    return events
+
+
 @pytest.mark.parametrize("pipeline", ["fake_spoken", "fake_narrated"])
 @pytest.mark.parametrize("placement", ["process", "say=process", "words=process"])
 def test_streams_and_joins_in_workers_give_what_one_process_gives(pipeline, placement):
@@ -88,10 +101,8 @@ def test_the_target_worker_speaks_while_the_source_worker_still_writes(tmp_path)
     gate = tmp_path / "gate"
     with Omni("fake_spoken", host=make_host(), placement="process") as o:
         rid = o.submit(o.request(f"one two gate={gate} three"))
-        events = []
-        wait_until(lambda: events.extend(o.step()) or len([e for e in events if isinstance(e, AudioDelta)]) == 2,
-                   30, "the first two words spoken")
-        assert gate.with_suffix(".started").exists() and not any(isinstance(e, StageFinished) for e in events)
+        events = held_after_two_words(o, gate)
+        assert not any(isinstance(e, StageFinished) for e in events)
         assert [e.text for e in events if isinstance(e, AudioDelta)] == ["one ", "two "]
         gate.touch()
         events += drain(o)
@@ -108,9 +119,7 @@ def test_an_abort_mid_stream_stops_both_workers_at_their_next_step_and_frees_the
     gate = tmp_path / "gate"
     with Omni("fake_spoken", host=make_host(), placement="process") as o:
         rid = o.submit(o.request(f"one two gate={gate} three four five"))
-        spoken = []
-        wait_until(lambda: spoken.extend(e for e in o.step() if isinstance(e, AudioDelta)) or len(spoken) == 2,
-                   30, "the first two words spoken")
+        held_after_two_words(o, gate)
         words, say = o.graph.stages["words"], o.graph.stages["say"]
         o.abort(rid)
         gate.touch()
@@ -153,9 +162,7 @@ def test_a_killed_target_worker_fails_only_its_requests_and_comes_back(tmp_path)
         assert other.graph.stages["words"].proc is words.proc  # one share key: one worker
         bystander = other.submit(other.request("not spoken at all"))  # in the words worker's batches
         victim = o.submit(o.request(f"one two gate={gate} three"))
-        spoken = []
-        wait_until(lambda: spoken.extend(e for e in o.step() if isinstance(e, AudioDelta)) or len(spoken) == 2,
-                   30, "the first two words spoken")
+        held_after_two_words(o, gate)
         first = say.proc.pid
         os.kill(first, signal.SIGKILL)
         failed = []
