@@ -182,3 +182,22 @@ def test_the_heard_audio_is_removed_when_its_request_ends(http, server):
     uploads = server.out_dir / ".uploads"
     assert not uploads.exists() or not list(uploads.iterdir())
     assert "omni_requests_in_flight 0.0" in httpx.get(server.url + "/metrics").text
+
+
+def test_a_client_that_leaves_mid_answer_ends_both_stages(http, server):
+    from omni_kernel.testing import wait_until
+
+    body = {"model": "fake_ar_speech", "messages": SEA, "stream": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "ana", "format": "mp3"}, "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if '"data"' in line and '"audio"' in line:
+                break  # the first encoded sound: the answer is still being written
+    def idle() -> bool:
+        metrics = http.get("/metrics").text
+        running = [line for line in metrics.splitlines() if line.startswith("omni_requests_running{")]
+        return "omni_requests_in_flight 0.0" in metrics and all(line.endswith(" 0.0") for line in running)
+
+    wait_until(idle, 30, "the left chat's stages to be idle")
+    aborted = [line for line in http.get("/metrics").text.splitlines() if line.startswith("omni_requests_aborted")]
+    assert float(aborted[0].split()[-1]) >= 1
