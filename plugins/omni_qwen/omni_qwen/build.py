@@ -87,10 +87,14 @@ def _compiled(paged: PagedDecoder, pool: KVPool) -> DecodeGraph:
         first = f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
         raise ModelError(f"torch.compile could not compile the decode step ({first})") from exc
     hit, missed = (now - before for now, before in zip(compile_cache.graph_counts(), (hits, misses)))
-    cached = (f"compile cache hit ({hit} graphs from {where})" if hit and not missed else
-              f"compile cache miss: {missed} graphs stored in {where} for the next load")
+    cached = (f"compile cache hit ({_graphs(hit)} from {where})" if hit and not missed else
+              f"compile cache miss: {_graphs(missed)} stored in {where} for the next load")
     log.info("decode steps compiled with torch.compile (inductor) in %.1fs; %s", seconds, cached)
     return graph
+
+
+def _graphs(count: int) -> str:
+    return f"{count} graph" if count == 1 else f"{count} graphs"
 
 
 def build_engine(lm: CausalLM, config: QwenConfig, max_num_seqs: int, paged_model: Callable[[], PagedDecoder],

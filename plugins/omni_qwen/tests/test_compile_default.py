@@ -62,10 +62,10 @@ def test_the_default_compiles_once_and_the_next_process_finds_it_in_the_cache(ti
     assert first["compiled"] is True and second["compiled"] is True
     assert first["text"] == second["text"]
     directory = next((tmp_path / "cache" / "compile").iterdir())
-    assert "; compile cache miss: 1 graphs stored in " + str(directory) in load_line(
+    assert "; compile cache miss: 1 graph stored in " + str(directory) in load_line(
         first_log, "omni: decode steps compiled with torch.compile (inductor) in ")
     assert load_line(second_log, "omni: decode steps compiled with torch.compile (inductor) in ").endswith(
-        f"; compile cache hit (1 graphs from {directory})")
+        f"; compile cache hit (1 graph from {directory})")
     assert any(line.endswith("decode steps compiled (ar_compile)") for line in second_log), second_log
 
     ran = omni_run(tiny_ckpt, env)  # one request: eager unless asked (option run_default)
