@@ -160,3 +160,17 @@ def test_omni_run_writes_the_narrated_mp4(host, voice_dir, tmp_path):
     assert result.stdout == f"wrote {out}\n"
     assert streams(out) == [("Video", "h264"), ("Audio", "aac")]
     assert "mux.loops" in result.stderr and "node.speak.start_ms" in result.stderr
+
+
+def test_narrated_i2v_renders_the_image_with_its_narration_and_needs_one(host, voice_dir, tmp_path):
+    from pathlib import Path
+
+    image = Path(__file__).resolve().parents[3] / "examples" / "assets" / "image.png"
+    i2v = Omni("narrated_i2v", host=host, device="cpu", tts_model=str(voice_dir), tts_device="cpu")
+    with pytest.raises(InvalidParameter) as info:
+        i2v.submit(i2v.request("a short clip", output=str(tmp_path / "none.mp4")))
+    assert info.value.field == "image" and not i2v.has_unfinished()
+    result = i2v.generate("a short clip", image=str(image), seed=0, output=str(tmp_path / "clip.mp4"))
+    assert result.trace["diffusion.task"] == "image_to_video" and result.trace["narration.text"] == "Snow."
+    assert streams(result.path) == [("Video", "h264"), ("Audio", "aac")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4"]
