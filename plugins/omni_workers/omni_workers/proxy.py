@@ -18,6 +18,7 @@ from omni_kernel.core.errors import EngineDead, PluginError, RequestError, Stage
 from omni_kernel.core.graph import NodeSpec
 from omni_kernel.core.request import StageInput, StageStats, StreamChunk
 from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.util.files import remove_outputs
 
 from .messages import Check, Submit
 from .settings import WorkerStats
@@ -218,7 +219,8 @@ class StageProxy:
             # it stays outstanding, so the abort that comes with its failure stops it in the worker too
             event = StageFailed(request_id, self.node.id, self._unreadable("output", exc), "runtime")
         if request_id not in self.outstanding:
-            return  # aborted while its event was on the way: a stale event would also keep `wait` from pumping
+            self._drop([event])  # aborted while its event was on the way: a stale event would also keep `wait`
+            return  # from pumping
         if isinstance(event, (StageFinished, StageFailed)):
             self.outstanding.discard(event.request_id)
         self.pending.append(event)
@@ -322,7 +324,13 @@ class StageProxy:
         events, self.pending = self.pending, []
         return events
 
+    def _drop(self, events: list) -> None:
+        """Events of requests that ended in the front while their worker went on: the files their outputs name are
+        removed, as in one process, where a stage never finishes a request after its abort."""
+        remove_outputs(e.output.path for e in events if isinstance(e, StageFinished))
+
     def abort(self, request_id: str) -> None:
+        self._drop([e for e in self.pending if e.request_id == request_id])
         self.pending = [e for e in self.pending if e.request_id != request_id]
         if request_id in self.outstanding:
             self._send_abort(request_id)

@@ -24,11 +24,19 @@ from omni_kernel.events import StageFailed, StageFinished
 
 from .messages import Abort, Add, Append, Check, Events, Failed, HandOff, Ready, Reply, Sealed, Submit
 from .ray_groups import RayRankLauncher
-from .stage_host import WAIT_S, StageHost, WorkerSpec, build_stage, set_torch_threads, setup_worker, step_hosts
+from .stage_host import (
+    KEPT,
+    WAIT_S,
+    StageHost,
+    WorkerSpec,
+    build_stage,
+    set_torch_threads,
+    setup_worker,
+    step_hosts,
+)
 from .transport import pack, pack_answer
 
 log = logging.getLogger("omni")
-KEPT = 4096  # the aborts that came before their hand-off, and the ended streams, an actor remembers
 
 
 def import_ray():

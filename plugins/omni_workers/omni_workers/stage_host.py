@@ -26,12 +26,14 @@ from omni_kernel.core.registry import share_key
 from omni_kernel.core.request import StageInput, StageStats, StreamChunk
 from omni_kernel.core.stepping import step_engine
 from omni_kernel.events import StageFailed, StageFinished
+from omni_kernel.util.files import remove_outputs
 
 from .cores import SHARED, set_threads
 
 log = logging.getLogger("omni")
 
 WAIT_S = 0.005  # a stage with only background work (an MP4 export) is waited on this long, then the inbox read
+KEPT = 4096  # the requests a worker remembers after their end (an abort that may still come for them)
 
 
 # What the worker needs to rebuild its stage.
@@ -110,6 +112,7 @@ class StageHost:
         self.node_id = node_id
         self.requests: set[str] = set()
         self.open: set[str] = set()
+        self.written: dict[str, str] = {}  # the last KEPT requests it finished with a file: the file
         self.sent: StageStats | None = None  # the stats last sent to the front
 
     @property
@@ -163,10 +166,14 @@ class StageHost:
         return []
 
     def abort(self, request_id: str) -> None:
+        """Stop the request here; one it finished meanwhile (the front ended it before its output came) leaves no
+        file, as in one process, where a stage never finishes a request after its abort."""
         self.open.discard(request_id)
         if request_id in self.requests:
             self.requests.discard(request_id)
             self.stage.abort(request_id)
+        else:
+            remove_outputs([self.written.pop(request_id, None)])
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -189,6 +196,10 @@ class StageHost:
             elif isinstance(event, StageFinished):
                 self.requests.discard(event.request_id)
                 self.open.discard(event.request_id)
+                if event.output.path is not None:
+                    self.written[event.request_id] = event.output.path
+                    while len(self.written) > KEPT:
+                        self.written.pop(next(iter(self.written)))
 
     def new_stats(self) -> StageStats | None:
         """The stage's stats if they changed since they were last sent (a dead engine's reason among them)."""
