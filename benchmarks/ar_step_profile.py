@@ -17,6 +17,13 @@ instance), so nothing in omni is instrumented:
 - rest of forward: embedding, rope, the K/V writes, residuals, SiLU, and the Python between them
 - sampling: the sampler; rest of runner: logprobs, grammar checks, the per-request bookkeeping
 
+With `--compile` (ar_compile) the forward is one compiled graph, so its parts come otherwise: the graph's Python
+wrapper (graph.forward around the compiled call: inputs, the dynamic-size marks, the settings) is timed as above,
+and the compiled call is split by torch.profiler over the same probed steps into its matmuls
+(`mkldnn::_linear_pointwise`, the lm_head apart), the attention kernel (`omni_qwen_cpu::decode_attention`, the
+K/V write included) and the rest (inductor's fused kernels and its Python wrapper), each the compiled call's time
+times its share of the profile.
+
 Figures are medians over the rounds, the bound the fastest of its runs; the `lscpu` model, the relevant CPU flags
 and the load average are printed with them. The last line is one JSON object (benchmarks/ab.py takes it).
 
@@ -43,6 +50,9 @@ from omni_kernel.plugins import load_host  # noqa: E402
 
 PARTS = ("scheduler + outputs", "step tensors", "matmuls", "attention", "RMSNorm", "lm_head", "rest of forward",
          "sampling", "rest of runner")
+COMPILED_PARTS = ("scheduler + outputs", "step tensors", "graph wrapper", "matmuls", "attention", "lm_head",
+                  "fused kernels + graph's Python", "sampling", "rest of runner")
+ATTENTION_OPS = ("omni_qwen_cpu::decode_attention", "omni_qwen::decode_attention")
 
 
 def say(*args) -> None:
@@ -113,6 +123,55 @@ class Probe:
                 "rest of runner": ms["runner"] - ms["step tensors"] - ms["forward"] - ms["sampling"]}
 
 
+class CompiledProbe(Probe):
+    """The probe of a compiled decode step (`ar_compile`): the graph's wrapper and its compiled call are timed;
+    torch.profiler, on while installed, splits the compiled call."""
+
+    def __enter__(self) -> CompiledProbe:
+        from torch.profiler import ProfilerActivity, profile
+
+        runner, graph = self.engine.runner, self.engine.runner.backend.graph
+        runner.run = self.timed("runner", runner.run)
+        runner.sampler.sample = self.timed("sampling", runner.sampler.sample)
+        graph.forward = self.timed("forward", graph.forward)
+        graph.compiled = self.timed("compiled", graph.compiled)
+        self.plain_build = self.backends.build_step
+        self.backends.build_step = self.timed("step tensors", self.plain_build)
+        self.profiler = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
+        self.profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.profiler.__exit__(*exc)
+        runner, graph = self.engine.runner, self.engine.runner.backend.graph
+        del runner.run, runner.sampler.sample, graph.forward, graph.compiled
+        self.backends.build_step = self.plain_build
+
+    def shares(self) -> dict[str, float]:
+        """Of the compiled call's profiled time: matmuls, lm_head (the matmul whose weight has the vocabulary's
+        rows), attention; the rest is the fused kernels and the graph's Python."""
+        vocab = self.model.lm_head.weight.shape[0]
+        us = defaultdict(float)
+        for event in self.profiler.key_averages(group_by_input_shape=True):
+            if event.key == "mkldnn::_linear_pointwise":
+                head = any(shape and shape[0] == vocab for shape in event.input_shapes)
+                us["lm_head" if head else "matmuls"] += event.self_cpu_time_total
+            elif event.key in ATTENTION_OPS:
+                us["attention"] += event.cpu_time_total
+            elif event.key.startswith("Torch-Compiled Region"):
+                us["compiled"] += event.cpu_time_total
+        total = us["compiled"] or 1.0
+        return {part: us[part] / total for part in ("matmuls", "attention", "lm_head")}
+
+    def parts(self, step_ms: float) -> dict[str, float]:
+        ms, shares = self.ms, self.shares()
+        inside = {part: ms["compiled"] * share for part, share in shares.items()}
+        return {"scheduler + outputs": step_ms - ms["runner"], "step tensors": ms["step tensors"],
+                "graph wrapper": ms["forward"] - ms["compiled"], **inside,
+                "fused kernels + graph's Python": ms["compiled"] - sum(inside.values()), "sampling": ms["sampling"],
+                "rest of runner": ms["runner"] - ms["step tensors"] - ms["forward"] - ms["sampling"]}
+
+
 def matmul_bound(model, rows: int, repeats: int) -> float:
     """ms of one step's matmuls alone: every layer's merged matmuls and the lm_head, on `rows` rows, run as the
     decoder runs them (paged/linear.py: oneDNN's prepacked weights on a CPU)."""
@@ -166,13 +225,13 @@ def profile(args) -> dict:
     steps, parts, bounds = [], defaultdict(list), []
     for _ in range(args.rounds):
         steps += timed_steps(omni, args.steps)
-        with Probe(engine) as probe:
+        with (CompiledProbe if args.compile else Probe)(engine) as probe:
             probed = sum(timed_steps(omni, args.steps))
         for part, ms in probe.parts(probed).items():
             parts[part].append(ms / args.steps)
         bounds.append(matmul_bound(model, args.batch, args.steps))
     step_ms, bound_ms = statistics.median(steps), min(bounds)
-    profiled = {part: round(statistics.median(parts[part]), 2) for part in PARTS}
+    profiled = {part: round(statistics.median(parts[part]), 2) for part in (COMPILED_PARTS if args.compile else PARTS)}
     return {"benchmark": "ar_step_profile", "model": str(path), "dtype": args.dtype, "threads": args.threads,
             "batch": args.batch, "context": [args.prompt, args.prompt + new_tokens], "machine": machine(),
             "step_ms": round(step_ms, 2), "tok_s": round(args.batch * 1000 / step_ms, 1),
@@ -201,7 +260,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per round, plain and probed each")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="ar_compile: the decode step compiled (paged/graph.py); "
-                        "its parts are then one, the compiled forward")
+                        "the compiled call's parts then come from torch.profiler")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     result = profile(args)
