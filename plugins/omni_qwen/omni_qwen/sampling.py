@@ -173,8 +173,9 @@ class Sampler:
         """A token per logits row, or the exception of a row that cannot be sampled (it fails alone)."""
         if not rows:
             return []
-        logits = logits.float()
-        tokens = _argmax(logits)
+        tokens = _argmax(logits)  # in the model's dtype: widening to fp32 is exact, so the same first maximum
+        if any(row.counts is not None or row.generator is not None for row in rows):
+            logits = logits.float()  # penalties and draws work in fp32; greedy rows alone need no fp32 copy
         penalized = [i for i, row in enumerate(rows) if row.counts is not None]
         scores = {}  # row -> its penalized logits
         if penalized:
