@@ -65,6 +65,25 @@ class _LayerWeights(torch.nn.Module):
         self.ln1, self.ln2 = _frozen(layer.ln1), _frozen(layer.ln2)
 
 
+# Positions up to this many get rotary tables in the compiled step (64k x head_dim 128 in bf16: 32 MiB for both).
+MAX_TABLE_POSITIONS = 1 << 16
+
+
+def rope_tables(decoder) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin of every position of the context window, (positions, head_dim) in the model's dtype, computed
+    once by the HF model's own rotary module (elementwise in the position, so a row equals what the module gives
+    for that position alone); None where they change with the sequence (dynamic and longrope scaling) or the
+    window is too long to tabulate."""
+    rotary = decoder.rotary
+    rope_type = str(getattr(rotary, "rope_type", "default"))
+    window = getattr(getattr(rotary, "config", None), "max_position_embeddings", None)
+    if "dynamic" in rope_type or rope_type == "longrope" or not window or window > MAX_TABLE_POSITIONS:
+        return None
+    with torch.inference_mode():
+        cos, sin = rotary(decoder.embed[:1], torch.arange(window, device=decoder.device)[None])
+    return cos[0].clone(), sin[0].clone()
+
+
 class DecodeStep(torch.nn.Module):
     """PagedDecoder.forward for a decode-only step, written for tracing: the same functions (decoder.py's
     rms_norm and rope; attend_decodes inside the attention op off a CPU), the same weights (shared, not copied),
@@ -79,8 +98,13 @@ class DecodeStep(torch.nn.Module):
         self.embed, self.norm = _frozen(decoder.embed), _frozen(decoder.norm)
         self.lm_head = _frozen(decoder.lm_head.weight)
         self.layers = torch.nn.ModuleList(_LayerWeights(layer) for layer in decoder.layers)
+        tables = rope_tables(decoder)
+        self.cos, self.sin = (None, None) if tables is None else (_frozen(tables[0]), _frozen(tables[1]))
 
-    def forward(self, input_ids, positions, cos, sin, kv, slots, blocks) -> torch.Tensor:
+    def forward(self, input_ids, positions, kv, slots, blocks, cos=None, sin=None) -> torch.Tensor:
+        """cos, sin: the rotary angles of `positions`, where the step has no tables of them (`rope_tables`)."""
+        if cos is None:
+            cos, sin = F.embedding(positions, self.cos)[:, None, :], F.embedding(positions, self.sin)[:, None, :]
         x = F.embedding(input_ids, self.embed)
         for index, layer in enumerate(self.layers):
             h = rms_norm(x, layer.ln1, self.eps)
@@ -99,7 +123,12 @@ class DecodeGraph:
 
     def __init__(self, decoder):
         self.decoder = decoder
-        self.compiled = torch.compile(DecodeStep(decoder, self._attention(decoder.device)))
+        step = DecodeStep(decoder, self._attention(decoder.device))
+        self.tables = step.cos is not None
+        self.compiled = torch.compile(step)
+        # Freezing (weights as constants, packed for oneDNN) is a global inductor setting; scoped to our calls,
+        # so it holds for a recompile too. `options=` of torch.compile did not reach it (torch 2.13).
+        self.settings = inductor_config.patch(freezing=True)
         # A lone decode gets its own graph except in fp32 on a CPU: there inductor packs the weights for MKL,
         # which at one row measured slower than the eager step's oneDNN packing (docs/qwen-measurements.md).
         self.lone = not (decoder.dtype == torch.float32 and decoder.device.type == "cpu")
@@ -122,14 +151,13 @@ class DecodeGraph:
 
     @torch.inference_mode()
     def forward(self, step: StepBatch, pool: KVPool) -> torch.Tensor:
-        cos, sin = self.decoder.rotary(self.decoder.embed[:1], step.positions[None])
-        inputs = (step.input_ids, step.positions, cos[0, :, None, :], sin[0, :, None, :], pool.kv, step.slots,
-                  step.decode_blocks)
-        for dynamic in (*inputs[:4], *inputs[5:]):  # the batch (the blocks' count for decode_blocks)
+        inputs = [step.input_ids, step.positions, pool.kv, step.slots, step.decode_blocks]
+        if not self.tables:
+            cos, sin = self.decoder.rotary(self.decoder.embed[:1], step.positions[None])
+            inputs += [cos[0, :, None, :], sin[0, :, None, :]]
+        for dynamic in (*inputs[:2], *inputs[3:]):  # the batch (the blocks' count for decode_blocks)
             torch._dynamo.maybe_mark_dynamic(dynamic, 0)
-        # Freezing (weights as constants, packed for oneDNN) is a global inductor setting; scoped to our calls,
-        # so it holds for a recompile too. `options=` of torch.compile did not reach it (torch 2.13).
-        with inductor_config.patch(freezing=True):
+        with self.settings:
             return self.compiled(*inputs)
 
     def warm_up(self, pool: KVPool) -> float:
