@@ -269,7 +269,7 @@ def test_a_failed_hand_off_fails_that_request_only():
 def test_unknown_request_parameters_and_inputs_are_refused_by_name():
     omni = Omni("echo", host=kernel_host())
     with pytest.raises(InvalidParameter, match="has no request parameter 'max_tokns'; valid request parameters: "
-                                               "ignore_eos, max_tokens") as info:
+                                               "frequency_penalty, ignore_eos, max_tokens, min_p") as info:
         omni.generate("x", max_tokns=3)
     assert info.value.field == "max_tokns"
     with pytest.raises(InvalidParameter, match="takes no input image"):
