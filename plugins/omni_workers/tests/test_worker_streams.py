@@ -58,9 +58,10 @@ def stats_of(stage):
     return stage.stats()
 
 
-def settled(stage, running: int = 0) -> bool:
+def settled(stage) -> bool:
+    """The stage's worker holds no request: its scheduler counts none, its runner keeps none."""
     stats = stats_of(stage)
-    return stats.running == running and stats.waiting == 0 and stats.model.get("fake.live") == running
+    return stats.running == stats.waiting == 0 and stats.model.get("fake.live") == 0
 
 
 def held_after_two_words(o: Omni, gate: Path) -> list:
