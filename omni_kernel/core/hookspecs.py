@@ -13,7 +13,8 @@ def omni_register_node_types(register):
 
 @hookspec
 def omni_register_connectors(register):
-    """Register connectors: register(obj) with name, source_kind, target_kind and convert(output, request)."""
+    """Register connectors: register(obj) with name, source_kind, target_kind and convert(output, request); one
+    that can stream (a streaming edge's) also has splitter(request) (protocols.StreamConnector)."""
 
 
 @hookspec
