@@ -134,6 +134,7 @@ class CompiledProbe(Probe):
         runner.run = self.timed("runner", runner.run)
         runner.sampler.sample = self.timed("sampling", runner.sampler.sample)
         graph.forward = self.timed("forward", graph.forward)
+        self.plain_compiled = graph.compiled  # an attribute of the instance, not a method: put back on exit
         graph.compiled = self.timed("compiled", graph.compiled)
         self.plain_build = self.backends.build_step
         self.backends.build_step = self.timed("step tensors", self.plain_build)
@@ -144,7 +145,8 @@ class CompiledProbe(Probe):
     def __exit__(self, *exc) -> None:
         self.profiler.__exit__(*exc)
         runner, graph = self.engine.runner, self.engine.runner.backend.graph
-        del runner.run, runner.sampler.sample, graph.forward, graph.compiled
+        del runner.run, runner.sampler.sample, graph.forward
+        graph.compiled = self.plain_compiled
         self.backends.build_step = self.plain_build
 
     def shares(self) -> dict[str, float]:
