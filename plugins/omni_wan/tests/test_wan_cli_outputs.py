@@ -63,6 +63,7 @@ def test_a_progress_bar_cut_short_ends_its_line_before_the_error(monkeypatch):
     class Fake:
         class graph:
             final = "wan"
+            finals = ("wan",)
 
         @staticmethod
         def generate_stream(request):
