@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -55,10 +56,7 @@ def decode(audio: str | os.PathLike | bytes) -> DecodedAudio:
         data = bytes(audio)
         if not data:
             raise InputError("the audio is empty (0 bytes)")
-        with tempfile.NamedTemporaryFile(prefix="omni-audio-", suffix=".bin") as file:
-            file.write(data)
-            file.flush()
-            return _checked(_run_ffmpeg(file.name, "the uploaded audio"))
+        return _decode_bytes(data, "the uploaded audio")
     path = Path(audio).expanduser()
     if not path.exists():
         raise InputError(f"no such audio file: {str(path)!r}")
@@ -66,7 +64,44 @@ def decode(audio: str | os.PathLike | bytes) -> DecodedAudio:
         raise InputError(f"the audio {str(path)!r} is not a file")
     if path.stat().st_size == 0:
         raise InputError(f"the audio file {str(path)!r} is empty (0 bytes)")
+    with path.open("rb") as file:
+        head = file.read(WAV_HEAD)
+    if _streamed_wav(head):
+        return _decode_bytes(path.read_bytes(), f"the audio file {str(path)!r}")
     return _checked(_run_ffmpeg(str(path), f"the audio file {str(path)!r}"))
+
+
+def _decode_bytes(data: bytes, what: str) -> DecodedAudio:
+    with tempfile.NamedTemporaryFile(prefix="omni-audio-", suffix=".bin") as file:
+        file.write(_sized(data) if _streamed_wav(data) else data)
+        file.flush()
+        return _checked(_run_ffmpeg(file.name, what))
+
+
+# A WAV written as it streamed (omni's own /v1/audio/speech) cannot know its length: its RIFF and data sizes say
+# 0xFFFFFFFF, which ffmpeg reads as data past the file's end (an error under -xerror). Its sizes are written in.
+UNKNOWN_SIZE = 0xFFFFFFFF
+WAV_HEAD = 12
+
+
+def _streamed_wav(data: bytes) -> bool:
+    return (len(data) >= WAV_HEAD and data[:4] == b"RIFF" and data[8:12] == b"WAVE"
+            and struct.unpack_from("<I", data, 4)[0] == UNKNOWN_SIZE)
+
+
+def _sized(data: bytes) -> bytes:
+    """The WAV with its real RIFF size, and the real size of a data chunk of unknown length."""
+    sized = bytearray(data)
+    struct.pack_into("<I", sized, 4, len(data) - 8)
+    at = WAV_HEAD
+    while at + 8 <= len(data):
+        chunk, size = data[at:at + 4], struct.unpack_from("<I", data, at + 4)[0]
+        if chunk == b"data":
+            if size == UNKNOWN_SIZE:
+                struct.pack_into("<I", sized, at + 4, len(data) - at - 8)
+            break
+        at += 8 + size + size % 2
+    return bytes(sized)
 
 
 def _run_ffmpeg(path: str, what: str) -> np.ndarray:

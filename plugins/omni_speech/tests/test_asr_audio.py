@@ -3,7 +3,9 @@ same length, from a path or from the file's bytes; what is not usable audio is r
 
 from __future__ import annotations
 
+import struct
 import subprocess
+import wave
 
 import numpy as np
 import pytest
@@ -50,6 +52,26 @@ def test_every_container_decodes_to_16k_mono(files, ext):
 def test_bytes_decode_as_the_file(files):
     from_path, from_bytes = decode(files["m4a"]), decode(files["m4a"].read_bytes())
     assert np.array_equal(from_path.samples, from_bytes.samples)
+
+
+def test_a_streamed_wav_of_unknown_length_decodes(tmp_path):
+    """omni serve's streamed WAV (audio_encode.wav_header: both sizes 0xFFFFFFFF) decodes whole, as a file and
+    as bytes, to the same samples as the WAV with its sizes."""
+    pcm = (tone(rate=24000) * 32767).astype("<i2").tobytes()
+    header = (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack("<IHHIIHH", 16, 1, 1, 24000,
+                                                                                   48000, 2, 16)
+              + b"data" + struct.pack("<I", 0xFFFFFFFF))
+    streamed, sized = tmp_path / "streamed.wav", tmp_path / "sized.wav"
+    streamed.write_bytes(header + pcm)
+    with wave.open(str(sized), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(pcm)
+    expected = decode(sized).samples
+    assert decode(streamed).seconds == pytest.approx(SECONDS, abs=0.01)
+    assert np.array_equal(decode(streamed).samples, expected)
+    assert np.array_equal(decode(streamed.read_bytes()).samples, expected)
 
 
 def test_stereo_is_mixed_down(tmp_path):
