@@ -283,6 +283,9 @@ def test_every_pipeline_with_placement_process_and_the_store_jobs_across_a_resta
             elif "audio.transcriptions" in card["capabilities"]:
                 expect(page.get_by_role("button", name="Transcribe", exact=True)).to_have_count(1)
                 expect(page.get_by_role("button", name="Record", exact=True)).to_have_count(1)
+            elif card.get("input_audio"):  # a voice chat: one spoken question, no text
+                expect(page.get_by_role("button", name="Record", exact=True)).to_be_visible()
+                expect(page.get_by_role("button", name="Send", exact=True)).to_be_hidden()
             else:
                 expect(page.get_by_role("button", name="Send", exact=True)).to_have_count(1)
                 expect(page.get_by_role("log")).to_have_count(1)
