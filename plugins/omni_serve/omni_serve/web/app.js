@@ -578,8 +578,7 @@ async function showVideo(view) {
     return;
   }
   view.video.controls = true;
-  view.video.loop = true;
-  view.video.muted = true;
+  view.video.loop = true; // not muted: a narrated pipeline's video carries its narration
   view.video.src = view.url;
   view.video.setAttribute("aria-label", `Video ${id}`);
   const link = document.createElement("a");
