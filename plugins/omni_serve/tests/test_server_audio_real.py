@@ -13,7 +13,7 @@ import subprocess
 import imageio_ffmpeg
 import pytest
 
-from serving import running, speech_weights
+from serving import running, speech_weights_or_skip
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
@@ -22,10 +22,7 @@ SENTENCE = "The quick brown fox jumps over the lazy dog. It was a bright cold da
 
 
 def converted(model):
-    path = speech_weights(weights, model)
-    if path is None:
-        pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it (make test does)")
-    return path
+    return speech_weights_or_skip(weights, model)
 
 
 def words(text: str) -> list[str]:

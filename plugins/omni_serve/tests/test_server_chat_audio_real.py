@@ -13,7 +13,7 @@ import wave
 
 import pytest
 
-from serving import SPEECH_DOWNLOADS, USER_CACHE, running, speech_weights
+from serving import SPEECH_DOWNLOADS, USER_CACHE, running, speech_weights_or_skip
 
 pytestmark = [pytest.mark.server, pytest.mark.real_model]
 
@@ -22,10 +22,7 @@ QUESTION = "What colour is the sky on a clear day?"
 
 
 def converted(model):
-    path = speech_weights(weights, model)
-    if path is None:
-        pytest.skip(f"the real {model.name} is not in omni's cache: `make models` fetches it (make test does)")
-    return path
+    return speech_weights_or_skip(weights, model)
 
 
 def smollm2():
